@@ -1,0 +1,23 @@
+"""Distributed layerwise offload: pure torch + safetensors, usable on its own.
+
+    from service.offload import enable_layerwise_offload
+    handle = enable_layerwise_offload(module, "model.safetensors", device="cuda", group=pg)
+"""
+
+from .checkpoint import Checkpoint, CheckpointError
+from .layerwise import LayerwiseOffload, OffloadStats, enable_layerwise_offload, find_blocks, load_resident
+from .layout import ALIGN, BlockLayout, TensorEntry, plan_block
+
+__all__ = [
+    "ALIGN",
+    "BlockLayout",
+    "Checkpoint",
+    "CheckpointError",
+    "LayerwiseOffload",
+    "OffloadStats",
+    "TensorEntry",
+    "enable_layerwise_offload",
+    "find_blocks",
+    "load_resident",
+    "plan_block",
+]

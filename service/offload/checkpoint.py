@@ -1,0 +1,256 @@
+"""safetensors checkpoints as read-only mmap views.
+
+Every process that opens the same file maps the same page-cache pages, so N ranks on
+one host cost one copy of the checkpoint. We parse the safetensors header ourselves
+(8-byte little-endian length, then JSON) to know each tensor's byte range: that lets us
+check a truncated or corrupt file at open time and hand out zero-copy views.
+
+Views come from ``mmap.ACCESS_READ`` mappings: writing into one faults, so nothing can
+turn a shared page into a private copy by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the module, or is damaged. The message names the key/file."""
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    key: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class _MappedFile:
+    """One safetensors file mapped read-only; hands out typed views by byte range."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            self.map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():
+            # The buffer is read-only on purpose (see module docstring).
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = (
+                torch.frombuffer(self.map, dtype=torch.uint8)
+                if self.map is not None
+                else torch.empty(0, dtype=torch.uint8)
+            )
+
+    def view(self, rec: TensorRecord) -> torch.Tensor:
+        raw = self.bytes[rec.begin : rec.end]
+        if rec.begin % rec.dtype.itemsize:
+            # safetensors writers keep offsets aligned; an odd one needs a private copy.
+            raw = raw.clone()
+        return raw.view(rec.dtype).view(rec.shape)
+
+    def release(self, begin: int, end: int) -> None:
+        """Drop this process's page mappings of [begin, end); the page cache keeps them.
+
+        Only PSS falls: a later read of the range faults the pages back in from cache.
+        """
+        if self.map is None:
+            return
+        page = mmap.PAGESIZE
+        lo = begin // page * page
+        hi = min(-(-end // page) * page, len(self.map))
+        if hi > lo:
+            self.map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: file is too short to be safetensors ({size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 * 2**20:
+                raise CheckpointError(
+                    f"{path}: header length {n} does not fit the file ({size} bytes); "
+                    "the file is truncated or not safetensors"
+                )
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+def _records(path: Path) -> dict[str, TensorRecord]:
+    header, data_start = _read_header(path)
+    size = path.stat().st_size
+    out: dict[str, TensorRecord] = {}
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = tuple(int(s) for s in meta["shape"])
+            lo, hi = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: bad header entry for key {key!r}: {e}") from e
+        numel = 1
+        for s in shape:
+            numel *= s
+        if hi - lo != numel * dtype.itemsize or lo < 0:
+            raise CheckpointError(
+                f"{path}: key {key!r} has byte range [{lo}, {hi}) that does not match "
+                f"shape {list(shape)} of {meta['dtype']}"
+            )
+        if data_start + hi > size:
+            raise CheckpointError(
+                f"{path}: key {key!r} ends at byte {data_start + hi} but the file has "
+                f"{size} bytes: the file is truncated"
+            )
+        out[key] = TensorRecord(key, path, dtype, shape, data_start + lo, data_start + hi)
+    return out
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint: one file, or a folder with an index."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: checkpoint path does not exist")
+    indexes = sorted(p.glob("*" + INDEX_SUFFIX))
+    if len(indexes) > 1:
+        raise CheckpointError(f"{p}: more than one {INDEX_SUFFIX} file: {[i.name for i in indexes]}")
+    if indexes:
+        try:
+            weight_map = json.loads(indexes[0].read_text())["weight_map"]
+        except (OSError, KeyError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{indexes[0]}: cannot read weight_map: {e}") from e
+        files = sorted({p / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: shard named in {indexes[0].name} is missing")
+        return files
+    singles = sorted(p.glob("*.safetensors"))
+    if len(singles) != 1:
+        raise CheckpointError(
+            f"{p}: expected one .safetensors file or an {INDEX_SUFFIX}, found {len(singles)}"
+        )
+    return singles
+
+
+class Checkpoint:
+    """All tensors of a (possibly sharded) safetensors checkpoint, mapped read-only."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.records: dict[str, TensorRecord] = {}
+        self._files: dict[Path, _MappedFile] = {}
+        for f in checkpoint_files(path):
+            for key, rec in _records(f).items():
+                if key in self.records:
+                    raise CheckpointError(f"{f}: key {key!r} also stored in {self.records[key].file}")
+                self.records[key] = rec
+            self._files[f] = _MappedFile(f)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.records.values())
+
+    def view(self, key: str) -> torch.Tensor:
+        """A zero-copy, read-only view of one tensor."""
+        rec = self.records[key]
+        return self._files[rec.file].view(rec)
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Unmap the pages behind ``keys`` from this process (they stay in page cache)."""
+        for key in keys:
+            rec = self.records[key]
+            self._files[rec.file].release(rec.begin, rec.end)
+
+    def validate(self, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Check keys and shapes against what the module wants; name every offender."""
+        missing = sorted(set(expected) - set(self.records))
+        unexpected = sorted(set(self.records) - set(expected))
+        problems: list[str] = []
+        if missing:
+            problems.append(f"missing keys {_few(missing)}")
+        if unexpected:
+            problems.append(f"unexpected keys {_few(unexpected)}")
+        for key in sorted(set(expected) & set(self.records)):
+            shape, dtype = expected[key]
+            rec = self.records[key]
+            if tuple(shape) != rec.shape:
+                problems.append(
+                    f"key {key!r} in {rec.file.name} has shape {list(rec.shape)}, "
+                    f"the module expects {list(shape)}"
+                )
+            elif dtype.is_floating_point != rec.dtype.is_floating_point:
+                problems.append(
+                    f"key {key!r} in {rec.file.name} has dtype {rec.dtype}, "
+                    f"the module expects {dtype}"
+                )
+        if problems:
+            raise CheckpointError(f"checkpoint {self.path} does not match the module: " + "; ".join(problems))
+
+    def close(self) -> None:
+        self._files.clear()
+
+
+def _few(keys: list[str], n: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)} in all)"
+
+
+def serving_dtype(
+    key: str, stored: torch.dtype, dtype: torch.dtype | None, keep_fp32: Iterable[str] = ()
+) -> torch.dtype:
+    """The dtype a tensor is served in: the checkpoint's, or ``dtype`` for floating tensors.
+
+    Names containing one of ``keep_fp32`` (diffusers' ``_keep_in_fp32_modules``) stay fp32.
+    """
+    if dtype is None or not stored.is_floating_point:
+        return stored
+    parts = key.split(".")
+    if any(m in parts for m in keep_fp32):
+        return torch.float32
+    return dtype

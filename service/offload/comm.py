@@ -1,0 +1,207 @@
+"""Where the device kind is decided: gather, copy and wait primitives for CPU and CUDA.
+
+Everything that differs between a CPU/gloo run and a CUDA/NCCL run lives here, so the
+runtime above has one code path and CI exercises the real logic on CPU.
+
+- CUDA: a side stream does the H2D copy of the rank's shard into its chunk of the slot,
+  then an in-place ``all_gather_into_tensor`` (NCCL); a CUDA event marks the slot ready
+  and the compute stream waits on it. The CPU never blocks.
+- CPU: the slot is host memory. Gathers run as gloo async work (gloo's own threads);
+  rank-local packing runs on one background thread. Waiting means joining that work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Group:
+    """The N ranks that share one model: a process group, or a single rank."""
+
+    pg: dist.ProcessGroup | None = None
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def of(cls, pg: dist.ProcessGroup | None) -> Group:
+        if pg is None:
+            return cls()
+        return cls(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+@dataclass
+class Pending:
+    """A slot fill in flight; ``wait`` makes the compute side wait for it."""
+
+    block: int
+    slot: int
+    _wait: Callable[[], float]
+    done: bool = False
+    stall_s: float = 0.0
+
+    def wait(self) -> float:
+        """Block compute until the slot is ready; returns seconds the host waited (CPU)."""
+        if not self.done:
+            self.stall_s = self._wait()
+            self.done = True
+        return self.stall_s
+
+
+@dataclass
+class Device:
+    """Streams, events and worker threads for one device; the only place that branches."""
+
+    device: torch.device
+    group: Group
+    _side: torch.cuda.Stream | None = None
+    _ready: list[torch.cuda.Event] = field(default_factory=list)
+    _free: list[torch.cuda.Event] = field(default_factory=list)
+    _staged: list[torch.cuda.Event] = field(default_factory=list)
+    _pool: ThreadPoolExecutor | None = None
+    _stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.is_cuda:
+            self._side = torch.cuda.Stream(self.device)
+            self._ready = [torch.cuda.Event() for _ in range(2)]
+            self._free = [torch.cuda.Event() for _ in range(2)]
+            self._staged = [torch.cuda.Event() for _ in range(2)]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """Page-lock host memory in place (exact size, unlike the caching host allocator)."""
+        if self.is_cuda and t.numel():
+            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed ({rc})")
+        return t
+
+    def unpin(self, t: torch.Tensor) -> None:
+        if self.is_cuda and t.numel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlo-pack")
+        return self._pool
+
+    # -- filling a slot ---------------------------------------------------------------
+
+    def gather(self, block: int, slot: int, out: torch.Tensor, shard: torch.Tensor) -> Pending:
+        """Fill ``out`` (N shards) with every rank's ``shard`` of ``block``."""
+        g = self.group
+        if self.is_cuda:
+            chunk = out.narrow(0, g.rank * shard.numel(), shard.numel())
+            side = self._side
+            assert side is not None
+            with torch.cuda.stream(side):
+                side.wait_event(self._free[slot])
+                chunk.copy_(shard, non_blocking=True)
+                if g.world > 1:
+                    dist.all_gather_into_tensor(out, chunk, group=g.pg)
+                self._ready[slot].record(side)
+            return Pending(block, slot, self._cuda_wait(slot))
+        if g.world == 1:
+            out.copy_(shard)
+            return Pending(block, slot, lambda: 0.0)
+        work = dist.all_gather_into_tensor(out, shard, group=g.pg, async_op=True)
+        assert work is not None
+        return Pending(block, slot, _timed(work.wait))
+
+    def stage(
+        self,
+        block: int,
+        slot: int,
+        out: torch.Tensor,
+        staging: torch.Tensor | None,
+        pack: Callable[[torch.Tensor], None],
+    ) -> Pending:
+        """Fill ``out`` by ``pack``-ing host tensors (rank-local mode), off the main thread.
+
+        On CUDA ``pack`` writes the pinned ``staging`` buffer and the side stream copies
+        it to ``out``; on CPU ``pack`` writes ``out`` directly.
+        """
+        if not self.is_cuda:
+            fut = self._thread().submit(pack, out)
+            return Pending(block, slot, _timed(fut.result))
+        assert staging is not None and self._side is not None
+        side, staged, free, ready = self._side, self._staged[slot], self._free[slot], self._ready[slot]
+
+        def job() -> None:
+            staged.synchronize()  # the previous H2D out of this staging buffer is done
+            pack(staging)
+            with torch.cuda.stream(side):
+                side.wait_event(free)
+                out.copy_(staging, non_blocking=True)
+                staged.record(side)
+                ready.record(side)
+
+        fut: Future[None] = self._thread().submit(job)
+
+        def wait() -> float:
+            t0 = time.perf_counter()
+            fut.result()
+            host = time.perf_counter() - t0
+            self._cuda_wait(slot)()
+            return host
+
+        return Pending(block, slot, wait)
+
+    def _cuda_wait(self, slot: int) -> Callable[[], float]:
+        def wait() -> float:
+            compute = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(compute)
+            compute.wait_event(self._ready[slot])
+            after.record(compute)
+            self._stall_events.append((before, after))
+            return 0.0
+
+        return wait
+
+    def release(self, slot: int) -> None:
+        """Compute is done with ``slot``; the next fill of it may start after this point."""
+        if self.is_cuda:
+            self._free[slot].record(torch.cuda.current_stream(self.device))
+
+    def device_stall_s(self, block: bool = False) -> float:
+        """Seconds the compute stream sat waiting for weights (CUDA), from finished events."""
+        total = 0.0
+        keep = []
+        for before, after in self._stall_events:
+            if block:
+                after.synchronize()
+            if after.query():
+                total += before.elapsed_time(after) / 1000.0
+            else:
+                keep.append((before, after))
+        self._stall_events = keep
+        return total
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def run() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return run

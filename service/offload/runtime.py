@@ -1,0 +1,219 @@
+"""The layerwise offload runtime: host copies, two device slots, the prefetch ring.
+
+State is kept apart from mechanism (as in FSDP2): ``HostBlocks`` owns what sits in host
+memory, ``comm.Device`` owns streams/events/threads, and ``Ring`` decides which block
+goes into which slot next. Hooks on each block only ask the ring for their weights.
+
+The ring: gathers are issued in the fixed order 0, 1, ..., L-1, 0, 1, ... on every rank,
+one block ahead of compute. Slots alternate per issued fill, not per block index, so an
+odd block count does not make the wrap-around prefetch of block 0 land in the slot that
+block L-1 is still computing in. The same order on every rank is what keeps collectives
+matched, including on a rank that only replays gathers (``idle_forwards``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .comm import Device, Group, Pending
+from .layout import BlockLayout, overlap
+
+
+@dataclass
+class BlockSource:
+    """Where a block's bytes come from on the host."""
+
+    layout: BlockLayout
+    keys: dict[str, str]  # entry name -> checkpoint key
+    shard: torch.Tensor | None = None  # AllGather mode: this rank's bytes
+
+
+class HostBlocks:
+    """Host side of every block: 1/N shards (AllGather) or the shared mmap (rank-local)."""
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        layouts: list[BlockLayout],
+        keys: list[dict[str, str]],
+        group: Group,
+        device: Device,
+        use_allgather: bool,
+        progress: bool = False,
+    ) -> None:
+        self.ckpt = ckpt
+        self.group = group
+        self.device = device
+        self.use_allgather = use_allgather
+        self.blocks = [BlockSource(lay, k) for lay, k in zip(layouts, keys, strict=True)]
+        self.pinned: list[torch.Tensor] = []
+        if use_allgather:
+            self._shard_all(progress)
+        else:
+            # Rank-local: two pinned staging buffers on CUDA, sized by the largest block.
+            if device.is_cuda:
+                size = max(b.layout.total_bytes for b in self.blocks)
+                self.staging = [device.pin(torch.empty(size, dtype=torch.uint8)) for _ in range(2)]
+                self.pinned.extend(self.staging)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(t.numel() for t in self.pinned) if self.device.is_cuda else 0
+
+    @property
+    def shard_bytes(self) -> int:
+        return sum(b.shard.numel() for b in self.blocks if b.shard is not None)
+
+    def _shard_all(self, progress: bool) -> None:
+        world, rank = self.group.world, self.group.rank
+        total = sum(b.layout.shard_bytes(world) for b in self.blocks)
+        # One host allocation for every shard, pinned once at its exact size.
+        arena = torch.zeros(total, dtype=torch.uint8)
+        offset = 0
+        bar = _bar(len(self.blocks), "sharding blocks", progress)
+        for b in self.blocks:
+            n = b.layout.shard_bytes(world)
+            b.shard = arena.narrow(0, offset, n)
+            offset += n
+            self._copy_range(b, b.layout.shard_range(rank, world), b.shard)
+            # This rank has its bytes: drop the mapping of the block's pages (PSS falls).
+            self.ckpt.release(b.keys.values())
+            bar.update()
+        bar.close()
+        self.pinned.append(self.device.pin(arena))
+
+    def _copy_range(self, b: BlockSource, rng: tuple[int, int], dst: torch.Tensor) -> None:
+        """Write bytes [lo, hi) of the block's flat buffer into ``dst``, casting as laid out."""
+        for e in b.layout.entries:
+            ov = overlap(rng, (e.offset, e.offset + e.nbytes))
+            if ov is None:
+                continue
+            src = self.ckpt.view(b.keys[e.name]).reshape(-1)
+            size = e.dtype.itemsize
+            first, last = (ov[0] - e.offset) // size, -(-(ov[1] - e.offset) // size)
+            part = src[first:last].to(e.dtype).view(torch.uint8)
+            skip = ov[0] - e.offset - first * size
+            dst[ov[0] - rng[0] : ov[1] - rng[0]].copy_(part[skip : skip + ov[1] - ov[0]])
+
+    def pack(self, index: int, dst: torch.Tensor) -> None:
+        """Rank-local: copy block ``index`` from the mmap views into ``dst`` (whole block)."""
+        b = self.blocks[index]
+        for e in b.layout.entries:
+            e.view(dst).copy_(self.ckpt.view(b.keys[e.name]))
+
+    def close(self) -> None:
+        for t in self.pinned:
+            self.device.unpin(t)
+        self.pinned.clear()
+        for b in self.blocks:
+            b.shard = None
+
+
+class Ring:
+    """Issues slot fills in ring order, one block ahead of compute."""
+
+    def __init__(
+        self,
+        host: HostBlocks,
+        device: Device,
+        slots: list[torch.Tensor],
+        on_fill: Callable[[BlockLayout], None] = lambda layout: None,
+    ) -> None:
+        self.host = host
+        self.on_fill = on_fill
+        self.device = device
+        self.slots = slots
+        self.n = len(host.blocks)
+        self.next_block = 0  # the next block the ring will fill
+        self.next_slot = 0
+        self.pending: Pending | None = None  # the one fill in flight or done, not yet used
+        self.current: Pending | None = None  # the block compute is using now
+        self.fills = 0
+
+    def _issue(self) -> Pending:
+        block, slot = self.next_block, self.next_slot
+        b = self.host.blocks[block]
+        world = self.host.group.world
+        if self.host.use_allgather:
+            assert b.shard is not None
+            out = self.slots[slot].narrow(0, 0, b.layout.padded_bytes(world))
+            p = self.device.gather(block, slot, out, b.shard)
+        else:
+            out = self.slots[slot].narrow(0, 0, b.layout.total_bytes)
+            staging = self.host.staging[slot] if self.device.is_cuda else None
+            staged = staging.narrow(0, 0, b.layout.total_bytes) if staging is not None else None
+            p = self.device.stage(block, slot, out, staged, lambda dst, i=block: self.host.pack(i, dst))
+        self.next_block = (block + 1) % self.n
+        self.next_slot = 1 - slot
+        self.fills += 1
+        self.on_fill(b.layout)
+        return p
+
+    def acquire(self, block: int) -> tuple[Pending, float]:
+        """Wait for ``block``'s weights, then start filling the next block in the ring."""
+        if self.pending is None:
+            # Cold start (first forward): nothing prefetched yet.
+            self.pending = self._issue()
+        p = self.pending
+        if p.block != block:
+            raise RuntimeError(
+                f"layerwise offload expected block {p.block} to run next but block {block} was "
+                "called: blocks must run once each, in order, in every forward"
+            )
+        t0 = time.perf_counter()
+        stall = p.wait()
+        waited = time.perf_counter() - t0 if stall == 0.0 else stall
+        self.current = p
+        self.pending = self._issue()
+        return p, waited
+
+    def release(self) -> None:
+        if self.current is not None:
+            self.device.release(self.current.slot)
+            self.current = None
+
+    def drain(self) -> None:
+        """Wait for the fill in flight (all ranks have issued the same one)."""
+        if self.pending is not None:
+            self.pending.wait()
+        self.device.synchronize()
+
+
+def _bar(total: int, desc: str, enabled: bool):  # noqa: ANN202 - tqdm or a no-op
+    if enabled:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="block", leave=False)
+
+    class _Null:
+        def update(self, n: int = 1) -> None: ...
+
+        def close(self) -> None: ...
+
+    return _Null()
+
+
+def placeholder(like: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty tensor that fails loudly if a block's weight is used outside its forward."""
+    return torch.empty(0, dtype=like.dtype, device=device)
+
+
+def set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Point ``module.<name>`` (a parameter or buffer) at ``value``."""
+    *path, leaf = name.split(".")
+    for p in path:
+        module = getattr(module, p)
+    if leaf in module._parameters:
+        param = module._parameters[leaf]
+        if param is None or param.is_meta or param.device != value.device:
+            module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            param.data = value
+    else:
+        module._buffers[leaf] = value
