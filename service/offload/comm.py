@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed all_gather_into_tensor; the GPU image still has 2.11.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class Group:
@@ -108,13 +111,13 @@ class Device:
                 side.wait_event(self._free[slot])
                 chunk.copy_(shard, non_blocking=True)
                 if g.world > 1:
-                    dist.all_gather_into_tensor(out, chunk, group=g.pg)
+                    _all_gather(out, chunk, group=g.pg)
                 self._ready[slot].record(side)
             return Pending(block, slot, self._cuda_wait(slot))
         if g.world == 1:
             out.copy_(shard)
             return Pending(block, slot, lambda: 0.0)
-        work = dist.all_gather_into_tensor(out, shard, group=g.pg, async_op=True)
+        work = _all_gather(out, shard, group=g.pg, async_op=True)
         assert work is not None
         return Pending(block, slot, _timed(work.wait))
 
