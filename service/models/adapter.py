@@ -1,0 +1,156 @@
+"""Model families: what the runner needs to know about a diffusers pipeline directory.
+
+An adapter declares, per family, which ``ModuleList``s of the transformer are streamed
+(``block_attrs``), which modules stay fp32 when serving in bf16 (``keep_fp32``), the
+size rules of a request, and how one request runs. Everything else (offload, MP4,
+processes) is family-independent and lives in ``pipeline.py``/``local.py``.
+
+The family comes from ``model_index.json``'s ``_class_name``, as diffusers does it;
+components load through the library classes that file names, never re-implemented.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from .request import GenerationRequest, RequestError
+
+StepCallback = Callable[[int, int], None]
+ALLOWED_LIBRARIES = ("diffusers", "transformers")
+
+
+class ModelError(ValueError):
+    """A model directory cannot be served; the message names the path."""
+
+
+class ModelAdapter(ABC):
+    """One model family. Subclasses fill the class variables and the abstract methods."""
+
+    family: ClassVar[str]
+    pipeline_classes: ClassVar[tuple[str, ...]]
+    block_attrs: ClassVar[tuple[str, ...]]
+    components: ClassVar[tuple[str, ...]]  # folders that must exist next to model_index.json
+    extra_args: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
+        self.model_dir = model_dir
+        self.index = index
+        for name in self.components:
+            folder = model_dir / name
+            if not folder.is_dir():
+                raise ModelError(f"{folder}: component folder {name!r} is missing from {model_dir}")
+            if not isinstance(index.get(name), list) or None in index[name]:
+                raise ModelError(f"{model_dir / 'model_index.json'}: no class named for {name!r}")
+
+    # -- what the offload runtime needs --------------------------------------------------
+
+    @property
+    @abstractmethod
+    def keep_fp32(self) -> tuple[str, ...]:
+        """Module names that stay fp32 when the transformer is served in a lower dtype."""
+
+    @abstractmethod
+    def build_transformer(self) -> nn.Module:
+        """The denoiser on the meta device with real buffers (weights come from the runtime)."""
+
+    def transformer_checkpoint(self) -> Path:
+        """The transformer's safetensors: the sharded index's folder, or the single file."""
+        folder = self.model_dir / "transformer"
+        if any(folder.glob("*.safetensors.index.json")):
+            return folder
+        single = folder / "diffusion_pytorch_model.safetensors"
+        if single.is_file():
+            return single
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"{folder}: no safetensors weights for the transformer")
+        return folder  # one oddly named file (the checkpoint loader errors on several)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def validate(self, req: GenerationRequest) -> None:
+        """Family rules on top of ``req.check()``; raises RequestError naming the field."""
+        req.check()
+        unknown = sorted(set(req.extra) - self.extra_args)
+        if unknown:
+            allowed = sorted(self.extra_args) or "none"
+            raise RequestError(
+                "extra", f"unknown argument(s) {unknown} for {self.family} (allowed: {allowed})"
+            )
+
+    @abstractmethod
+    def load_components(self, device: torch.device) -> None:
+        """Load everything but the transformer, resident on ``device``."""
+
+    @abstractmethod
+    def run(
+        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
+    ) -> np.ndarray:
+        """Run one request end to end; uint8 frames [T, H, W, 3]."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most adapters hold nothing else
+        """Drop the resident components."""
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def component_class(self, name: str) -> type:
+        """The library class ``model_index.json`` names for a component (as diffusers loads it)."""
+        lib, cls = self.index[name]
+        if lib not in ALLOWED_LIBRARIES:
+            raise ModelError(f"{self.model_dir / 'model_index.json'}: {name!r} comes from {lib!r}, "
+                             f"only {ALLOWED_LIBRARIES} are loaded")
+        try:
+            return getattr(importlib.import_module(lib), cls)
+        except AttributeError as e:
+            raise ModelError(f"{self.model_dir / 'model_index.json'}: {lib} has no class {cls!r} "
+                             f"(component {name!r})") from e
+
+    def load_component(self, name: str, device: torch.device | None = None) -> Any:
+        obj = self.component_class(name).from_pretrained(self.model_dir / name)
+        if device is not None and isinstance(obj, nn.Module):
+            obj = obj.to(device).eval()
+        return obj
+
+
+def read_index(model_dir: str | Path) -> tuple[Path, dict[str, Any]]:
+    path = Path(model_dir)
+    index_file = path / "model_index.json"
+    if not path.is_dir():
+        raise ModelError(f"{path}: model directory does not exist")
+    if not index_file.is_file():
+        raise ModelError(f"{index_file}: missing; not a diffusers pipeline directory")
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{index_file}: cannot read: {e}") from e
+    if not isinstance(index, dict) or "_class_name" not in index:
+        raise ModelError(f"{index_file}: no _class_name")
+    return path, index
+
+
+def families() -> dict[str, type[ModelAdapter]]:
+    """Pipeline class name -> adapter class, for every supported family."""
+    from .wan import WanAdapter
+
+    return {name: cls for cls in (WanAdapter,) for name in cls.pipeline_classes}
+
+
+def load_adapter(model_dir: str | Path) -> ModelAdapter:
+    """The adapter for a pipeline directory; ModelError naming the path if unsupported."""
+    path, index = read_index(model_dir)
+    known = families()
+    name = index["_class_name"]
+    if name not in known:
+        raise ModelError(
+            f"{path / 'model_index.json'}: unknown model family {name!r}; supported: {sorted(known)}"
+        )
+    return known[name](path, index)

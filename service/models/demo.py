@@ -1,0 +1,219 @@
+"""Offline demo checkpoints: complete diffusers-layout Wan T2V pipelines, random weights.
+
+Nothing is downloaded. The tokenizer is a small Unigram model built with ``tokenizers``
+and wrapped as transformers' T5 tokenizer (what Wan checkpoints name); the text encoder
+is a tiny ``UMT5EncoderModel``; the VAE a narrow ``AutoencoderKLWan`` with Wan's real
+latent layout (16 channels, 8x spatial, 4x temporal); the scheduler Wan's real UniPC
+flow-matching config. ``tiny``/``small`` are saved by ``WanPipeline.save_pretrained``.
+
+``wan14b-shape`` has the real Wan2.1-14B transformer (dim 5120 = 40 x 128, ffn 13824,
+text_dim 4096) with ``layers`` blocks in bf16 (``_keep_in_fp32_modules`` in fp32): 703 MB
+per block, so it is written block by block as a sharded checkpoint with an index, never
+holding more than one block in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CI: runs a 2-step 32x32x5 request on 2 CPU cores in about a second.
+    "tiny": dict(heads=2, head_dim=16, ffn=64, text_dim=32, freq_dim=32, layers=3,
+                 vae_base=16, te_layers=1, dtype=torch.float32),
+    # CPU demos at 64-128 px.
+    "small": dict(heads=4, head_dim=32, ffn=512, text_dim=64, freq_dim=64, layers=4,
+                  vae_base=16, te_layers=2, dtype=torch.float32),
+    # GPU benchmarks: Wan2.1-14B block shapes, other components small.
+    "wan14b-shape": dict(heads=40, head_dim=128, ffn=13824, text_dim=4096, freq_dim=256, layers=12,
+                         vae_base=16, te_layers=1, dtype=torch.bfloat16),
+}
+FORMAT_VERSION = 1
+WORDS = ("a the of and in on with red blue green fox cat dog bird running flying snow sea "
+         "forest city night sky light slow motion close up camera video of").split()
+SHARD_BYTES = 2**30  # ~one 14B block per shard: peak RAM while writing ~1 GB
+
+
+def _tokenizer() -> Any:
+    """A small Unigram tokenizer built with ``tokenizers``, wrapped as T5TokenizerFast."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from transformers import T5TokenizerFast
+
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [(c, -4.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-:;\"()"]
+    vocab += [("▁" + w, -1.0) for w in WORDS]
+    tok = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+    ])
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)]
+    )
+    return T5TokenizerFast(tokenizer_object=tok, extra_ids=0)
+
+
+def _transformer_config(p: dict[str, Any], layers: int) -> dict[str, Any]:
+    return dict(patch_size=(1, 2, 2), num_attention_heads=p["heads"], attention_head_dim=p["head_dim"],
+                in_channels=16, out_channels=16, text_dim=p["text_dim"], freq_dim=p["freq_dim"],
+                ffn_dim=p["ffn"], num_layers=layers, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def _small_parts(p: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+    """Text encoder, VAE, scheduler (seeded by the caller)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    te = UMT5EncoderModel(UMT5Config(
+        vocab_size=vocab_size, d_model=p["text_dim"], d_kv=8, d_ff=32, num_layers=p["te_layers"],
+        num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+    ))
+    vae = AutoencoderKLWan(base_dim=p["vae_base"], z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    # Wan2.1's published scheduler: UniPC with flow sigmas, shift 3.0 (480p).
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                    num_train_timesteps=1000, flow_shift=3.0)
+    return {"text_encoder": te, "vae": vae, "scheduler": sched}
+
+
+def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int | None = None,
+                     seed: int = 0) -> Path:
+    """Write a complete Wan T2V pipeline directory at ``path`` (new or empty folder)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    p = PRESETS[preset]
+    n_layers = p["layers"] if layers is None else int(layers)
+    if n_layers < 1:
+        raise ValueError(f"layers must be >= 1, got {n_layers}")
+    out = Path(path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: exists and is not an empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        parts = _small_parts(p, len(tokenizer))
+        streamed = p["dtype"] != torch.float32
+        transformer = None
+        if not streamed:
+            transformer = WanTransformer3DModel(**_transformer_config(p, n_layers)).eval()
+        pipe = WanPipeline(tokenizer=tokenizer, transformer=transformer, **parts)
+        pipe.save_pretrained(out)
+    if streamed:
+        _write_streamed_transformer(out / "transformer", _transformer_config(p, n_layers), p["dtype"], seed)
+        index_file = out / "model_index.json"
+        index = json.loads(index_file.read_text())
+        index["transformer"] = ["diffusers", "WanTransformer3DModel"]
+        index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (out / "dloserve_demo.json").write_text(json.dumps(
+        {"preset": preset, "layers": n_layers, "seed": seed, "format": FORMAT_VERSION}, indent=2) + "\n")
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Seeded values in a sane range: fan-in scaled weights, unit norms, zero biases."""
+    if name.endswith("scale_shift_table"):
+        return (torch.randn(shape, generator=gen) / shape[-1] ** 0.5).to(dtype)
+    if len(shape) >= 2:
+        fan_in = 1
+        for s in shape[1:]:
+            fan_in *= s
+        return (torch.randn(shape, generator=gen) / fan_in**0.5).to(dtype)
+    if name.endswith("bias"):
+        return torch.zeros(shape, dtype=dtype)
+    return torch.ones(shape, dtype=dtype)
+
+
+def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: torch.dtype,
+                                seed: int) -> None:
+    """Save config + sharded safetensors one block at a time (diffusers' sharded layout)."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from service.offload.checkpoint import serving_dtype
+
+    with init_empty_weights():
+        meta = WanTransformer3DModel(**config)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta.save_config(folder)
+    keep = tuple(WanTransformer3DModel._keep_in_fp32_modules or ())
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, t in meta.state_dict().items():
+        group = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "_rest"
+        groups.setdefault(group, []).append((name, tuple(t.shape)))
+    gen = torch.Generator().manual_seed(seed)
+    order = ["_rest"] + [g for g in groups if g != "_rest"]
+    # Pack consecutive groups into shards of about SHARD_BYTES.
+    shards: list[list[str]] = [[]]
+    size = 0
+    for g in order:
+        nbytes = sum(_numel(s) * serving_dtype(n, torch.float32, dtype, keep).itemsize for n, s in groups[g])
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for g in shard:
+            for name, shape in groups[g]:
+                tensors[name] = _init(name, shape, serving_dtype(name, torch.float32, dtype, keep), gen)
+                weight_map[name] = fname
+                total += tensors[name].numel() * tensors[name].element_size()
+        save_file(tensors, folder / fname, metadata={"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DLOSERVE_CACHE") or Path.home() / ".cache" / "dloserve")
+
+
+def ensure_demo_model(preset: str = "tiny", layers: int | None = None, seed: int = 0) -> Path:
+    """The demo model in the cache folder, written on first use.
+
+    Written into a temporary sibling folder and renamed into place: concurrent processes
+    either win the rename or find the finished folder, never a half-written one.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+    n_layers = PRESETS[preset]["layers"] if layers is None else int(layers)
+    root = cache_dir()
+    final = root / f"wan-{preset}-L{n_layers}-s{seed}-v{FORMAT_VERSION}"
+    if (final / "model_index.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        write_demo_model(tmp / "model", preset, n_layers, seed)
+        try:
+            os.rename(tmp / "model", final)
+        except OSError:
+            if not (final / "model_index.json").is_file():
+                raise  # not a lost race: a real error
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,116 @@
+"""One generation request, its model-independent checks, and its compatibility key.
+
+The compatibility key is what the router groups waves by: requests in one DP wave must
+make the same sequence of collective calls (same number of transformer forwards) and,
+for balance, the same shapes. Prompt and seed change neither, so they stay out of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_SIDE = 4096
+MAX_FRAMES = 1025
+MAX_STEPS = 1000
+MAX_PROMPT_CHARS = 10_000
+
+
+class RequestError(ValueError):
+    """A request field is invalid; ``field`` names it (for HTTP 422 bodies and CLI errors)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A text-to-video request. Defaults are the tiny demo model's CI-sized request.
+
+    ``flow_shift`` overrides the checkpoint scheduler's shift (Wan: 3.0 at 480p, 5.0 at
+    720p); ``extra`` carries family-specific pipeline arguments (Wan: ``max_sequence_length``).
+    """
+
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 0
+    height: int = 32
+    width: int = 32
+    num_frames: int = 5
+    fps: int = 8
+    num_inference_steps: int = 2
+    guidance_scale: float = 5.0
+    flow_shift: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    @property
+    def cfg(self) -> bool:
+        """Classifier-free guidance on: the transformer runs twice per step (diffusers: > 1)."""
+        return self.guidance_scale > 1.0
+
+    def forwards(self) -> int:
+        """Transformer forwards this request makes (what an idle DP rank must replay)."""
+        return self.num_inference_steps * (2 if self.cfg else 1)
+
+    def compat_key(self) -> str:
+        """Canonical JSON of every field that changes collective calls, shapes or schedule.
+
+        The guidance *value* only scales a difference after the forwards, so only CFG
+        on/off is in the key: requests with guidance 4.0 and 6.0 can share a wave.
+        """
+        key = {
+            "height": self.height,
+            "width": self.width,
+            "num_frames": self.num_frames,
+            "fps": self.fps,
+            "num_inference_steps": self.num_inference_steps,
+            "cfg": self.cfg,
+            "flow_shift": self.flow_shift,
+            "num_outputs": 1,
+            "lora": None,
+            "extra": self.extra,
+        }
+        return json.dumps(key, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    def check(self) -> None:
+        """Model-independent checks; the adapter adds the model's size/frame rules."""
+        _int_in("seed", self.seed, 0, 2**63 - 1)
+        _int_in("height", self.height, 1, MAX_SIDE)
+        _int_in("width", self.width, 1, MAX_SIDE)
+        _int_in("num_frames", self.num_frames, 1, MAX_FRAMES)
+        _int_in("fps", self.fps, 1, 240)
+        _int_in("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS)
+        for name in ("prompt", "negative_prompt"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise RequestError(name, f"must be a string, got {type(value).__name__}")
+            if len(value) > MAX_PROMPT_CHARS:
+                raise RequestError(name, f"is {len(value)} characters, at most {MAX_PROMPT_CHARS}")
+        if not self.prompt.strip():
+            raise RequestError("prompt", "must not be empty")
+        _float_in("guidance_scale", self.guidance_scale, 0.0, 100.0)
+        if self.flow_shift is not None:
+            _float_in("flow_shift", self.flow_shift, 1e-3, 100.0)
+        if not isinstance(self.extra, dict):
+            raise RequestError("extra", "must be an object")
+        try:
+            json.dumps(self.extra, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise RequestError("extra", f"must be plain JSON: {e}") from e
+
+
+def _int_in(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(name, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise RequestError(name, f"must be in [{lo}, {hi}], got {value}")
+
+
+def _float_in(name: str, value: object, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(name, f"must be a number, got {value!r}")
+    if not lo <= float(value) <= hi:  # also rejects NaN
+        raise RequestError(name, f"must be in [{lo}, {hi}], got {value}")

@@ -1,0 +1,137 @@
+"""Wan2.1 text-to-video: diffusers' own ``WanPipeline`` with our transformer plugged in.
+
+We drive the library pipeline rather than copy its loop, so prompt cleaning, text
+padding, CFG, the scheduler step and latent de-normalisation are exactly diffusers'
+(the reference test compares against ``WanPipeline.from_pretrained``). Only the
+transformer differs: it is the meta-built module whose blocks the offload runtime feeds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .adapter import ModelAdapter, ModelError, StepCallback
+from .request import GenerationRequest, RequestError
+from .video import to_uint8
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default: part of the key via ``extra``
+
+
+class WanAdapter(ModelAdapter):
+    """Wan2.1 T2V (1.3B, 14B, and the demo presets)."""
+
+    family = "wan-t2v"
+    pipeline_classes = ("WanPipeline",)
+    block_attrs = ("blocks",)
+    components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+    extra_args = frozenset({"max_sequence_length"})
+
+    def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
+        super().__init__(model_dir, index)
+        if index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0]:
+            raise ModelError(f"{model_dir}: two-stage Wan2.2 (transformer_2) is not supported yet")
+        self.transformer_config = _read_json(model_dir / "transformer" / "config.json")
+        vae_config = _read_json(model_dir / "vae" / "config.json")
+        patch = self.transformer_config.get("patch_size", [1, 2, 2])
+        spatial = int(vae_config.get("scale_factor_spatial", 8))
+        self.temporal = int(vae_config.get("scale_factor_temporal", 4)) * int(patch[0])
+        self.multiple = (spatial * int(patch[1]), spatial * int(patch[2]))
+        self._parts: dict[str, Any] = {}
+
+    @property
+    def keep_fp32(self) -> tuple[str, ...]:
+        from diffusers import WanTransformer3DModel
+
+        return tuple(WanTransformer3DModel._keep_in_fp32_modules or ())
+
+    def build_transformer(self) -> nn.Module:
+        from accelerate import init_empty_weights
+
+        cls = self.component_class("transformer")
+        # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
+        with init_empty_weights():
+            return cls.from_config(self.transformer_config).eval()
+
+    def validate(self, req: GenerationRequest) -> None:
+        super().validate(req)
+        mh, mw = self.multiple
+        if req.height % mh:
+            raise RequestError("height", f"must be a multiple of {mh} (VAE x patch), got {req.height}")
+        if req.width % mw:
+            raise RequestError("width", f"must be a multiple of {mw} (VAE x patch), got {req.width}")
+        if (req.num_frames - 1) % self.temporal:
+            raise RequestError(
+                "num_frames", f"must be {self.temporal}k+1 (1, 5, 9, ..., 81), got {req.num_frames}"
+            )
+        msl = req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
+        if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= 512:
+            raise RequestError("extra.max_sequence_length", f"must be an integer in [1, 512], got {msl!r}")
+
+    def load_components(self, device: torch.device) -> None:
+        self._parts = {
+            "tokenizer": self.load_component("tokenizer"),
+            "text_encoder": self.load_component("text_encoder", device),
+            "vae": self.load_component("vae", device),
+            "scheduler": self.load_component("scheduler"),
+        }
+
+    def _scheduler(self, req: GenerationRequest) -> Any:
+        """A fresh scheduler per request (they are stateful), with the request's shift."""
+        base = self._parts["scheduler"]
+        overrides = {}
+        if req.flow_shift is not None:
+            if "flow_shift" not in base.config and "shift" not in base.config:
+                raise RequestError("flow_shift", f"{type(base).__name__} has no flow shift setting")
+            overrides["flow_shift" if "flow_shift" in base.config else "shift"] = req.flow_shift
+        return type(base).from_config(base.config, **overrides)
+
+    def run(
+        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
+    ) -> np.ndarray:
+        from diffusers import WanPipeline
+
+        if not self._parts:
+            raise RuntimeError("load_components() was not called")
+        pipe = WanPipeline(transformer=transformer, scheduler=self._scheduler(req), **{
+            k: v for k, v in self._parts.items() if k != "scheduler"
+        })
+        pipe.set_progress_bar_config(disable=True)
+        steps = req.num_inference_steps
+
+        def callback(_pipe: Any, i: int, _t: Any, _kwargs: dict) -> dict:
+            if on_step is not None:
+                on_step(i + 1, steps)
+            return {}
+
+        # Latents from a CPU generator: the same numbers on every rank and device.
+        generator = torch.Generator("cpu").manual_seed(req.seed)
+        out = pipe(
+            prompt=req.prompt,
+            negative_prompt=req.negative_prompt,
+            height=req.height,
+            width=req.width,
+            num_frames=req.num_frames,
+            num_inference_steps=steps,
+            guidance_scale=req.guidance_scale,
+            generator=generator,
+            output_type="np",
+            callback_on_step_end=callback,
+            max_sequence_length=req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
+        )
+        return to_uint8(np.asarray(out.frames[0]))
+
+    def close(self) -> None:
+        self._parts.clear()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path}: cannot read config: {e}") from e
