@@ -1,0 +1,67 @@
+"""The dloserve_* metrics, recorded with ray.util.metrics.
+
+Every process (ingress replica, worker rank, batch driver) records into Ray's per-node
+metrics agent, so Prometheus scrapes one endpoint per node and sees all replicas and
+ranks. Ray exports them with a ``ray_`` prefix: ``dloserve_wave_size`` is scraped as
+``ray_dloserve_wave_size``. Objects are created lazily, once per process, after ray.init.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800]
+_STEP = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+_RANK = ("group", "rank")
+
+
+@functools.cache
+def metrics() -> dict[str, Any]:
+    """All metric objects by short name (created on first use in this process)."""
+    return {
+        "requests": Counter(
+            "dloserve_requests_total", "Requests by final status", tag_keys=("status",)
+        ),
+        "queue_depth": Gauge("dloserve_queue_depth", "Requests waiting for a wave", ("group",)),
+        "wave_size": Histogram(
+            "dloserve_wave_size", "Requests per wave", [1, 2, 3, 4, 6, 8, 16], ("group",)
+        ),
+        "wave_latency": Histogram(
+            "dloserve_wave_latency_seconds", "Wall time of a wave", _SECONDS, ("group", "outcome")
+        ),
+        "step_time": Histogram(
+            "dloserve_step_seconds", "Denoising step wall time per rank", _STEP, _RANK
+        ),
+        "stall": Counter(
+            "dloserve_weight_stall_seconds_total", "Host time waiting for weights", _RANK
+        ),
+        "allgather_s": Counter(
+            "dloserve_allgather_seconds_total", "Time spent in weight AllGathers", _RANK
+        ),
+        "allgather_bytes": Counter(
+            "dloserve_allgather_bytes_total", "Bytes rebuilt by AllGather", _RANK
+        ),
+        "h2d_bytes": Counter("dloserve_h2d_bytes_total", "Host-to-device weight bytes", _RANK),
+        "pinned": Gauge("dloserve_host_pinned_bytes", "Host pinned weight bytes per rank", _RANK),
+        "pss": Gauge("dloserve_pss_bytes", "Proportional set size per rank process", _RANK),
+        "device_peak": Gauge("dloserve_device_peak_bytes", "Device memory peak per rank", _RANK),
+        "rebuilds": Counter(
+            "dloserve_group_rebuilds_total", "DP group teardown+rebuilds", ("group", "reason")
+        ),
+        "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
+    }
+
+
+def pss_bytes(pid: str = "self") -> int:
+    """PSS from smaps_rollup: shared mmap pages count 1/N per mapping process."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
