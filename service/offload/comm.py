@@ -45,15 +45,14 @@ class Pending:
 
     block: int
     slot: int
-    _wait: Callable[[], float]
-    done: bool = False
+    _wait: Callable[[], float] | None
     stall_s: float = 0.0
 
     def wait(self) -> float:
         """Block compute until the slot is ready; returns seconds the host waited (CPU)."""
-        if not self.done:
+        if self._wait is not None:
             self.stall_s = self._wait()
-            self.done = True
+            self._wait = None  # the finished work holds its input shard: let it go
         return self.stall_s
 
 

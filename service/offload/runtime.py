@@ -182,6 +182,7 @@ class Ring:
         """Wait for the fill in flight (all ranks have issued the same one)."""
         if self.pending is not None:
             self.pending.wait()
+        self.pending = self.current = None
         self.device.synchronize()
 
 

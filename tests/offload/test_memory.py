@@ -1,0 +1,110 @@
+"""Two ranks loading one >= 1 GB checkpoint cost about one copy of it, not two.
+
+PSS (proportional set size) splits a shared page among the processes that map it, so
+the sum over ranks counts the page cache once. Sampled from outside during loading
+(the peak) and read by each rank after loading and after a forward.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from service.offload import enable_layerwise_offload
+
+from .ranks import run_ranks
+from .toy import empty_model
+
+DIM, HIDDEN, DEPTH = 1024, 8192, 32  # 33.6 MB of bf16 per block, 1.07 GB in all
+
+
+def pss_bytes(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line in smaps_rollup")
+
+
+def _write_big_checkpoint(path: Path) -> int:
+    model = empty_model(DIM, HIDDEN, DEPTH)
+    g = torch.Generator().manual_seed(0)
+    state = {}
+    for k, v in model.state_dict().items():
+        dtype = torch.float32 if (".norm." in k or "scale_shift" in k or "step_scale" in k) else torch.bfloat16
+        state[k] = torch.empty(v.shape, dtype=dtype).uniform_(-0.02, 0.02, generator=g)
+    save_file(state, path)
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _rank_main(rank: int, world: int, ckpt: str) -> dict:
+    out: dict = {}
+    x = torch.randn(1, 4, 16)
+    for mode in ("allgather", "rank_local"):
+        model = empty_model(DIM, HIDDEN, DEPTH)
+        h = enable_layerwise_offload(model, ckpt, device="cpu", group=dist.group.WORLD,
+                                     use_allgather=mode == "allgather")
+        dist.barrier()
+        loaded = pss_bytes()
+        with torch.inference_mode():
+            model(x)
+        dist.barrier()
+        out[mode] = {"loaded": loaded, "after_forward": pss_bytes(), "stats": h.stats().as_dict()}
+        dist.barrier()
+        h.close()
+        del model, h
+    return out
+
+
+class PeakSampler(threading.Thread):
+    """Sums the PSS of this process's children every 20 ms; keeps the largest sum."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        me = psutil.Process()
+        while not self.stop.is_set():
+            total = 0
+            for child in me.children():
+                try:
+                    total += pss_bytes(child.pid)
+                except (OSError, RuntimeError):
+                    pass
+            self.peak = max(self.peak, total)
+            self.stop.wait(0.02)
+
+
+@pytest.mark.timeout(400)
+def test_two_ranks_share_one_copy(tmp_path: Path) -> None:
+    ckpt = tmp_path / "big.safetensors"
+    nbytes = _write_big_checkpoint(ckpt)
+    assert nbytes >= 2**30
+    limit = 1.25 * nbytes + 2**30
+    sampler = PeakSampler()
+    sampler.start()
+    try:
+        results = run_ranks(_rank_main, 2, str(ckpt), timeout=360)
+    finally:
+        sampler.stop.set()
+        sampler.join()
+    report = {m: {k: sum(r[m][k] for r in results) / 2**30 for k in ("loaded", "after_forward")}
+              for m in ("allgather", "rank_local")}
+    print(f"checkpoint {nbytes / 2**30:.2f} GiB; peak PSS sum {sampler.peak / 2**30:.2f} GiB; {report}")
+    assert sampler.peak < limit, f"{report}: peak PSS {sampler.peak / 2**30:.2f} GiB over {limit / 2**30:.2f}"
+    for mode in ("allgather", "rank_local"):
+        for when in ("loaded", "after_forward"):
+            total = sum(r[mode][when] for r in results)
+            assert total < limit, f"{mode} {when}: PSS {total / 2**30:.2f} GiB over {limit / 2**30:.2f}"
+    # AllGather: each rank holds exactly ceil(block/2) of every block, not a whole copy
+    for r in results:
+        st = r["allgather"]["stats"]
+        assert nbytes / 2 * 0.99 < st["host_shard_bytes"] < nbytes / 2 * 1.01
+        assert r["rank_local"]["stats"]["host_shard_bytes"] == 0
