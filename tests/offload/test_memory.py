@@ -36,7 +36,8 @@ def _write_big_checkpoint(path: Path) -> int:
     g = torch.Generator().manual_seed(0)
     state = {}
     for k, v in model.state_dict().items():
-        dtype = torch.float32 if (".norm." in k or "scale_shift" in k or "step_scale" in k) else torch.bfloat16
+        fp32 = ".norm." in k or "scale_shift" in k or "step_scale" in k
+        dtype = torch.float32 if fp32 else torch.bfloat16
         state[k] = torch.empty(v.shape, dtype=dtype).uniform_(-0.02, 0.02, generator=g)
     save_file(state, path)
     return sum(t.numel() * t.element_size() for t in state.values())
