@@ -1,0 +1,154 @@
+"""FastAPI routes behind a Ray Serve ingress; one replica = one DP group.
+
+No ``from __future__ import annotations`` here: Serve re-wraps the route methods and
+FastAPI must see real types, not strings.
+
+``build_app`` is also the Serve application builder for ``serve deploy`` config files
+(``import_path: service.api.app:build_app``). The replica itself asks for no CPU and
+rides in bundle 0 of the placement group Serve reserves for it from
+``placement_group_bundles``; the N worker actors take the N bundles.
+"""
+
+
+from typing import Any, Literal
+
+import ray
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from service.api.schemas import BodyError, VideoCreate, VideoDeleted, VideoList
+from service.api.service import ServiceConfig, VideoService, video_object
+from service.engine.metrics import metrics
+from service.router.waves import QueueFull
+
+app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO")
+
+_CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": VideoCreate.model_json_schema()},
+            "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
+        },
+    }
+}
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI-style error body, plus FastAPI's ``detail`` list so both kinds of client read it."""
+    body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    if param is not None:
+        body["detail"] = [{"loc": ["body", param], "msg": message, "type": code or kind}]
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+@serve.ingress(app)
+class VideoIngress:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.svc = VideoService(
+            ServiceConfig(**config), placement_group=ray.util.get_current_placement_group()
+        )
+
+    @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY)
+    async def create_video(self, request: Request) -> JSONResponse:
+        """Queue a generation job (JSON or multipart, as the openai client sends)."""
+        raw = await request.body()
+        try:
+            rec = self.svc.create(request.headers.get("content-type", ""), raw)
+        except BodyError as e:
+            metrics()["requests"].inc(1, tags={"status": "rejected"})
+            return _error(422, e.message, e.field, code=e.kind)
+        except QueueFull as e:
+            metrics()["requests"].inc(1, tags={"status": "throttled"})
+            return _error(429, str(e), kind="rate_limit_error", code="queue_full",
+                          headers={"Retry-After": str(e.retry_after_s)})
+        return JSONResponse(video_object(rec), status_code=202)
+
+    @app.get("/v1/videos")
+    def list_videos(
+        self,
+        after: str | None = None,
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "desc",
+    ) -> VideoList:
+        recs, more = self.svc.list(after, limit, order)
+        data = [video_object(r) for r in recs]
+        return VideoList.model_validate({
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        })
+
+    @app.get("/v1/videos/{video_id}")
+    def retrieve_video(self, video_id: str) -> JSONResponse:
+        rec = self.svc.get(video_id)
+        if rec is None:
+            return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
+        headers = {"openai-poll-after-ms": "250"} if rec["status"] in ("queued", "in_progress") else {}
+        return JSONResponse(video_object(rec), headers=headers)
+
+    @app.get("/v1/videos/{video_id}/content", response_class=FileResponse)
+    def video_content(self, video_id: str, variant: str = "video") -> Any:
+        if variant != "video":
+            return _error(422, "only variant=video is available", "variant")
+        rec = self.svc.get(video_id)
+        if rec is None:
+            return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
+        path = self.svc.store.content_path(video_id)
+        if rec["status"] != "completed" or path is None:
+            return _error(409, f"video {video_id} is {rec['status']}", "video_id", code="not_ready")
+        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    def delete_video(self, video_id: str) -> Any:
+        result = self.svc.delete(video_id)
+        if result == "missing":
+            return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
+        if result == "running":
+            return _error(409, "video is being generated; delete it when it ends", "video_id",
+                          code="in_progress")
+        return VideoDeleted(id=video_id)
+
+    @app.get("/v1/waves")
+    def waves(self) -> list[dict[str, Any]]:
+        """Recent waves (size, key, ids, generation, latency): for operators and tests."""
+        return self.svc.waves()
+
+    @app.get("/healthz")
+    def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz(self) -> JSONResponse:
+        """200 when the DP group serves; 503 while starting or rebuilding (says which)."""
+        r = self.svc.readiness()
+        return JSONResponse(r, status_code=200 if r["ready"] else 503)
+
+    def __del__(self) -> None:
+        svc = getattr(self, "svc", None)
+        if svc is not None:
+            svc.close()
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """Serve application builder: placement-group bundles come from the config."""
+    cfg = ServiceConfig(**args)
+    bundles = cfg.engine_spec("-").bundles()
+    return VideoIngress.options(
+        num_replicas=cfg.num_replicas,
+        placement_group_bundles=bundles,
+        placement_group_strategy=cfg.strategy,
+    ).bind(cfg.model_dump())
+
+
+def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
+           blocking: bool = False) -> DeploymentHandle:
+    """Start Serve's HTTP proxy on host:port and run the app (used by the CLI and tests)."""
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/",
+                     blocking=blocking)

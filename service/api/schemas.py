@@ -1,0 +1,180 @@
+"""HTTP shapes: the create body (JSON or multipart, as the openai client sends it) and
+the OpenAI-style video object. Conversion to a GenerationRequest happens here so every
+field error can be reported by its HTTP name.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.models.request import GenerationRequest, RequestError
+
+
+class BodyError(ValueError):
+    """The body is unreadable or a field is invalid; becomes a 422 naming ``field``."""
+
+    def __init__(self, field: str, message: str, kind: str = "value_error") -> None:
+        super().__init__(f"{field}: {message}")
+        self.field, self.message, self.kind = field, message, kind
+
+
+class VideoCreate(BaseModel):
+    """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(max_length=100_000)
+    model: str | None = None
+    size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "832x480"')
+    width: int | None = None
+    height: int | None = None
+    seconds: float | None = Field(None, description="duration; frames = seconds * fps + 1")
+    num_frames: int | None = None
+    fps: int | None = None
+    seed: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    flow_shift: float | None = None
+    max_sequence_length: int | None = None
+
+    def to_request(self, defaults: GenerationRequest) -> GenerationRequest:
+        """Resolve size/seconds aliases against the service defaults."""
+        width, height = self.width, self.height
+        if self.size is not None:
+            if width is not None or height is not None:
+                raise BodyError("size", "give either size or width/height, not both")
+            try:
+                w, h = self.size.lower().split("x")
+                width, height = int(w), int(h)
+            except ValueError:
+                raise BodyError("size", f'must look like "832x480", got {self.size!r}') from None
+        fps = self.fps if self.fps is not None else defaults.fps
+        frames = self.num_frames
+        if self.seconds is not None:
+            if frames is not None:
+                raise BodyError("seconds", "give either seconds or num_frames, not both")
+            if not math.isfinite(self.seconds) or self.seconds < 0 or fps < 1:
+                raise BodyError("seconds", f"must be a non-negative number, got {self.seconds}")
+            frames = round(self.seconds * fps) + 1
+        extra = {}
+        if self.max_sequence_length is not None:
+            extra["max_sequence_length"] = self.max_sequence_length
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return GenerationRequest(
+            prompt=self.prompt,
+            negative_prompt=pick(self.negative_prompt, defaults.negative_prompt),
+            seed=pick(self.seed, defaults.seed),
+            height=pick(height, defaults.height),
+            width=pick(width, defaults.width),
+            num_frames=pick(frames, defaults.num_frames),
+            fps=fps,
+            num_inference_steps=pick(self.num_inference_steps, defaults.num_inference_steps),
+            guidance_scale=pick(self.guidance_scale, defaults.guidance_scale),
+            flow_shift=pick(self.flow_shift, defaults.flow_shift),
+            extra=extra,
+        )
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Video(BaseModel):
+    """The OpenAI video object, plus the generation parameters and where it ran."""
+
+    id: str
+    object: Literal["video"] = "video"
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    progress: int = 0
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: VideoError | None = None
+    model: str
+    prompt: str | None = None
+    seconds: str
+    size: str
+    remixed_from_video_id: str | None = None
+    seed: int
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    dp_rank: int | None = None
+    wave: int | None = None
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Video]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
+
+
+def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
+    """JSON or multipart/form-data (what ``client.videos.create`` sends) -> field dict."""
+    ctype = (content_type or "").split(";")[0].strip().lower()
+    if ctype in ("", "application/json"):
+        try:
+            data = json.loads(raw or b"null")
+        except ValueError as e:
+            raise BodyError("body", f"invalid JSON: {e}", "json_invalid") from None
+        if not isinstance(data, dict):
+            raise BodyError("body", "must be a JSON object", "model_type")
+        return data
+    if ctype == "multipart/form-data":
+        head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
+        if not msg.is_multipart():
+            raise BodyError("body", "malformed multipart body", "multipart_invalid")
+        out: dict[str, Any] = {}
+        for part in msg.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            if not name:
+                continue
+            if part.get_filename() is not None:
+                raise BodyError(str(name), "file uploads (input_reference) are not supported")
+            out[str(name)] = part.get_payload(decode=True).decode("utf-8")
+        return out
+    if ctype == "application/x-www-form-urlencoded":
+        from urllib.parse import parse_qsl
+
+        return dict(parse_qsl(raw.decode("utf-8"), keep_blank_values=True))
+    raise BodyError("body", f"unsupported content type {ctype!r}", "content_type")
+
+
+def validate_create(data: dict[str, Any]) -> VideoCreate:
+    """pydantic validation with the first failing field turned into a BodyError."""
+    try:
+        return VideoCreate.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "body"
+        raise BodyError(field, err["msg"], err["type"]) from None
+
+
+def check_request(req: GenerationRequest) -> None:
+    """Re-raise RequestError as BodyError so the API speaks one error type."""
+    try:
+        req.check()
+    except RequestError as e:
+        raise BodyError(e.field, e.message) from None
