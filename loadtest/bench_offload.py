@@ -196,6 +196,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             results[strategy] = json.loads(Path(f.name).read_text())
             print(f"{strategy}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+            print("RESULT " + json.dumps(results[strategy]), flush=True)  # kept if a later one hangs
     report = {
         "command": " ".join([Path(sys.executable).name] + sys.argv),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

@@ -21,11 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+def _entry(
+    rank: int, world: int, port: int, out: str, backend: str, fn: Callable[..., Any], args: tuple
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save(result, f"{out}/{rank}.pt")
     except BaseException:
@@ -36,12 +42,19 @@ def _entry(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], a
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results."""
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, backend: str = "gloo"
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results.
+
+    ``backend="nccl"`` puts rank r on GPU r.
+    """
     port = free_port()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, out, fn, args)) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, port, out, backend, fn, args)) for r in range(world)
+        ]
         for p in procs:
             p.start()
         for p in procs:
