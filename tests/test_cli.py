@@ -1,0 +1,62 @@
+"""``dloserve`` end to end in subprocesses, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from service.models.request import GenerationRequest
+from service.models.video import decode_mp4
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dloserve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_with_no_model_uses_the_demo(tmp_path: Path, demo_model: str) -> None:
+    out = tmp_path / "fox.mp4"
+    # The demo_model fixture already filled the default cache; this must find it there.
+    r = dloserve("generate", "--prompt", "a red fox running through snow", "--seed", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "denoising" in r.stderr  # the progress bar over steps
+    assert f"wrote {out}" in r.stdout and "resident, DP1" in r.stdout
+    assert decode_mp4(out.read_bytes()).shape == (5, 32, 32, 3)
+
+
+def test_generate_dlo_two_ranks_matches_resident(tmp_path: Path, demo_model: str, resident) -> None:  # noqa: ANN001
+    """N=2 local processes (gloo), AllGather DLO: the bytes of the in-process resident run."""
+    out = tmp_path / "b.mp4"
+    r = dloserve(
+        "generate", "--model", demo_model, "--prompt", "a cat", "--seed", "2", "--quiet", "--out", str(out),
+        "--data-parallel-size", "2", "--enable-distributed-layerwise-offload",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "allgather, DP2" in r.stdout
+    assert out.read_bytes() == resident.generate(GenerationRequest(prompt="a cat", seed=2))
+
+
+def test_bad_request_fails_before_work(tmp_path: Path, demo_model: str) -> None:
+    out = tmp_path / "x.mp4"
+    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--height", "40", "--out", str(out))
+    assert r.returncode == 2 and "height: must be a multiple of 16" in r.stderr
+    assert not out.exists()
+    r = dloserve("generate", "--model", str(tmp_path), "--prompt", "a cat")
+    assert r.returncode == 2 and "model_index.json" in r.stderr
+
+
+def test_demo_model_command(tmp_path: Path) -> None:
+    r = dloserve("demo-model", str(tmp_path / "m"), "--preset", "tiny", "--layers", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "m" / "model_index.json").is_file()
+    assert (tmp_path / "m" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
