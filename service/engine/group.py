@@ -254,6 +254,9 @@ class DPGroup:
     def _gauge(self, v: int) -> None:
         metrics()["group_ready"].set(v, tags={"group": self.group_id})
 
+    def refresh_gauges(self) -> None:
+        self._gauge(1 if self.state == "ready" else 0)
+
 
 def _short(e: BaseException, n: int = 300) -> str:
     s = str(e).strip().splitlines()

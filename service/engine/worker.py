@@ -52,6 +52,9 @@ class DPWorker:
         self._lock = threading.Lock()
         self._seen: dict[str, float] = {}
         self._tags = {"group": spec.group_id, "rank": str(rank)}
+        self._gauges: dict[str, float] = {}
+        # Ray drops a gauge series not re-set within ~2 report intervals: keep ours fresh.
+        threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
 
     def rendezvous_address(self) -> str:
         """Rank 0 picks its node IP and a free port for the TCP rendezvous."""
@@ -149,14 +152,25 @@ class DPWorker:
             if delta > 0:
                 m[metric].inc(delta, tags=self._tags)
             self._seen[key] = value
-        if stats.get("host_pinned_bytes") is not None:
-            m["pinned"].set(float(stats["host_pinned_bytes"]), tags=self._tags)
-        if stats.get("device_peak_bytes") is not None:
-            m["device_peak"].set(float(stats["device_peak_bytes"]), tags=self._tags)
+        for key, metric in (("host_pinned_bytes", "pinned"), ("device_peak_bytes", "device_peak")):
+            if stats.get(key) is not None:
+                self._gauges[metric] = float(stats[key])
+        self._set_gauges()
         return stats
 
     def _report_memory(self) -> None:
-        metrics()["pss"].set(float(pss_bytes()), tags=self._tags)
+        self._gauges["pss"] = float(pss_bytes())
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        m = metrics()
+        for name, value in list(self._gauges.items()):
+            m[name].set(value, tags=self._tags)
+
+    def _refresh_gauges(self, every_s: float = 1.0) -> None:
+        while True:
+            time.sleep(every_s)
+            self._report_memory()
 
 
 DPWorkerActor = ray.remote(max_concurrency=2)(DPWorker)

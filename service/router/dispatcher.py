@@ -90,7 +90,10 @@ class Dispatcher:
                     return
                 wave = self.router.next_wave()
                 if wave is None:
-                    self._cv.wait(timeout=self.router.wake_in())
+                    # Wake at least every second: Ray expires gauges not re-set for ~2 s.
+                    wake = self.router.wake_in()
+                    self._cv.wait(timeout=1.0 if wake is None else min(wake, 1.0))
+                    self._depth()
                     continue
                 self._depth()
             try:
@@ -148,3 +151,4 @@ class Dispatcher:
 
     def _depth(self) -> None:
         metrics()["queue_depth"].set(self.router.depth, tags={"group": self.group.group_id})
+        self.group.refresh_gauges()
