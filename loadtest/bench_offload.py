@@ -91,6 +91,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Load one strategy, run every workload, return its figures."""
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     folder = Path(args.model) / "transformer"
     before = host_memory()
@@ -177,12 +178,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is None:
         from service.models.demo import write_demo_model
 
-        root = Path(tempfile.mkdtemp(prefix="dlo-bench-"))
-        t0 = time.perf_counter()
-        write_demo_model(root / "model", args.preset, args.layers)
-        print(f"wrote {args.preset} model with {args.layers} layers in {time.perf_counter() - t0:.0f} s",
-              flush=True)
-        args.model = str(root / "model")
+        model = Path(tempfile.gettempdir()) / f"dloserve-bench-{args.preset}-L{args.layers}"
+        if not (model / "model_index.json").is_file():
+            t0 = time.perf_counter()
+            write_demo_model(model, args.preset, args.layers)
+            print(f"wrote {args.preset} model with {args.layers} layers in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+        args.model = str(model)
     results: dict[str, Any] = {}
     for strategy in args.strategies:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:

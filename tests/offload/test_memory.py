@@ -17,8 +17,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from service.offload import enable_layerwise_offload
+from service.offload.spawn import run_ranks
 
-from .ranks import run_ranks
 from .toy import empty_model
 
 DIM, HIDDEN, DEPTH = 1024, 8192, 32  # 33.6 MB of bf16 per block, 1.07 GB in all

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from service.offload import enable_layerwise_offload, load_resident
+from service.offload.spawn import run_ranks
 
-from .ranks import run_ranks
 from .toy import empty_model, make_checkpoint
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")

@@ -1,4 +1,7 @@
-"""Run a function on N real processes joined in a gloo process group (no Ray)."""
+"""Run a function on N local processes joined in one process group (no Ray).
+
+For tests, benchmarks and the single-host CLI: gloo on CPU, or NCCL with rank r on GPU r.
+"""
 
 from __future__ import annotations
 
