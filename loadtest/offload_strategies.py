@@ -77,6 +77,9 @@ def _fsdp2(folder: Path, device: torch.device) -> nn.Module:
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     mesh = init_device_mesh("cuda", (1,))
     module = WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).eval()
+    # FSDP2 insists on one dtype among *trainable* params; Wan keeps fp32 norms inside
+    # bf16 blocks, so freeze everything (this is inference) to keep the dtypes as stored.
+    module.requires_grad_(False)
     policy = CPUOffloadPolicy(pin_memory=True)
     blocks = list(module.blocks)
     for blk in blocks:
