@@ -1,0 +1,208 @@
+"""Batch generation on the same DP-group engine as the HTTP service, without HTTP.
+
+    ray job submit --working-dir . -- python -m service.jobs.batch \\
+        --prompts prompts.jsonl --out results/ --data-parallel-size 2
+
+``prompts.jsonl``: one JSON object per line with GenerationRequest fields (``prompt``
+required; ``seed``, ``height``, ``width``, ``num_frames``, ``fps``,
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``flow_shift``) and an
+optional ``id`` (default: ``item-<line>``). Every line is validated before any worker
+starts. Outputs go to ``OUT/<id>.mp4``; ``OUT/manifest.jsonl`` gets one line per
+finished item with the file's SHA-256. Re-running skips items whose manifest entry is
+completed and whose file still has that hash (resumable); failed items are retried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from service.models.request import GenerationRequest, RequestError
+
+FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)} - {"extra"}
+
+
+def read_prompts(path: Path) -> list[tuple[str, GenerationRequest]]:
+    """Parse and check every line; raises ValueError naming the line and field."""
+    items: list[tuple[str, GenerationRequest]] = []
+    seen: set[str] = set()
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n}: must be a JSON object")
+        item_id = str(obj.pop("id", f"item-{n:05d}"))
+        if not item_id.replace("-", "").replace("_", "").isalnum() or item_id in seen:
+            raise ValueError(f"{path}:{n}: id {item_id!r} must be unique and [A-Za-z0-9_-]")
+        unknown = sorted(set(obj) - FIELDS)
+        if unknown:
+            raise ValueError(f"{path}:{n}: unknown field(s) {unknown}")
+        if "prompt" not in obj:
+            raise ValueError(f"{path}:{n}: prompt: missing")
+        seen.add(item_id)
+        items.append((item_id, GenerationRequest(**obj)))
+    return items
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def finished(out: Path) -> dict[str, dict[str, Any]]:
+    """Manifest entries whose file is still there with the recorded hash (last one wins)."""
+    done: dict[str, dict[str, Any]] = {}
+    manifest = out / "manifest.jsonl"
+    if not manifest.exists():
+        return done
+    for line in manifest.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue  # a torn last line from a killed run
+        done.pop(e.get("id"), None)
+        f = out / str(e.get("file", ""))
+        if e.get("status") == "completed" and f.is_file() and sha256(f) == e.get("sha256"):
+            done[e["id"]] = e
+    return done
+
+
+class ManifestSink:
+    """Writes each finished item (file first, then its manifest line) and moves the bar."""
+
+    def __init__(self, out: Path, todo: int, bar: Any) -> None:
+        self.out, self.bar = out, bar
+        self.left = todo
+        self.failed = 0
+        self.all_done = threading.Event()
+        self._lock = threading.Lock()
+        if todo == 0:
+            self.all_done.set()
+
+    def on_start(self, ticket: Any, wave: dict[str, Any]) -> None:
+        self.bar.set_postfix_str(f"wave {wave['wave']} x{wave['size']}")
+
+    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
+        pass
+
+    def on_finish(self, ticket: Any, outcome: Any, wave: dict[str, Any]) -> None:
+        req: GenerationRequest = ticket.payload
+        entry: dict[str, Any] = {
+            "id": ticket.id,
+            "request": dataclasses.asdict(req),
+            "wave": wave.get("wave"),
+            "finished_at": time.time(),
+        }
+        if outcome.ok:
+            name = f"{ticket.id}.mp4"
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_bytes(outcome.mp4)
+            os.replace(tmp, self.out / name)
+            entry.update(status="completed", file=name, bytes=len(outcome.mp4),
+                         sha256=hashlib.sha256(outcome.mp4).hexdigest(), dp_rank=outcome.dp_rank,
+                         seconds=round(outcome.seconds, 3))
+        else:
+            entry.update(status="failed", error=outcome.error)
+        with self._lock:
+            with open(self.out / "manifest.jsonl", "a") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self.failed += 0 if outcome.ok else 1
+            self.left -= 1
+            self.bar.update(1)
+            if self.left == 0:
+                self.all_done.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m service.jobs.batch", description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--model", default=None, help="diffusers pipeline dir (default: demo model)")
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--no-offload", action="store_true", help="resident transformer on every rank")
+    p.add_argument("--dlo-no-use-allgather", action="store_true")
+    p.add_argument("--cpus-per-rank", type=float, default=1.0)
+    p.add_argument("--gpus-per-rank", type=float, default=None, help="default: 1 if GPUs exist")
+    p.add_argument("--placement-strategy", default="STRICT_PACK")
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or local)")
+    p.add_argument("--wave-deadline-base-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    from service.api.service import resolve_model  # model resolution shared with serve
+    from service.models.adapter import ModelError, load_adapter
+
+    try:
+        items = read_prompts(args.prompts)
+        model = resolve_model(args.model)
+        adapter = load_adapter(model)
+        for item_id, req in items:
+            try:
+                adapter.validate(req)
+            except RequestError as e:
+                raise ValueError(f"{args.prompts}: item {item_id}: {e}") from None
+    except (OSError, ValueError, ModelError) as e:
+        print(f"batch: error: {e}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    done = finished(args.out)
+    todo = [(i, r) for i, r in items if i not in done]
+    print(f"batch: {len(items)} items, {len(items) - len(todo)} already done (skipped), "
+          f"{len(todo)} to run", flush=True)
+    if not todo:
+        return 0
+    return _run(args, model, todo)
+
+
+def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationRequest]]) -> int:
+    import ray
+    from tqdm import tqdm
+
+    from service.engine.group import DPGroup, EngineSpec
+    from service.router.dispatcher import Dispatcher
+    from service.router.policy import DeadlinePolicy
+    from service.router.waves import WaveRouter
+
+    ray.init(address=args.address, log_to_driver=False)
+    gpus = args.gpus_per_rank
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    spec = EngineSpec(
+        model_dir=model, dp_size=args.data_parallel_size, offload=not args.no_offload,
+        use_allgather=not args.dlo_no_use_allgather, cpus_per_rank=args.cpus_per_rank,
+        gpus_per_rank=gpus, strategy=args.placement_strategy,
+    )
+    t0 = time.monotonic()
+    bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
+    sink = ManifestSink(args.out, len(todo), bar)
+    group = DPGroup(spec)
+    router = WaveRouter(spec.dp_size, max_wait_s=0.0, max_queue=len(todo))
+    disp = Dispatcher(group, router, sink, DeadlinePolicy(base_s=args.wave_deadline_base_s))
+    for item_id, req in todo:  # all queued before the loop starts: full waves form
+        disp.submit(item_id, req.compat_key(), req)
+    disp.start()
+    try:
+        sink.all_done.wait()
+    finally:
+        bar.close()
+        disp.stop()
+    print(f"batch: {len(todo) - sink.failed} completed, {sink.failed} failed in "
+          f"{time.monotonic() - t0:.1f} s; manifest {args.out / 'manifest.jsonl'}", flush=True)
+    return 1 if sink.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

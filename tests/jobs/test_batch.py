@@ -1,0 +1,60 @@
+"""The batch job as its own process on the session's Ray cluster: run, then resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from service.jobs.batch import read_prompts, sha256
+from service.models.request import GenerationRequest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [
+    {"id": "fox", "prompt": "a red fox", "seed": 1},
+    {"id": "owl", "prompt": "an owl at night", "seed": 2},
+    {"prompt": "nine frames of rain", "seed": 3, "num_frames": 9},
+]
+
+
+def run_batch(ray_cluster: dict, prompts: Path, out: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "service.jobs.batch", "--prompts", str(prompts), "--out", str(out),
+           "--data-parallel-size", "2", "--cpus-per-rank", "0.5", "--address", ray_cluster["address"]]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path, resident) -> None:  # noqa: ANN001
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
+    out = tmp_path / "out"
+    first = run_batch(ray_cluster, prompts, out)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "3 to run" in first.stdout and "3 completed, 0 failed" in first.stdout
+    assert "videos" in first.stderr  # the tqdm bar
+    manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(e["id"] for e in manifest) == ["fox", "item-00003", "owl"]
+    for e in manifest:
+        assert e["status"] == "completed" and sha256(out / e["file"]) == e["sha256"]
+    assert (out / "fox.mp4").read_bytes() == resident.generate(GenerationRequest(prompt="a red fox", seed=1))
+
+    second = run_batch(ray_cluster, prompts, out)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "3 already done (skipped), 0 to run" in second.stdout
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 3
+
+
+def test_bad_prompt_file_is_rejected_before_any_worker(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": "x", "colour": 1}\n')
+    try:
+        read_prompts(bad)
+    except ValueError as e:
+        assert "bad.jsonl:2" in str(e) and "colour" in str(e)
+    else:
+        raise AssertionError("no error")
+    r = subprocess.run([sys.executable, "-m", "service.jobs.batch", "--prompts", str(bad),
+                        "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "colour" in r.stderr
