@@ -159,9 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "serve":
         return cmd_serve(argv[1:])  # its own parser owns every flag after "serve"
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
     from service.models.adapter import ModelError
     from service.models.request import RequestError
 
+    hf_logging.disable_progress_bar()  # per-file "Loading weights" bars: noise next to ours
     try:
         if args.command == "demo-model":
             return cmd_demo_model(args)

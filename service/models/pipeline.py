@@ -14,6 +14,7 @@ make the same collective calls in the same order.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,3 +160,8 @@ class PipelineRunner:
             self.handle.close()
         self.adapter.close()
         self.transformer = None  # type: ignore[assignment]
+        # diffusers pipelines hold reference cycles: collect them so the weights go now,
+        # not at some later gc pass while the next model is loading.
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
