@@ -87,6 +87,14 @@ class ModelAdapter(ABC):
                 "extra", f"unknown argument(s) {unknown} for {self.family} (allowed: {allowed})"
             )
 
+    def forwards(self, req: GenerationRequest) -> int:
+        """Transformer forwards ``req`` makes: what an idle rank replays.
+
+        Wan runs the transformer twice per step under CFG (``req.forwards()``); a family
+        with distilled guidance (Flux-dev) would run it once and override this.
+        """
+        return req.forwards()
+
     @abstractmethod
     def load_components(self, device: torch.device) -> None:
         """Load everything but the transformer, resident on ``device``."""

@@ -130,7 +130,7 @@ class PipelineRunner:
         self._check_open()
         self.validate(req)
         if self.handle is not None:
-            self.handle.idle_forwards(req.forwards())
+            self.handle.idle_forwards(self.adapter.forwards(req))
 
     # -- introspection and teardown ----------------------------------------------------------
 

@@ -55,6 +55,12 @@ def test_rejected_before_any_compute(demo_model: str) -> None:
         assert stats is not None and stats["forwards"] == 0 and stats["idle_forwards"] == 0
         runner.idle(OK)  # a valid idle replay joins exactly OK.forwards() forwards
         assert runner.offload_stats()["idle_forwards"] == OK.forwards() == 4
+        # forwards() must count what generate really runs: CFG on (2 per step) and off (1).
+        for req in (OK, GenerationRequest(prompt="a cat", guidance_scale=1.0, num_inference_steps=3)):
+            before = runner.offload_stats()["forwards"]
+            runner.generate(req)
+            made = runner.offload_stats()["forwards"] - before
+            assert made == runner.adapter.forwards(req) == req.forwards()
     finally:
         runner.close()
 
