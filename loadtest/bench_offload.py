@@ -111,7 +111,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         times, digest = [], None
         st0 = handle.stats() if handle else None
         reps = args.reps if tokens < 70000 else max(2, args.reps // 2)
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: FSDP2 bumps version counters
             for i in range(args.warmup + reps):
                 with Timer(device) as t:
                     out = module(**x, return_dict=False)[0]

@@ -12,7 +12,6 @@ runtime above has one code path and CI exercises the real logic on CPU.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,15 +44,13 @@ class Pending:
 
     block: int
     slot: int
-    _wait: Callable[[], float] | None
-    stall_s: float = 0.0
+    _wait: Callable[[], object] | None
 
-    def wait(self) -> float:
-        """Block compute until the slot is ready; returns seconds the host waited (CPU)."""
+    def wait(self) -> None:
+        """Block compute until the slot is ready (the host, or on CUDA the compute stream)."""
         if self._wait is not None:
-            self.stall_s = self._wait()
+            self._wait()
             self._wait = None  # the finished work holds its input shard: let it go
-        return self.stall_s
 
 
 @dataclass
@@ -115,10 +112,10 @@ class Device:
             return Pending(block, slot, self._cuda_wait(slot))
         if g.world == 1:
             out.copy_(shard)
-            return Pending(block, slot, lambda: 0.0)
+            return Pending(block, slot, None)
         work = _all_gather(out, shard, group=g.pg, async_op=True)
         assert work is not None
-        return Pending(block, slot, _timed(work.wait))
+        return Pending(block, slot, work.wait)
 
     def stage(
         self,
@@ -135,7 +132,7 @@ class Device:
         """
         if not self.is_cuda:
             fut = self._thread().submit(pack, out)
-            return Pending(block, slot, _timed(fut.result))
+            return Pending(block, slot, fut.result)
         assert staging is not None and self._side is not None
         side, staged, free, ready = self._side, self._staged[slot], self._free[slot], self._ready[slot]
 
@@ -150,24 +147,20 @@ class Device:
 
         fut: Future[None] = self._thread().submit(job)
 
-        def wait() -> float:
-            t0 = time.perf_counter()
+        def wait() -> None:
             fut.result()
-            host = time.perf_counter() - t0
             self._cuda_wait(slot)()
-            return host
 
         return Pending(block, slot, wait)
 
-    def _cuda_wait(self, slot: int) -> Callable[[], float]:
-        def wait() -> float:
+    def _cuda_wait(self, slot: int) -> Callable[[], None]:
+        def wait() -> None:
             compute = torch.cuda.current_stream(self.device)
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record(compute)
             compute.wait_event(self._ready[slot])
             after.record(compute)
             self._stall_events.append((before, after))
-            return 0.0
 
         return wait
 
@@ -198,12 +191,3 @@ class Device:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def _timed(fn: Callable[[], object]) -> Callable[[], float]:
-    def run() -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    return run

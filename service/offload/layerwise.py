@@ -210,6 +210,8 @@ class LayerwiseOffload:
         """Make block ``i``'s weights ready; returns the slot they are in."""
         st = self._stats
         if i == 0:
+            if self.device.is_cuda:  # fold finished stall events in, so they don't pile up
+                st.stall_s += self.device.device_stall_s(block=False)
             if idle:
                 st.idle_forwards += 1
             else:
@@ -218,9 +220,9 @@ class LayerwiseOffload:
             st.last_forward_h2d_bytes = 0
             st.last_forward_gathered_bytes = 0
         p, waited = self.ring.acquire(i)
-        if not self.device.is_cuda:
-            st.stall_s += waited
-            st.last_forward_stall_s += waited
+        # Host-side wait; on CUDA the device-side wait is added from events in stats().
+        st.stall_s += waited
+        st.last_forward_stall_s += waited
         return p.slot
 
     def _count_fill(self, lay: BlockLayout) -> None:

@@ -167,8 +167,8 @@ class Ring:
                 "called: blocks must run once each, in order, in every forward"
             )
         t0 = time.perf_counter()
-        stall = p.wait()
-        waited = time.perf_counter() - t0 if stall == 0.0 else stall
+        p.wait()
+        waited = time.perf_counter() - t0  # host time blocked (CPU work, or a rank-local pack)
         self.current = p
         self.pending = self._issue()
         return p, waited

@@ -28,7 +28,7 @@ def _entry(
     rank: int, world: int, port: int, out: str, backend: str, fn: Callable[..., Any], args: tuple
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the host's cores
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
