@@ -1,8 +1,9 @@
 """H.264 MP4 encoding with PyAV, byte-reproducible.
 
 Same frames -> same bytes is what lets the tests compare strategies by SHA-256 of the
-file, so the encoder runs single-threaded with fixed options (x264's frame threads and
-lookahead otherwise make the bitstream depend on scheduling). ``+faststart`` rewrites
+file, so both the RGB -> YUV conversion (swscale) and the encoder run single-threaded
+with fixed options (threaded slices and x264's frame threads otherwise make the bytes
+depend on scheduling and on the host's core count). ``+faststart`` rewrites
 the file after the fact and needs a seekable real file, so we encode to a temporary file
 and read it back rather than writing into BytesIO.
 """
@@ -52,7 +53,11 @@ def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
             stream.pix_fmt = "yuv420p"
             stream.codec_context.thread_count = 1
             for i, arr in enumerate(frames):
-                frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
+                # Convert to yuv420p ourselves, on one thread: swscale's default is
+                # "auto" threads (one slice per core), which was seen to change the
+                # bytes of identical 480p frames from run to run on a 32-core host.
+                rgb = av.VideoFrame.from_ndarray(arr, format="rgb24")
+                frame = rgb.reformat(format="yuv420p", threads=1)
                 frame.pts = i
                 out.mux(stream.encode(frame))
             out.mux(stream.encode(None))
