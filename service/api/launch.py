@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-frames", type=int, default=129)
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--wave-deadline-base-s", type=float, default=60.0)
-    p.add_argument("--wave-deadline-per-forward-s", type=float, default=2.0)
+    p.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,
+                   help="deadline = base + this x forwards x (pixels*frames / 832*480*81)")
     p.add_argument("--results-dir", default=None, help="job store folder")
     p.add_argument("--retention-s", type=float, default=86400.0, help="keep finished jobs this long")
     p.add_argument("--max-jobs", type=int, default=1000, help="keep at most this many jobs")

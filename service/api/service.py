@@ -87,11 +87,22 @@ class VideoService:
         self.store = JobStore(
             os.path.expanduser(cfg.results_dir), ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs
         )
+        if cfg.num_replicas == 1:
+            self._fail_orphans()
         self.group = DPGroup(cfg.engine_spec(self.model_dir), pg=placement_group)
         router = WaveRouter(cfg.dp_size, cfg.max_wait_ms / 1000.0, cfg.queue_size)
         self.dispatcher = Dispatcher(self.group, router, self, DeadlinePolicy(**cfg.deadline))
         self.started_at = time.time()
         self.dispatcher.start()
+
+    def _fail_orphans(self) -> None:
+        """Jobs a previous process left queued/in progress will never run: end them.
+
+        Only safe when this replica is the folder's only writer (num_replicas == 1).
+        """
+        n = self.store.fail_unfinished("interrupted", "the service restarted before this job ended")
+        if n:
+            log.warning("marked %d unfinished jobs from a previous run as failed", n)
 
     # -- requests ----------------------------------------------------------------------
     def create(self, content_type: str, raw: bytes) -> dict[str, Any]:

@@ -68,6 +68,14 @@ class JobStore:
         with self._lock:
             self._prune()
 
+    def fail_unfinished(self, code: str, message: str) -> int:
+        """End every queued/in-progress job as failed (after a restart); returns how many."""
+        with self._lock:
+            ids = [r["id"] for r in self._jobs.values() if r.get("status") not in FINAL]
+        for job_id in ids:
+            self.finish(job_id, None, status="failed", error={"code": code, "message": message})
+        return len(ids)
+
     def delete(self, job_id: str) -> bool:
         with self._lock:
             found = self._jobs.pop(job_id, None) is not None or self._path(job_id).exists()

@@ -120,7 +120,7 @@ class DPGroup:
             timeout = self.spec.setup_timeout_s
             addr = ray.get(self.actors[0].rendezvous_address.remote(), timeout=timeout)
             facts = ray.get([a.setup.remote(addr) for a in self.actors], timeout=timeout)
-        except (RayError, GetTimeoutError) as e:
+        except Exception as e:  # noqa: BLE001 - any start failure leaves a clean, failed group
             self.last_error = f"group start failed: {_short(e)}"
             self._kill()
             self.state = "failed"

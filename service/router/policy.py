@@ -57,7 +57,7 @@ class DeadlinePolicy:
     """
 
     base_s: float = 60.0
-    per_forward_s: float = 2.0
+    per_forward_s: float = 10.0  # generous: Wan 14B at 480p is ~3 s/forward resident
     ref_pixels_frames: int = 832 * 480 * 81
 
     def deadline_s(self, reqs: list[GenerationRequest]) -> float:

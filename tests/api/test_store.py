@@ -37,3 +37,15 @@ def test_ttl_expiry_and_reload_from_disk(tmp_path: Path) -> None:
     assert again.get("video_2")["progress"] == 50
     assert again.get("../../etc/passwd") is None
     assert again.delete("video_2") and again.get("video_2") is None
+
+
+def test_restart_fails_jobs_left_unfinished(tmp_path: Path) -> None:
+    s = JobStore(tmp_path)
+    s.put(rec(1))
+    s.put(rec(2, "in_progress"))
+    s.put(rec(3))
+    s.finish("video_3", b"x", status="completed")
+    after = JobStore(tmp_path)  # a new process on the same folder
+    assert after.fail_unfinished("interrupted", "restarted") == 2
+    assert [after.get(f"video_{i}")["status"] for i in (1, 2, 3)] == ["failed", "failed", "completed"]
+    assert after.get("video_1")["error"]["code"] == "interrupted"
