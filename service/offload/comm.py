@@ -65,6 +65,7 @@ class Device:
     _staged: list[torch.cuda.Event] = field(default_factory=list)
     _pool: ThreadPoolExecutor | None = None
     _stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    _last_end: torch.cuda.Event | None = None
 
     def __post_init__(self) -> None:
         if self.is_cuda:
@@ -109,7 +110,7 @@ class Device:
                 if g.world > 1:
                     _all_gather(out, chunk, group=g.pg)
                 self._ready[slot].record(side)
-            return Pending(block, slot, self._cuda_wait(slot))
+            return Pending(block, slot, self._cuda_wait(slot, block))
         if g.world == 1:
             out.copy_(shard)
             return Pending(block, slot, None)
@@ -149,25 +150,34 @@ class Device:
 
         def wait() -> None:
             fut.result()
-            self._cuda_wait(slot)()
+            self._cuda_wait(slot, block)()
 
         return Pending(block, slot, wait)
 
-    def _cuda_wait(self, slot: int) -> Callable[[], None]:
+    def _cuda_wait(self, slot: int, block: int) -> Callable[[], None]:
         def wait() -> None:
             compute = torch.cuda.current_stream(self.device)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(compute)
+            # The stall of a block is the gap since the previous block's compute ended:
+            # a late host (rank-local pack) shows there as well as a late slot. Block 0
+            # starts after the non-block layers, so it measures from its own wait.
+            start = self._last_end if block != 0 else None
+            if start is None:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(compute)
             compute.wait_event(self._ready[slot])
+            after = torch.cuda.Event(enable_timing=True)
             after.record(compute)
-            self._stall_events.append((before, after))
+            self._stall_events.append((start, after))
 
         return wait
 
     def release(self, slot: int) -> None:
         """Compute is done with ``slot``; the next fill of it may start after this point."""
         if self.is_cuda:
-            self._free[slot].record(torch.cuda.current_stream(self.device))
+            compute = torch.cuda.current_stream(self.device)
+            self._free[slot].record(compute)
+            self._last_end = torch.cuda.Event(enable_timing=True)
+            self._last_end.record(compute)
 
     def device_stall_s(self, block: bool = False) -> float:
         """Seconds the compute stream sat waiting for weights (CUDA), from finished events."""

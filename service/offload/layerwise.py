@@ -32,8 +32,8 @@ class OffloadStats:
     blocks: int
     forwards: int = 0
     idle_forwards: int = 0
-    stall_s: float = 0.0  # time compute waited for weights, all forwards
-    last_forward_stall_s: float = 0.0
+    stall_s: float = 0.0  # time compute waited for weights, all forwards (CUDA: from events)
+    last_forward_stall_s: float = 0.0  # CPU only; on CUDA events finish after the forward
     h2d_bytes: int = 0
     last_forward_h2d_bytes: int = 0
     gathered_bytes: int = 0
@@ -220,9 +220,9 @@ class LayerwiseOffload:
             st.last_forward_h2d_bytes = 0
             st.last_forward_gathered_bytes = 0
         p, waited = self.ring.acquire(i)
-        # Host-side wait; on CUDA the device-side wait is added from events in stats().
-        st.stall_s += waited
-        st.last_forward_stall_s += waited
+        if not self.device.is_cuda:  # on CUDA the stall comes from events (comm.Device)
+            st.stall_s += waited
+            st.last_forward_stall_s += waited
         return p.slot
 
     def _count_fill(self, lay: BlockLayout) -> None:
