@@ -1,0 +1,25 @@
+"""Render the README's benchmark tables from loadtest/results/*.json.
+
+    python loadtest/report.py loadtest/results/h200-2026-11-30.json loadtest/results/h200x2-2026-11-30.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_dp import dp_table  # noqa: E402
+from bench_offload import table  # noqa: E402
+
+
+def render(path: Path) -> str:
+    report = json.loads(path.read_text())
+    body = dp_table(report) if "runs" in report else table(report)
+    return f"From `{path.as_posix()}` (`{report['command']}`):\n\n{body}\n"
+
+
+if __name__ == "__main__":
+    print("\n".join(render(Path(p)) for p in sys.argv[1:]))
