@@ -125,6 +125,9 @@ def test_killed_worker_fails_its_wave_then_group_rebuilds(app_url: str) -> None:
     v = wait_final(app_url, vid, timeout=60)
     assert v["status"] == "failed" and "rank 1" in v["error"]["message"], v
     assert time.monotonic() - t_kill < 30
+    during = httpx.get(f"{app_url}/readyz")  # a rebuild takes seconds: readiness says so
+    assert during.status_code == 503 and during.json()["state"] in ("broken", "rebuilding")
+    assert "rank 1" in during.json()["last_error"]
     after = wait_ready(app_url, 120)
     assert after["generation"] == ready["generation"] + 1 and after["rebuilds"] >= 1
     ok = post(app_url, {"prompt": "after the rebuild", "seed": 9}).json()["id"]
