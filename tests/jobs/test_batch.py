@@ -21,7 +21,8 @@ PROMPTS = [
 
 def run_batch(ray_cluster: dict, prompts: Path, out: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "service.jobs.batch", "--prompts", str(prompts), "--out", str(out),
-           "--data-parallel-size", "2", "--cpus-per-rank", "0.5", "--address", ray_cluster["address"]]
+           "--data-parallel-size", "2", "--cpus-per-rank", "0.5", "--address", ray_cluster["address"],
+           "--dlo-no-use-allgather"]  # rank-local DLO here; the HTTP tests cover AllGather
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
