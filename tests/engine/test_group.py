@@ -42,7 +42,7 @@ def test_missed_deadline_fails_the_wave_and_rebuild_recovers(group: DPGroup, res
     gen = group.generation
     t0 = time.monotonic()
     out = group.run_wave([slow], deadline_s=2.0)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # deadline 2 s + poll + kill, with slack for a loaded box
     assert not out[0].ok and "deadline" in out[0].error
     assert group.state == "broken"
     assert group.rebuild("deadline")
