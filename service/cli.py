@@ -116,6 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale,
         flow_shift=args.flow_shift,
     )
+    req.check()  # model-independent checks first: no demo model is written for a bad request
     model = args.model or str(ensure_demo_model())
     load_adapter(model).validate(req)  # reject bad input before any process starts
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
