@@ -83,7 +83,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     from service.models.demo import write_demo_model
 
     t0 = time.perf_counter()
-    path = write_demo_model(args.path, args.preset, args.layers, args.seed)
+    path = write_demo_model(args.path, args.preset, args.layers, args.seed, progress=True)
     print(f"wrote {args.preset} demo model to {path} in {time.perf_counter() - t0:.1f} s")
     return 0
 

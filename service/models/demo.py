@@ -86,7 +86,7 @@ def _small_parts(p: dict[str, Any], vocab_size: int) -> dict[str, Any]:
 
 
 def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int | None = None,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, progress: bool = False) -> Path:
     """Write a complete Wan T2V pipeline directory at ``path`` (new or empty folder)."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
@@ -111,7 +111,9 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
         pipe = WanPipeline(tokenizer=tokenizer, transformer=transformer, **parts)
         pipe.save_pretrained(out)
     if streamed:
-        _write_streamed_transformer(out / "transformer", _transformer_config(p, n_layers), p["dtype"], seed)
+        _write_streamed_transformer(
+            out / "transformer", _transformer_config(p, n_layers), p["dtype"], seed, progress
+        )
         index_file = out / "model_index.json"
         index = json.loads(index_file.read_text())
         index["transformer"] = ["diffusers", "WanTransformer3DModel"]
@@ -136,7 +138,7 @@ def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Gene
 
 
 def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: torch.dtype,
-                                seed: int) -> None:
+                                seed: int, progress: bool = False) -> None:
     """Save config + sharded safetensors one block at a time (diffusers' sharded layout)."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
@@ -167,7 +169,9 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
         size += nbytes
     weight_map: dict[str, str] = {}
     total = 0
-    for i, shard in enumerate(shards):
+    from tqdm import tqdm
+
+    for i, shard in enumerate(tqdm(shards, desc="writing transformer shards", disable=not progress)):
         fname = f"diffusion_pytorch_model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for g in shard:
