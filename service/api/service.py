@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -110,6 +111,9 @@ class VideoService:
         body = validate_create(parse_body(content_type, raw))
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
+        if body.seed is None and "seed" not in self.cfg.defaults:
+            # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
+            body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
         req = body.to_request(self.defaults)
         try:
             self.adapter.validate(req)

@@ -51,7 +51,9 @@ def test_keys_never_share_a_wave_and_lone_request_waits_max_wait(app_url: str) -
     t0 = time.time()
     a = post(app_url, {"prompt": "five frames", "num_frames": 5}).json()["id"]
     b = post(app_url, {"prompt": "nine frames", "num_frames": 9}).json()["id"]
-    assert [wait_final(app_url, i)["status"] for i in (a, b)] == ["completed"] * 2
+    finals = [wait_final(app_url, i) for i in (a, b)]
+    assert [f["status"] for f in finals] == ["completed"] * 2
+    assert finals[0]["seed"] != finals[1]["seed"]  # no seed given: a fresh one each, reported
     waves = waves_of(app_url, [a, b])
     assert [w["size"] for w in waves] == [1, 1] and waves[0]["key"] != waves[1]["key"]
     assert all(w["reason"] == "timeout" for w in waves)
