@@ -1,0 +1,39 @@
+"""The offload benchmark's CPU smoke mode: it runs, and dloserve's output equals resident."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, args: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / script), *args, "--out", str(out)],
+        capture_output=True, text=True, timeout=400, env={**_env(), "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def test_offload_bench_cpu_smoke(tmp_path: Path) -> None:
+    report = _run("bench_offload.py", ["--device", "cpu", "--preset", "tiny", "--layers", "3",
+                                       "--tokens", "64", "--reps", "2"], tmp_path)
+    strategies = report["strategies"]
+    assert set(strategies) == {"resident", "dlo", "dlo-ranklocal"}
+    for name in ("dlo", "dlo-ranklocal"):
+        w = strategies[name]["workloads"]["64"]
+        assert w["bitwise_equal_resident"] is True, name
+        assert w["median_ms"] > 0
+        assert strategies[name]["offload_stats"]["forwards"] == 3  # warm-up + 2 timed
+    assert report["machine"]["torch"] == __import__("torch").__version__
