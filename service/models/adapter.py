@@ -54,13 +54,22 @@ class ModelAdapter(ABC):
     # -- what the offload runtime needs --------------------------------------------------
 
     @property
-    @abstractmethod
     def keep_fp32(self) -> tuple[str, ...]:
-        """Module names that stay fp32 when the transformer is served in a lower dtype."""
+        """Module names that stay fp32 when the transformer is served in a lower dtype.
 
-    @abstractmethod
+        The library class's own ``_keep_in_fp32_modules``, as its from_pretrained does.
+        """
+        return tuple(getattr(self.component_class("transformer"), "_keep_in_fp32_modules", None) or ())
+
     def build_transformer(self) -> nn.Module:
         """The denoiser on the meta device with real buffers (weights come from the runtime)."""
+        from accelerate import init_empty_weights
+
+        cls = self.component_class("transformer")
+        config = cls.load_config(self.model_dir / "transformer")
+        # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
+        with init_empty_weights():
+            return cls.from_config(config).eval()
 
     def transformer_checkpoint(self) -> Path:
         """The transformer's safetensors: the sharded index's folder, or the single file."""
@@ -147,9 +156,10 @@ def read_index(model_dir: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def families() -> dict[str, type[ModelAdapter]]:
     """Pipeline class name -> adapter class, for every supported family."""
+    from .flux import FluxAdapter
     from .wan import WanAdapter
 
-    return {name: cls for cls in (WanAdapter,) for name in cls.pipeline_classes}
+    return {name: cls for cls in (WanAdapter, FluxAdapter) for name in cls.pipeline_classes}
 
 
 def load_adapter(model_dir: str | Path) -> ModelAdapter:

@@ -44,20 +44,6 @@ class WanAdapter(ModelAdapter):
         self.multiple = (spatial * int(patch[1]), spatial * int(patch[2]))
         self._parts: dict[str, Any] = {}
 
-    @property
-    def keep_fp32(self) -> tuple[str, ...]:
-        from diffusers import WanTransformer3DModel
-
-        return tuple(WanTransformer3DModel._keep_in_fp32_modules or ())
-
-    def build_transformer(self) -> nn.Module:
-        from accelerate import init_empty_weights
-
-        cls = self.component_class("transformer")
-        # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
-        with init_empty_weights():
-            return cls.from_config(self.transformer_config).eval()
-
     def validate(self, req: GenerationRequest) -> None:
         super().validate(req)
         mh, mw = self.multiple
