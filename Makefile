@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test lint serve demo generate bench loadtest clean
+.PHONY: setup test lint serve generate bench bench-dp loadtest batch clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -16,16 +16,30 @@ setup: $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps -e .
 
 test:
-	$(BIN)/python -m pytest -q -x tests
+	$(BIN)/python -m pytest -q --durations=12 tests
 
 lint:
 	$(BIN)/ruff check service tests loadtest
+
+SERVE_ARGS ?= --data-parallel-size 2 --enable-distributed-layerwise-offload
+serve:
+	$(BIN)/dloserve serve $(SERVE_ARGS)
+
+loadtest:
+	$(BIN)/python loadtest/http_load.py --url http://127.0.0.1:8000 --concurrency 4 --requests 16
+
+PROMPTS ?= prompts.jsonl
+batch:
+	$(BIN)/python -m service.jobs.batch --prompts $(PROMPTS) --out out/batch --data-parallel-size 2
 
 generate:
 	$(BIN)/dloserve generate --prompt "a red fox running through snow" --out out/demo.mp4
 
 bench:
 	$(BIN)/python loadtest/bench_offload.py
+
+bench-dp:
+	$(BIN)/python loadtest/bench_dp.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache out
