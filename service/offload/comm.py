@@ -12,6 +12,8 @@ runtime above has one code path and CI exercises the real logic on CPU.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +68,9 @@ class Device:
     _pool: ThreadPoolExecutor | None = None
     _stall_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     _last_end: torch.cuda.Event | None = None
+    _gather_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    _gather_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.is_cuda:
@@ -108,15 +113,25 @@ class Device:
                 side.wait_event(self._free[slot])
                 chunk.copy_(shard, non_blocking=True)
                 if g.world > 1:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(side)
                     _all_gather(out, chunk, group=g.pg)
+                    end.record(side)
+                    self._gather_events.append((start, end))
                 self._ready[slot].record(side)
             return Pending(block, slot, self._cuda_wait(slot, block))
         if g.world == 1:
             out.copy_(shard)
             return Pending(block, slot, None)
+        t0 = time.perf_counter()
         work = _all_gather(out, shard, group=g.pg, async_op=True)
         assert work is not None
+        work.get_future().add_done_callback(lambda _: self._add_gather(time.perf_counter() - t0))
         return Pending(block, slot, work.wait)
+
+    def _add_gather(self, seconds: float) -> None:
+        with self._lock:
+            self._gather_s += seconds
 
     def stage(
         self,
@@ -181,16 +196,14 @@ class Device:
 
     def device_stall_s(self, block: bool = False) -> float:
         """Seconds the compute stream sat waiting for weights (CUDA), from finished events."""
-        total = 0.0
-        keep = []
-        for before, after in self._stall_events:
-            if block:
-                after.synchronize()
-            if after.query():
-                total += before.elapsed_time(after) / 1000.0
-            else:
-                keep.append((before, after))
-        self._stall_events = keep
+        total, self._stall_events = _fold(self._stall_events, block)
+        return total
+
+    def take_gather_s(self, block: bool = False) -> float:
+        """Seconds spent inside AllGathers since the last call (overlapped with compute)."""
+        total, self._gather_events = _fold(self._gather_events, block)
+        with self._lock:
+            total, self._gather_s = total + self._gather_s, 0.0
         return total
 
     def synchronize(self) -> None:
@@ -201,3 +214,18 @@ class Device:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _fold(
+    pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]], block: bool
+) -> tuple[float, list[tuple[torch.cuda.Event, torch.cuda.Event]]]:
+    """Sum the elapsed seconds of finished (start, end) event pairs; keep the rest."""
+    total, keep = 0.0, []
+    for start, end in pairs:
+        if block:
+            end.synchronize()
+        if end.query():
+            total += start.elapsed_time(end) / 1000.0
+        else:
+            keep.append((start, end))
+    return total, keep

@@ -38,6 +38,7 @@ class OffloadStats:
     last_forward_h2d_bytes: int = 0
     gathered_bytes: int = 0
     last_forward_gathered_bytes: int = 0
+    gather_s: float = 0.0  # time inside AllGathers (on a side stream/thread: overlaps compute)
     host_shard_bytes: int = 0
     host_pinned_bytes: int = 0
     device_slot_bytes: int = 0
@@ -210,7 +211,8 @@ class LayerwiseOffload:
         """Make block ``i``'s weights ready; returns the slot they are in."""
         st = self._stats
         if i == 0:
-            if self.device.is_cuda:  # fold finished stall events in, so they don't pile up
+            st.gather_s += self.device.take_gather_s(block=False)  # keep event lists short
+            if self.device.is_cuda:
                 st.stall_s += self.device.device_stall_s(block=False)
             if idle:
                 st.idle_forwards += 1
@@ -270,6 +272,8 @@ class LayerwiseOffload:
 
     def stats(self) -> OffloadStats:
         st = self._stats
+        self.device.synchronize()  # finish in-flight fills so their times are counted
+        st.gather_s += self.device.take_gather_s(block=True)
         if self.device.is_cuda:
             stall = self.device.device_stall_s(block=True)
             st.stall_s += stall

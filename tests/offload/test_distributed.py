@@ -77,6 +77,9 @@ def test_outputs_equal_resident(world: int, ckpt: str, reference: dict) -> None:
         assert len(bytes_) == 1
         if world > 1 and mode == "allgather":
             assert bytes_.pop() > 0
+            assert all(res[mode]["stats"]["gather_s"] > 0 for res in results)
+        else:
+            assert all(res[mode]["stats"]["gather_s"] == 0 for res in results)
 
 
 def _sizes_main(rank: int, world: int, path: str) -> dict:
