@@ -9,7 +9,6 @@ request in the wave).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from datetime import timedelta
@@ -18,18 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from service.offload.spawn import run_ranks
 
 from .pipeline import OffloadConfig, PipelineRunner
 from .request import GenerationRequest
 
 GROUP_TIMEOUT = timedelta(minutes=10)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -40,30 +34,10 @@ def rank_device(device: str, rank: int) -> torch.device:
 def launch(world: int, fn: Callable[..., None], args: tuple[Any, ...], device: str = "cpu") -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes inside one process group.
 
-    Raises if any rank fails (torch.multiprocessing re-raises the child's traceback).
+    Raises if any rank fails, with its traceback; the other ranks are stopped at once.
     """
-    if device == "cuda" and torch.cuda.device_count() < world:
-        raise RuntimeError(f"{world} ranks need {world} GPUs, found {torch.cuda.device_count()}")
     backend = "nccl" if device == "cuda" else "gloo"
-    mp.spawn(_entry, args=(world, free_port(), backend, device, fn, args), nprocs=world, join=True)
-
-
-def _entry(
-    rank: int, world: int, port: int, backend: str, device: str, fn: Callable[..., None], args: tuple
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    kwargs: dict[str, Any] = {}
-    if device == "cuda":
-        kwargs["device_id"] = torch.device("cuda", rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=GROUP_TIMEOUT, **kwargs)
-    try:
-        fn(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    run_ranks(fn, world, *args, timeout=None, backend=backend, pg_timeout=GROUP_TIMEOUT)
 
 
 def serve_one(

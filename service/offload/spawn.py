@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +27,23 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, out: str, backend: str, fn: Callable[..., Any], args: tuple
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    backend: str,
+    pg_timeout: timedelta,
+    fn: Callable[..., Any],
+    args: tuple,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the host's cores
     try:
+        kwargs: dict[str, Any] = {"rank": rank, "world_size": world, "timeout": pg_timeout}
         if backend == "nccl":
             torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
+            kwargs["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, **kwargs)
         result = fn(rank, world, *args)
         torch.save(result, f"{out}/{rank}.pt")
     except BaseException:
@@ -46,28 +55,46 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240, backend: str = "gloo"
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float | None = 240,
+    backend: str = "gloo",
+    pg_timeout: timedelta = timedelta(minutes=10),
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results.
 
-    ``backend="nccl"`` puts rank r on GPU r.
+    ``backend="nccl"`` puts rank r on GPU r. When a rank fails the others are killed at
+    once (they would otherwise wait in a collective until ``pg_timeout``); ``timeout``
+    bounds the whole run (None: no bound). Raises with every failed rank's traceback.
     """
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        raise RuntimeError(f"{world} ranks need {world} GPUs, found {torch.cuda.device_count()}")
     port = free_port()
     ctx = mp.get_context("spawn")
+    deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            ctx.Process(target=_entry, args=(r, world, port, out, backend, fn, args)) for r in range(world)
+            ctx.Process(target=_entry, args=(r, world, port, out, backend, pg_timeout, fn, args))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        timed_out = False
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # one rank failed: the rest would hang in a collective
+            if deadline is not None and time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
         for p in procs:
             if p.is_alive():
                 p.kill()
-        errors = [Path(f"{out}/{r}.err") for r in range(world)]
-        msgs = [e.read_text() for e in errors if e.exists()]
-        if msgs or any(p.exitcode != 0 for p in procs):
+            p.join()
+        msgs = [e.read_text() for e in (Path(f"{out}/{r}.err") for r in range(world)) if e.exists()]
+        if timed_out or msgs or any(p.exitcode != 0 for p in procs):
             codes = [p.exitcode for p in procs]
-            raise RuntimeError(f"ranks failed (exit codes {codes}):\n" + "\n".join(msgs))
+            why = f"timed out after {timeout} s" if timed_out else "failed"
+            raise RuntimeError(f"ranks {why} (exit codes {codes}):\n" + "\n".join(msgs))
         return [torch.load(f"{out}/{r}.pt", weights_only=False) for r in range(world)]
