@@ -98,7 +98,7 @@ class PipelineRunner:
                 block_attrs=list(adapter.block_attrs),
                 dtype=cfg.dtype,
                 keep_fp32=adapter.keep_fp32,
-                progress=progress,
+                progress=_shard_bar() if progress else None,
             )
         else:
             load_resident(module, ckpt, dev, dtype=cfg.dtype, keep_fp32=adapter.keep_fp32)
@@ -165,3 +165,18 @@ class PipelineRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _shard_bar() -> Callable[[int, int], None]:
+    """A tqdm bar over the blocks being sharded (the offload library takes a callback)."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc="sharding blocks", unit="block", leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return update

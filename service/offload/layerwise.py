@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -127,7 +127,7 @@ class LayerwiseOffload:
         block_attrs: Sequence[str] | None,
         dtype: torch.dtype | None,
         keep_fp32: Iterable[str],
-        progress: bool,
+        progress: Callable[[int, int], None] | None,
     ) -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -175,7 +175,12 @@ class LayerwiseOffload:
         )
         world = self.group.world if use_allgather else 1
         slot_bytes = max(lay.padded_bytes(world) for lay in layouts)
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+        try:
+            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+        except BaseException:  # e.g. device OOM: do not leave the host arena pinned
+            self.host.close()
+            self.device.close()
+            raise
         self.ring = Ring(self.host, self.device, self.slots, self._count_fill)
         self._blocks = [blk for _, blk in blocks]
         self._placeholders = [
@@ -185,7 +190,8 @@ class LayerwiseOffload:
         self._hooks = []
         for i, blk in enumerate(self._blocks):
             self._hooks.append(blk.register_forward_pre_hook(self._pre_hook(i)))
-            self._hooks.append(blk.register_forward_hook(self._post_hook(i)))
+            # always_call: a block that raises still gives its slot back
+            self._hooks.append(blk.register_forward_hook(self._post_hook(i), always_call=True))
 
         by_dtype: dict[str, int] = {}
         for lay in layouts:
@@ -263,8 +269,15 @@ class LayerwiseOffload:
     # -- public -----------------------------------------------------------------------
 
     def idle_forwards(self, k: int) -> None:
-        """Take part in every gather of ``k`` forwards without computing (idle replay)."""
+        """Take part in every gather of ``k`` forwards without computing (idle replay).
+
+        Where fills are not collectives (rank-local mode, or a single rank) there is
+        nothing to take part in: the forwards are only counted.
+        """
         self._check_open()
+        if not self.host.collective:
+            self._stats.idle_forwards += k
+            return
         for _ in range(k):
             for i in range(len(self.layouts)):
                 self._enter(i, idle=True)
@@ -314,14 +327,15 @@ def enable_layerwise_offload(
     *,
     dtype: torch.dtype | None = None,
     keep_fp32: Iterable[str] = (),
-    progress: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> LayerwiseOffload:
     """Stream ``module``'s blocks from host memory through two device slots.
 
     ``checkpoint`` keys are the module's own ``state_dict()`` names. ``dtype`` casts
     floating tensors while sharding (``keep_fp32`` names stay fp32); None serves the
-    checkpoint's dtypes. Every rank of ``group`` must call this and then run the same
-    number of forwards (or ``idle_forwards``) in the same order.
+    checkpoint's dtypes. ``progress(done, total)`` is called as blocks are sharded. Every
+    rank of ``group`` must call this and then run the same number of forwards (or
+    ``idle_forwards``) in the same order.
     """
     t0 = time.perf_counter()
     handle = LayerwiseOffload(

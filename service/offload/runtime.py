@@ -45,7 +45,7 @@ class HostBlocks:
         group: Group,
         device: Device,
         use_allgather: bool,
-        progress: bool = False,
+        progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self.ckpt = ckpt
         self.group = group
@@ -59,8 +59,15 @@ class HostBlocks:
             # Rank-local: two pinned staging buffers on CUDA, sized by the largest block.
             if device.is_cuda:
                 size = max(b.layout.total_bytes for b in self.blocks)
-                self.staging = [device.pin(torch.empty(size, dtype=torch.uint8)) for _ in range(2)]
-                self.pinned.extend(self.staging)
+                self.staging = []
+                for _ in range(2):  # one at a time, so close() unpins whatever got pinned
+                    self.staging.append(device.pin(torch.empty(size, dtype=torch.uint8)))
+                    self.pinned.append(self.staging[-1])
+
+    @property
+    def collective(self) -> bool:
+        """Whether fills are collectives that every rank must make in the same order."""
+        return self.use_allgather and self.group.world > 1
 
     @property
     def pinned_bytes(self) -> int:
@@ -70,13 +77,12 @@ class HostBlocks:
     def shard_bytes(self) -> int:
         return sum(b.shard.numel() for b in self.blocks if b.shard is not None)
 
-    def _shard_all(self, progress: bool) -> None:
+    def _shard_all(self, progress: Callable[[int, int], None] | None) -> None:
         world, rank = self.group.world, self.group.rank
         total = sum(b.layout.shard_bytes(world) for b in self.blocks)
         # One host allocation for every shard, pinned once at its exact size.
         arena = torch.zeros(total, dtype=torch.uint8)
         offset = 0
-        bar = _bar(len(self.blocks), "sharding blocks", progress)
         for b in self.blocks:
             n = b.layout.shard_bytes(world)
             b.shard = arena.narrow(0, offset, n)
@@ -84,8 +90,8 @@ class HostBlocks:
             self._copy_range(b, b.layout.shard_range(rank, world), b.shard)
             # This rank has its bytes: drop the mapping of the block's pages (PSS falls).
             self.ckpt.release(b.keys.values())
-            bar.update()
-        bar.close()
+            if progress is not None:
+                progress(b.layout.index + 1, len(self.blocks))
         self.pinned.append(self.device.pin(arena))
 
     def _copy_range(self, b: BlockSource, rng: tuple[int, int], dst: torch.Tensor) -> None:
@@ -162,10 +168,17 @@ class Ring:
             self.pending = self._issue()
         p = self.pending
         if p.block != block:
-            raise RuntimeError(
-                f"layerwise offload expected block {p.block} to run next but block {block} was "
-                "called: blocks must run once each, in order, in every forward"
-            )
+            if self.host.collective:
+                raise RuntimeError(
+                    f"layerwise offload expected block {p.block} to run next but block {block} was "
+                    "called: blocks must run once each, in order, in every forward (the ranks' "
+                    "gathers are now out of step: close the handle and rebuild the group)"
+                )
+            # No collective involved: drop the prefetch and restart the ring at ``block``
+            # (after a forward that raised midway, say).
+            p.wait()
+            self.next_block = block
+            self.pending = p = self._issue()
         t0 = time.perf_counter()
         p.wait()
         waited = time.perf_counter() - t0  # host time blocked (CPU work, or a rank-local pack)
@@ -184,20 +197,6 @@ class Ring:
             self.pending.wait()
         self.pending = self.current = None
         self.device.synchronize()
-
-
-def _bar(total: int, desc: str, enabled: bool):  # noqa: ANN202 - tqdm or a no-op
-    if enabled:
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, unit="block", leave=False)
-
-    class _Null:
-        def update(self, n: int = 1) -> None: ...
-
-        def close(self) -> None: ...
-
-    return _Null()
 
 
 def placeholder(like: torch.Tensor, device: torch.device) -> torch.Tensor:
