@@ -9,7 +9,7 @@ rides in bundle 0 of the placement group Serve reserves for it from
 ``placement_group_bundles``; the N worker actors take the N bundles.
 """
 
-
+import asyncio
 from typing import Any, Literal
 
 import ray
@@ -58,7 +58,9 @@ class VideoIngress:
         """Queue a generation job (JSON or multipart, as the openai client sends)."""
         raw = await request.body()
         try:
-            rec = self.svc.create(request.headers.get("content-type", ""), raw)
+            # create() writes the job record under a lock the dispatcher shares: keep it
+            # off the event loop so status polls are not held up behind it.
+            rec = await asyncio.to_thread(self.svc.create, request.headers.get("content-type", ""), raw)
         except BodyError as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return _error(422, e.message, e.field, code=e.kind)

@@ -153,13 +153,21 @@ def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
                 continue
             if part.get_filename() is not None:
                 raise BodyError(str(name), "file uploads (input_reference) are not supported")
-            out[str(name)] = part.get_payload(decode=True).decode("utf-8")
+            out[str(name)] = _text(part.get_payload(decode=True), str(name))
         return out
     if ctype == "application/x-www-form-urlencoded":
         from urllib.parse import parse_qsl
 
-        return dict(parse_qsl(raw.decode("utf-8"), keep_blank_values=True))
+        return dict(parse_qsl(_text(raw, "body"), keep_blank_values=True))
     raise BodyError("body", f"unsupported content type {ctype!r}", "content_type")
+
+
+def _text(data: bytes | None, field: str) -> str:
+    """UTF-8 text of a body or form part; anything else is the client's error (422)."""
+    try:
+        return (data or b"").decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(field, f"not UTF-8 text: {e.reason}", "encoding") from e
 
 
 def validate_create(data: dict[str, Any]) -> VideoCreate:

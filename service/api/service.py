@@ -49,7 +49,7 @@ class ServiceConfig(BaseModel):
     results_dir: str = str(Path.home() / ".cache" / "dloserve" / "results")
     retention_s: float = 86400.0
     max_jobs: int = 1000
-    pg_timeout_s: float = 300.0
+    pg_timeout_s: float = 3600.0  # last resort: the wave deadline tears the group down first
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict)

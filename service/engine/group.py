@@ -41,7 +41,7 @@ class EngineSpec:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
-    pg_timeout_s: float = 300.0
+    pg_timeout_s: float = 3600.0  # last resort: the wave deadline tears the group down first
     setup_timeout_s: float = 900.0
     poll_s: float = 0.25
 
@@ -92,8 +92,6 @@ class DPGroup:
         """Create actors in the placement group, rendezvous, load; raises on failure."""
         self.state = "starting" if self.generation == 0 else "rebuilding"
         self._gauge(0)
-        if self.pg is None:
-            self.pg = self._placement_group()
         self.actors = []
         wspec = WorkerSpec(
             model_dir=self.spec.model_dir,
@@ -105,6 +103,8 @@ class DPGroup:
             group_id=self.group_id,
         )
         try:
+            if self.pg is None:
+                self.pg = self._placement_group()
             for r in range(self.spec.dp_size):
                 strat = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
                 self.actors.append(
@@ -123,6 +123,9 @@ class DPGroup:
         except Exception as e:  # noqa: BLE001 - any start failure leaves a clean, failed group
             self.last_error = f"group start failed: {_short(e)}"
             self._kill()
+            if self._own_pg and self.pg is not None and self.state != "ready":
+                remove_placement_group(self.pg)  # e.g. it never fitted: try afresh next time
+                self.pg, self._own_pg = None, False
             self.state = "failed"
             raise RuntimeError(self.last_error) from e
         log.info("DP group %s gen %d ready: %s", self.group_id, self.generation, facts)
@@ -179,7 +182,14 @@ class DPGroup:
             why = f"DP group not ready ({self.state})"
             return [Outcome(r, error=why) for r in range(len(reqs))]
         with self._lock:
-            return self._run(reqs, deadline_s, on_progress)
+            try:
+                return self._run(reqs, deadline_s, on_progress)
+            except BaseException as e:
+                # Ranks may still be inside this wave: never send another to them.
+                self.last_error = f"wave aborted: {_short(e)}"
+                self.state = "broken"
+                self._gauge(0)
+                raise
 
     def _run(
         self, reqs: list[Any], deadline_s: float, on_progress: ProgressFn | None
@@ -201,6 +211,8 @@ class DPGroup:
                     failure = f"rank {rank} died: {_short(e)}"
                 except RayTaskError as e:
                     failure = f"rank {rank} failed: {_short(e)}"
+                except RayError as e:  # object lost, node died, worker crashed, OOM
+                    failure = f"rank {rank} lost: {_short(e)}"
             if failure is None and refs and time.monotonic() > end:
                 failure = f"wave deadline of {deadline_s:.0f}s exceeded"
             if failure is None and on_progress is not None:
@@ -239,8 +251,8 @@ class DPGroup:
         if current is not None and len(current.bundle_specs) >= self.spec.dp_size:
             return current
         pg = placement_group(self.spec.bundles(), strategy=self.spec.strategy)
+        self.pg, self._own_pg = pg, True  # ours to remove, even if it never becomes ready
         ray.get(pg.ready(), timeout=self.spec.setup_timeout_s)
-        self._own_pg = True
         return pg
 
     def _kill(self) -> None:

@@ -28,7 +28,7 @@ class WorkerSpec:
     device: str = "cpu"  # "cpu" or "cuda"
     offload: bool = True
     use_allgather: bool = True
-    pg_timeout_s: float = 300.0
+    pg_timeout_s: float = 3600.0  # last resort: the wave deadline tears the group down first
     group_id: str = "g0"
 
 
@@ -50,6 +50,7 @@ class DPWorker:
         self.calls = 0
         self._progress: dict[str, Any] = {"wave": None, "step": 0, "total": 0}
         self._lock = threading.Lock()
+        self._busy = threading.Lock()
         self._seen: dict[str, float] = {}
         self._tags = {"group": spec.group_id, "rank": str(rank)}
         self._gauges: dict[str, float] = {}
@@ -89,6 +90,16 @@ class DPWorker:
 
     def run(self, wave_id: str, reqs: list[Any]) -> dict[str, Any]:
         """Run ``reqs[rank]``, or idle-replay ``reqs[0]``'s gathers if this rank has none."""
+        # The actor is threaded for progress polls; two waves at once would interleave
+        # their gathers on one ring, so a second one is refused.
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"rank {self.rank} is still running wave {self._progress.get('wave')}")
+        try:
+            return self._run(wave_id, reqs)
+        finally:
+            self._busy.release()
+
+    def _run(self, wave_id: str, reqs: list[Any]) -> dict[str, Any]:
         self.calls += 1
         t0 = time.monotonic()
         last = [t0]

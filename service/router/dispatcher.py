@@ -82,7 +82,7 @@ class Dispatcher:
     def _main(self) -> None:
         try:
             self.group.start()
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - the loop must live on: waves fail with the reason
             log.exception("DP group failed to start")
         while True:
             with self._cv:

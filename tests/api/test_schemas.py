@@ -54,3 +54,13 @@ def test_unreadable_bodies() -> None:
     with pytest.raises(BodyError) as e:
         parse_body(ctype, raw)
     assert e.value.field == "input_reference"
+
+
+def test_bodies_that_are_not_utf8_are_the_clients_error() -> None:
+    with pytest.raises(BodyError) as e:
+        parse_body("application/x-www-form-urlencoded", b"prompt=\xff\xfe")
+    assert e.value.field == "body"
+    ctype, raw = encoded(files={"prompt": (None, "a fox")})
+    with pytest.raises(BodyError) as e:
+        parse_body(ctype, raw.replace(b"a fox", b"\xff\xfe"))
+    assert e.value.field == "prompt"
