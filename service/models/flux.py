@@ -53,6 +53,11 @@ class FluxAdapter(ModelAdapter):
                 raise RequestError(name, f"must be a multiple of {self.multiple}, got {getattr(req, name)}")
         if req.num_frames != 1:
             raise RequestError("num_frames", f"must be 1 for an image model, got {req.num_frames}")
+        # Fields Flux would silently ignore are refused rather than dropped.
+        if req.negative_prompt:
+            raise RequestError("negative_prompt", "Flux (distilled guidance) takes no negative prompt")
+        if req.flow_shift is not None:
+            raise RequestError("flow_shift", "Flux derives its shift from the image size")
         msl = req.extra.get("max_sequence_length", 512)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= 512:
             raise RequestError("extra.max_sequence_length", f"must be an integer in [1, 512], got {msl!r}")

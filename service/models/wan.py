@@ -42,6 +42,8 @@ class WanAdapter(ModelAdapter):
         spatial = int(vae_config.get("scale_factor_spatial", 8))
         self.temporal = int(vae_config.get("scale_factor_temporal", 4)) * int(patch[0])
         self.multiple = (spatial * int(patch[1]), spatial * int(patch[2]))
+        sched = model_dir / "scheduler" / "scheduler_config.json"
+        self.scheduler_config = _read_json(sched) if sched.is_file() else {}
         self._parts: dict[str, Any] = {}
 
     def validate(self, req: GenerationRequest) -> None:
@@ -55,6 +57,9 @@ class WanAdapter(ModelAdapter):
             raise RequestError(
                 "num_frames", f"must be {self.temporal}k+1 (1, 5, 9, ..., 81), got {req.num_frames}"
             )
+        if req.flow_shift is not None and not {"flow_shift", "shift"} & set(self.scheduler_config):
+            name = self.scheduler_config.get("_class_name", "the scheduler")
+            raise RequestError("flow_shift", f"{name} has no flow shift setting")
         msl = req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= 512:
             raise RequestError("extra.max_sequence_length", f"must be an integer in [1, 512], got {msl!r}")

@@ -100,5 +100,10 @@ def test_flux_frames_equal_diffusers(
             runner.validate(GenerationRequest(prompt="a", height=32, width=32, num_frames=5))
         with pytest.raises(RequestError, match="width"):
             runner.validate(GenerationRequest(prompt="a", height=32, width=34, num_frames=1))
+        with pytest.raises(RequestError, match="negative prompt"):
+            runner.validate(GenerationRequest(prompt="a", negative_prompt="b", height=32, width=32,
+                                              num_frames=1))
+        with pytest.raises(RequestError, match="shift"):
+            runner.validate(GenerationRequest(prompt="a", flow_shift=2.0, height=32, width=32, num_frames=1))
     finally:
         runner.close()
