@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from service.api.service import resolve_model
     from service.models.adapter import ModelError, load_adapter
+    from service.models.demo import resolve_model
 
     t0 = time.monotonic()
     try:

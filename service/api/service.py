@@ -22,6 +22,7 @@ from service.api.store import JobStore
 from service.engine.group import DPGroup, EngineSpec, Outcome
 from service.engine.metrics import metrics
 from service.models.adapter import load_adapter
+from service.models.demo import resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.dispatcher import Dispatcher
 from service.router.policy import DeadlinePolicy, Limits
@@ -65,14 +66,6 @@ class ServiceConfig(BaseModel):
             strategy=self.strategy,
             pg_timeout_s=self.pg_timeout_s,
         )
-
-
-def resolve_model(model: str | None) -> str:
-    if model:
-        return str(Path(model).expanduser().resolve())
-    from service.models.demo import ensure_demo_model
-
-    return str(ensure_demo_model())
 
 
 class VideoService:

@@ -36,7 +36,9 @@ def metrics() -> dict[str, Any]:
             "dloserve_step_seconds", "Denoising step wall time per rank", _STEP, _RANK
         ),
         "stall": Counter(
-            "dloserve_weight_stall_seconds_total", "Host time waiting for weights", _RANK
+            "dloserve_weight_stall_seconds_total",
+            "Time compute waited for block weights (CPU: host wait; CUDA: compute-stream gap)",
+            _RANK,
         ),
         "allgather_s": Counter(
             "dloserve_allgather_seconds_total", "Time spent in weight AllGathers", _RANK

@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from service.api.service import resolve_model  # model resolution shared with serve
     from service.models.adapter import ModelError, load_adapter
+    from service.models.demo import resolve_model  # model resolution shared with serve
 
     try:
         items = read_prompts(args.prompts)

@@ -5,7 +5,8 @@ runtime above has one code path and CI exercises the real logic on CPU.
 
 - CUDA: a side stream does the H2D copy of the rank's shard into its chunk of the slot,
   then an in-place ``all_gather_into_tensor`` (NCCL); a CUDA event marks the slot ready
-  and the compute stream waits on it. The CPU never blocks.
+  and the compute stream waits on it. The host does not block on gathers (in rank-local
+  mode it waits for the pack thread).
 - CPU: the slot is host memory. Gathers run as gloo async work (gloo's own threads);
   rank-local packing runs on one background thread. Waiting means joining that work.
 """
