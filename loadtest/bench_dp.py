@@ -31,7 +31,7 @@ from bench_offload import _machine, host_memory, inputs  # noqa: E402
 from offload_strategies import _meta_transformer  # noqa: E402
 
 from service.offload import enable_layerwise_offload  # noqa: E402
-from service.offload.comm import _all_gather  # noqa: E402
+from service.offload.comm import all_gather  # noqa: E402
 from service.offload.spawn import run_ranks  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def _time_gather(h: Any, dev: torch.device, reps: int = 5) -> float:
     for _ in range(reps + 1):
         _sync(dev)
         t = time.perf_counter()
-        _all_gather(out, inp, group=h.group.pg)
+        all_gather(out, inp, group=h.group.pg)
         _sync(dev)
         times.append((time.perf_counter() - t) * 1000)
     return sorted(times[1:])[len(times[1:]) // 2]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed all_gather_into_tensor; the GPU image still has 2.11.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -116,7 +116,7 @@ class Device:
                 if g.world > 1:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(side)
-                    _all_gather(out, chunk, group=g.pg)
+                    all_gather(out, chunk, group=g.pg)
                     end.record(side)
                     self._gather_events.append((start, end))
                 self._ready[slot].record(side)
@@ -125,7 +125,7 @@ class Device:
             out.copy_(shard)
             return Pending(block, slot, None)
         t0 = time.perf_counter()
-        work = _all_gather(out, shard, group=g.pg, async_op=True)
+        work = all_gather(out, shard, group=g.pg, async_op=True)
         assert work is not None
         work.get_future().add_done_callback(lambda _: self._add_gather(time.perf_counter() - t0))
         return Pending(block, slot, work.wait)
