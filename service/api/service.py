@@ -132,12 +132,13 @@ class VideoService:
             "guidance_scale": req.guidance_scale,
         }
         self.store.put(rec)
+        accepted = dict(rec)  # the job as accepted; the dispatcher may move it on at once
         try:
             self.dispatcher.submit(job_id, req.compat_key(), req)
         except Exception:
             self.store.delete(job_id)
             raise
-        return rec
+        return accepted
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         return self.store.get(job_id)
