@@ -63,18 +63,33 @@ def _rank_main(rank: int, world: int, ckpt: str) -> dict:
 
 
 class PeakSampler(threading.Thread):
-    """Sums the PSS of this process's children every 20 ms; keeps the largest sum."""
+    """Sums the PSS of the rank processes every 20 ms; keeps the largest sum.
+
+    Only children started after the sampler and running multiprocessing's spawn entry
+    count: a Ray cluster that an earlier test started also hangs off this process.
+    """
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak = 0
         self.stop = threading.Event()
+        self.before = {c.pid for c in psutil.Process().children()}
+
+    def _is_rank(self, child: psutil.Process) -> bool:
+        if child.pid in self.before:
+            return False
+        try:
+            return "spawn_main" in " ".join(child.cmdline())
+        except psutil.Error:
+            return False
 
     def run(self) -> None:
         me = psutil.Process()
         while not self.stop.is_set():
             total = 0
             for child in me.children():
+                if not self._is_rank(child):
+                    continue
                 try:
                     total += pss_bytes(child.pid)
                 except (OSError, RuntimeError):
