@@ -1,15 +1,37 @@
-"""H.264 MP4 encoding with PyAV, byte-reproducible.
+"""H.264 MP4 encoding with PyAV: the bytes are a function of the frames and fps alone.
 
 Same frames -> same bytes is what lets the tests compare strategies by SHA-256 of the
-file, so both the RGB -> YUV conversion (swscale) and the encoder run single-threaded
-with fixed options (threaded slices and x264's frame threads otherwise make the bytes
-depend on scheduling and on the host's core count). ``+faststart`` rewrites
-the file after the fact and needs a seekable real file, so we encode to a temporary file
-and read it back rather than writing into BytesIO.
+file. Three things stood in the way:
+
+- Threads. swscale's RGB -> YUV conversion and x264 both run single-threaded with fixed
+  options (threaded slices and x264's frame threads make the bytes depend on scheduling
+  and on the host's core count).
+- x264's AVX-512 macroblock tree read memory it never wrote. The lookahead's
+  ``mbtree_propagate_list_internal_avx512`` (x264 common/x86/mc-a2.asm) handles 8
+  macroblocks per loop iteration and has no tail: when a frame's width in macroblocks is
+  not a multiple of 8 (96, 832 or 480 pixels wide, say) the last iteration reads
+  propagate amounts past the row's end, from a scratch buffer x264 allocated but never
+  filled, and adds them into real macroblocks' propagate costs. Those become QP offsets,
+  so whatever an earlier pipeline run left in the heap changed the bitstream (issue 9:
+  four encodes of one set of frames gave four files). The SSE/AVX2 versions stop at the
+  row's end. So we ask x264 which instruction sets the CPU has and hand it that set
+  without AVX-512; the encoder never enters that routine, and keeps its macroblock tree
+  (turning the tree off instead made a smooth synthetic 480p clip 1.8x larger at the
+  same PSNR). Where
+  the library cannot be asked, the tree is turned off instead, which is also exact.
+- ``+faststart`` rewrites the file after the fact and needs a seekable real file, so we
+  encode to a temporary file and read it back rather than writing into BytesIO.
+
+The bytes are the same run to run and process to process on one machine; across CPUs
+with different instruction sets x264's SIMD variants may round differently.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
 import os
 import tempfile
 from fractions import Fraction
@@ -17,7 +39,53 @@ from fractions import Fraction
 import av
 import numpy as np
 
-X264_OPTIONS = {"crf": "18", "preset": "medium", "threads": "1"}
+log = logging.getLogger("dloserve.video")
+
+X264_BASE = {"crf": "18", "preset": "medium", "threads": "1"}
+X264_CPU_AVX512 = 1 << 16  # x264.h; stable since x264 gained AVX-512 (build 152)
+
+
+def x264_options() -> dict[str, str]:
+    """The codec options every encode uses (the CPU mask is read once per process)."""
+    return {**X264_BASE, "x264-params": _x264_params()}
+
+
+@functools.cache
+def _x264_params() -> str:
+    mask = _x264_cpu_flags()
+    if mask is None:
+        log.warning("cannot ask libx264 for its CPU flags: encoding without the macroblock "
+                    "tree so the bytes stay a function of the frames")
+        return "mbtree=0"
+    return f"asm={mask & ~X264_CPU_AVX512}"
+
+
+def _x264_cpu_flags() -> int | None:
+    """What ``x264_cpu_detect`` of the libx264 PyAV loaded says the CPU has, or None."""
+    path = _loaded_library("libx264") or ctypes.util.find_library("x264")
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        detect = lib.x264_cpu_detect
+    except (OSError, AttributeError):
+        return None
+    detect.restype = ctypes.c_uint32
+    detect.argtypes = []
+    return int(detect())
+
+
+def _loaded_library(stem: str) -> str | None:
+    """The path of an already mapped shared library whose file name starts with ``stem``."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith(stem):
+                    return parts[5].strip()
+    except OSError:
+        pass
+    return None
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -48,7 +116,7 @@ def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
     os.close(fd)
     try:
         with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as out:
-            stream = out.add_stream("libx264", rate=Fraction(int(fps), 1), options=X264_OPTIONS)
+            stream = out.add_stream("libx264", rate=Fraction(int(fps), 1), options=x264_options())
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
             stream.codec_context.thread_count = 1
