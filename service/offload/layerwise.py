@@ -188,6 +188,11 @@ class LayerwiseOffload:
             for lay in layouts
         ]
         self._hooks = []
+        self._entered = 0  # blocks entered in the module forward now running
+        # Around the whole module: a forward that raises midway still makes every gather of
+        # a forward, so the other ranks' collectives stay in step (see _finish_forward).
+        self._hooks.append(module.register_forward_pre_hook(self._begin_forward))
+        self._hooks.append(module.register_forward_hook(self._finish_forward, always_call=True))
         for i, blk in enumerate(self._blocks):
             self._hooks.append(blk.register_forward_pre_hook(self._pre_hook(i)))
             # always_call: a block that raises still gives its slot back
@@ -250,6 +255,7 @@ class LayerwiseOffload:
 
         def hook(module: nn.Module, args: object) -> None:
             self._check_open()
+            self._entered = i + 1
             slot = self.slots[self._enter(i, idle=False)]
             for e in lay.entries:
                 set_tensor(module, e.name, e.view(slot))
@@ -265,6 +271,23 @@ class LayerwiseOffload:
             self.ring.release()
 
         return hook
+
+    def _begin_forward(self, module: nn.Module, args: object) -> None:
+        self._entered = 0
+
+    def _finish_forward(self, module: nn.Module, args: object, output: object) -> None:
+        """Replay the gathers of the blocks a raising forward never reached.
+
+        Each rank makes the same collective calls in the same order: a forward that
+        failed on one rank (a bad input, an OOM in block 3) would otherwise leave the
+        others waiting in block 4's gather. After this the ring is back at block 0.
+        """
+        if self._closed or not self.host.collective or self._entered == len(self.layouts):
+            return
+        for i in range(self._entered, len(self.layouts)):
+            self._enter(i, idle=True)
+            self.ring.release()
+        self._entered = len(self.layouts)
 
     # -- public -----------------------------------------------------------------------
 
@@ -283,12 +306,15 @@ class LayerwiseOffload:
                 self._enter(i, idle=True)
                 self.ring.release()
 
-    def stats(self) -> OffloadStats:
+    def stats(self, sync: bool = True) -> OffloadStats:
+        """Counters so far. ``sync`` waits for fills in flight so their times count; without
+        it only finished work is counted (cheap enough to call between forwards)."""
         st = self._stats
-        self.device.synchronize()  # finish in-flight fills so their times are counted
-        st.gather_s += self.device.take_gather_s(block=True)
+        if sync:
+            self.device.synchronize()
+        st.gather_s += self.device.take_gather_s(block=sync)
         if self.device.is_cuda:
-            stall = self.device.device_stall_s(block=True)
+            stall = self.device.device_stall_s(block=sync)
             st.stall_s += stall
             st.device_peak_bytes = torch.cuda.max_memory_allocated(self.device.device)
         else:
