@@ -3,23 +3,32 @@
     from service.models import PipelineRunner, OffloadConfig, GenerationRequest
     runner = PipelineRunner.load(ensure_demo_model(), "cpu", offload=OffloadConfig())
     mp4 = runner.generate(GenerationRequest("a red fox running through snow", seed=1))
+
+Names are imported on first use: an MP4 encoder process imports ``service.models.video``
+without pulling in torch and diffusers.
 """
 
-from .adapter import ModelAdapter, ModelError, load_adapter
-from .demo import ensure_demo_model, write_demo_model
-from .pipeline import OffloadConfig, PipelineRunner
-from .request import GenerationRequest, RequestError
-from .video import encode_mp4
+from __future__ import annotations
 
-__all__ = [
-    "GenerationRequest",
-    "ModelAdapter",
-    "ModelError",
-    "OffloadConfig",
-    "PipelineRunner",
-    "RequestError",
-    "encode_mp4",
-    "ensure_demo_model",
-    "load_adapter",
-    "write_demo_model",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ModelAdapter": "adapter",
+    "ModelError": "adapter",
+    "load_adapter": "adapter",
+    "ensure_demo_model": "demo",
+    "write_demo_model": "demo",
+    "OffloadConfig": "pipeline",
+    "PipelineRunner": "pipeline",
+    "GenerationRequest": "request",
+    "RequestError": "request",
+    "encode_mp4": "video",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

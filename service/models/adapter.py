@@ -138,6 +138,17 @@ class ModelAdapter(ABC):
         return obj
 
 
+def frames_to_uint8(video: torch.Tensor) -> np.ndarray:
+    """Frames [T, C, H, W] in [0, 1] on any device -> uint8 [T, H, W, 3] on the host.
+
+    The same float32 arithmetic as ``video.to_uint8`` on diffusers' numpy output (clip,
+    x255, round half to even), done where the frames are, so a 480p clip crosses to the
+    host as 97 MB of uint8 instead of 388 MB of float32.
+    """
+    x = (video.float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
+    return x.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+
+
 def read_index(model_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     path = Path(model_dir)
     index_file = path / "model_index.json"

@@ -17,9 +17,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter, ModelError, StepCallback
+from .adapter import ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .request import GenerationRequest, RequestError
-from .video import to_uint8
 
 
 class FluxAdapter(ModelAdapter):
@@ -90,11 +89,11 @@ class FluxAdapter(ModelAdapter):
             num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale,
             generator=torch.Generator("cpu").manual_seed(req.seed),
-            output_type="np",
+            output_type="pt",
             callback_on_step_end=callback,
             max_sequence_length=req.extra.get("max_sequence_length", 512),
         )
-        return to_uint8(np.asarray(out.images))  # [1, H, W, 3]: one frame
+        return frames_to_uint8(out.images)  # [1, C, H, W] -> uint8 [1, H, W, 3]: one frame
 
     def close(self) -> None:
         self._parts.clear()

@@ -7,9 +7,10 @@ UMT5-XXL encoder (~11 GB bf16) plus the VAE (~0.5 GB fp32). Both run once per re
 so they could be offloaded whole (moved to the device for their one call) at the cost of
 one host-to-device copy each per request; that is not done yet.
 
-Every rank of a DP group loads the same runner; in each wave a rank either ``generate``s
-its request or ``idle``-replays the same number of transformer forwards, so all ranks
-make the same collective calls in the same order.
+Every rank of a DP group loads the same runner; for each transformer forward of the group
+a rank either runs one of its own request's forwards or ``idle_forwards(1)``-replays the
+gathers, so all ranks make the same collective calls in the same order (service.engine.rank
+decides which, forward by forward).
 """
 
 from __future__ import annotations
@@ -125,6 +126,12 @@ class PipelineRunner:
         """Run ``req`` and return the MP4 bytes; ``on_step(done, total)`` after each step."""
         return encode_mp4(self.frames(req, on_step), req.fps)
 
+    def idle_forwards(self, k: int) -> None:
+        """Join the gathers of ``k`` transformer forwards without computing (one tick each)."""
+        self._check_open()
+        if self.handle is not None:
+            self.handle.idle_forwards(k)
+
     def idle(self, req: GenerationRequest) -> None:
         """Join the gathers of ``req``'s transformer forwards without computing (idle rank)."""
         self._check_open()
@@ -134,8 +141,8 @@ class PipelineRunner:
 
     # -- introspection and teardown ----------------------------------------------------------
 
-    def offload_stats(self) -> dict[str, Any] | None:
-        return self.handle.stats().as_dict() if self.handle is not None else None
+    def offload_stats(self, sync: bool = True) -> dict[str, Any] | None:
+        return self.handle.stats(sync).as_dict() if self.handle is not None else None
 
     def describe(self) -> dict[str, Any]:
         """What is loaded and how (for health endpoints and logs)."""
