@@ -91,9 +91,9 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from service.engine.local import generate_local
     from service.models.adapter import load_adapter
     from service.models.demo import ensure_demo_model
-    from service.models.local import generate_local
     from service.models.pipeline import OffloadConfig
     from service.models.request import GenerationRequest
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -53,14 +53,13 @@ class VideoIngress:
             ServiceConfig(**config), placement_group=ray.util.get_current_placement_group()
         )
 
-    @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY)
-    async def create_video(self, request: Request) -> JSONResponse:
-        """Queue a generation job (JSON or multipart, as the openai client sends)."""
+    async def _create(self, request: Request) -> dict[str, Any] | JSONResponse:
+        """The job record as accepted, or the 422/429 answer."""
         raw = await request.body()
         try:
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
-            rec = await asyncio.to_thread(self.svc.create, request.headers.get("content-type", ""), raw)
+            return await asyncio.to_thread(self.svc.create, request.headers.get("content-type", ""), raw)
         except BodyError as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return _error(422, e.message, e.field, code=e.kind)
@@ -68,7 +67,45 @@ class VideoIngress:
             metrics()["requests"].inc(1, tags={"status": "throttled"})
             return _error(429, str(e), kind="rate_limit_error", code="queue_full",
                           headers={"Retry-After": str(e.retry_after_s)})
+
+    @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY)
+    async def create_video(self, request: Request) -> JSONResponse:
+        """Queue a generation job (JSON or multipart, as the openai client sends)."""
+        rec = await self._create(request)
+        if isinstance(rec, JSONResponse):
+            return rec
         return JSONResponse(video_object(rec), status_code=202)
+
+    @app.post("/v1/videos/sync", openapi_extra=_CREATE_BODY, response_class=Response,
+              responses={200: {"content": {"video/mp4": {}}}})
+    async def create_video_sync(self, request: Request) -> Response:
+        """Generate and answer the MP4 itself; the job is also listed under /v1/videos.
+
+        The job id is in the ``x-video-id`` header. A failed job answers 500 with the reason;
+        a client that disconnects does not cancel the job (fetch it by id later).
+        """
+        rec = await self._create(request)
+        if isinstance(rec, JSONResponse):
+            return rec
+        vid = rec["id"]
+        while True:
+            final = self.svc.get(vid)
+            if final is None:
+                return _error(404, f"video {vid} was deleted before it finished", "video_id",
+                              code="not_found")
+            if final["status"] in ("completed", "failed"):
+                break
+            await asyncio.sleep(0.1)
+        headers = {"x-video-id": vid}
+        if final["status"] == "failed":
+            err = final.get("error") or {}
+            return _error(500, err.get("message", "generation failed"), None, kind="server_error",
+                          code=err.get("code", "generation_failed"), headers=headers)
+        path = self.svc.store.content_path(vid)
+        if path is None:
+            return _error(404, f"video {vid} has no content (expired or deleted)", "video_id",
+                          code="not_found", headers=headers)
+        return FileResponse(path, media_type="video/mp4", filename=f"{vid}.mp4", headers=headers)
 
     @app.get("/v1/videos")
     def list_videos(

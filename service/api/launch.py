@@ -38,12 +38,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-wait-ms", type=float, default=50.0,
                    help="how long a partial wave waits for more compatible requests")
     p.add_argument("--queue-size", type=int, default=64, help="queued requests before 429")
+    p.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
+                   help="continuous: a freed rank starts the next request at the next forward; "
+                        "waves: request-level waves of one compatibility key")
+    p.add_argument("--starve-s", type=float, default=30.0,
+                   help="continuous: a request queued this long goes next, whatever its cost")
+    p.add_argument("--encoders-per-rank", type=int, default=1,
+                   help="MP4 encoder processes beside each rank (0: encode on the rank)")
     p.add_argument("--max-width", type=int, default=1280)
     p.add_argument("--max-height", type=int, default=1280)
     p.add_argument("--max-pixels", type=int, default=1280 * 720)
     p.add_argument("--max-frames", type=int, default=129)
     p.add_argument("--max-steps", type=int, default=100)
-    p.add_argument("--wave-deadline-base-s", type=float, default=60.0)
+    p.add_argument("--wave-deadline-base-s", type=float, default=60.0,
+                   help="fixed part of each request's deadline")
     p.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,
                    help="deadline = base + this x forwards x (pixels*frames / 832*480*81)")
     p.add_argument("--results-dir", default=None, help="job store folder")
@@ -69,6 +77,9 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         num_replicas=args.num_replicas,
         max_wait_ms=args.max_wait_ms,
         queue_size=args.queue_size,
+        scheduler=args.scheduler,
+        starve_s=args.starve_s,
+        encoders_per_rank=args.encoders_per_rank,
         retention_s=args.retention_s,
         max_jobs=args.max_jobs,
         limits={

@@ -13,20 +13,20 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.api.schemas import BodyError, Video, parse_body, validate_create
 from service.api.store import JobStore
-from service.engine.group import DPGroup, EngineSpec, Outcome
+from service.engine.group import Engine, EngineSpec, Outcome
 from service.engine.metrics import metrics
 from service.models.adapter import load_adapter
 from service.models.demo import resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.dispatcher import Dispatcher
 from service.router.policy import DeadlinePolicy, Limits
-from service.router.waves import Ticket, WaveRouter
+from service.router.waves import Ticket
 
 log = logging.getLogger("dloserve.api")
 
@@ -50,7 +50,10 @@ class ServiceConfig(BaseModel):
     results_dir: str = str(Path.home() / ".cache" / "dloserve" / "results")
     retention_s: float = 86400.0
     max_jobs: int = 1000
-    pg_timeout_s: float = 3600.0  # last resort: the wave deadline tears the group down first
+    pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
+    scheduler: Literal["continuous", "waves"] = "continuous"
+    starve_s: float = Field(30.0, gt=0)
+    encoders_per_rank: int = Field(1, ge=0)
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict)
@@ -65,6 +68,7 @@ class ServiceConfig(BaseModel):
             gpus_per_rank=self.gpus_per_rank,
             strategy=self.strategy,
             pg_timeout_s=self.pg_timeout_s,
+            encoders_per_rank=self.encoders_per_rank,
         )
 
 
@@ -83,9 +87,11 @@ class VideoService:
         )
         if cfg.num_replicas == 1:
             self._fail_orphans()
-        self.group = DPGroup(cfg.engine_spec(self.model_dir), pg=placement_group)
-        router = WaveRouter(cfg.dp_size, cfg.max_wait_ms / 1000.0, cfg.queue_size)
-        self.dispatcher = Dispatcher(self.group, router, self, DeadlinePolicy(**cfg.deadline))
+        self.engine = Engine(cfg.engine_spec(self.model_dir), pg=placement_group)
+        self.dispatcher = Dispatcher(
+            self.engine, self, scheduler=cfg.scheduler, max_wait_s=cfg.max_wait_ms / 1000.0,
+            max_queue=cfg.queue_size, deadlines=DeadlinePolicy(**cfg.deadline), starve_s=cfg.starve_s,
+        )
         self.started_at = time.time()
         self.dispatcher.start()
 
@@ -165,12 +171,14 @@ class VideoService:
         return recs[:limit], len(recs) > limit
 
     def readiness(self) -> dict[str, Any]:
-        st = self.group.status()
+        st = self.engine.status()
         return {
-            "ready": st["state"] == "ready",
+            "ready": st["state"] in ("ready", "degraded"),
             **st,
+            "scheduler": self.cfg.scheduler,
             "queue_depth": self.dispatcher.depth,
-            "waves_run": self.dispatcher.waves_run,
+            "in_flight": self.dispatcher.held,
+            "waves_run": self.dispatcher.assignments,
             "model": self.model_name,
             "model_dir": self.model_dir,
         }
@@ -182,13 +190,13 @@ class VideoService:
         self.dispatcher.stop()
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
-    def on_start(self, ticket: Ticket, wave: dict[str, Any]) -> None:
-        self.store.update(ticket.id, status="in_progress", wave=wave["wave"])
+    def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
+        self.store.update(ticket.id, status="in_progress", wave=info["wave"], dp_rank=info["rank"])
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         self.store.update(ticket_id, progress=min(99, int(100 * step / max(1, total))))
 
-    def on_finish(self, ticket: Ticket, outcome: Outcome, wave: dict[str, Any]) -> None:
+    def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
         if outcome.ok:
             self.store.finish(
                 ticket.id, outcome.mp4, status="completed", progress=100, dp_rank=outcome.dp_rank

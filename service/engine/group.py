@@ -1,24 +1,31 @@
-"""A DP group: N worker actors in a placement group, one torch.distributed group.
+"""Groups of rank actors in a placement group, as the driver (dispatcher) sees them.
 
-Lifecycle: start (actors, rendezvous, load) -> ready -> run_wave ... -> on a dead rank,
-a rank error or a missed deadline the wave's requests fail with a reason and the group is
-marked broken -> rebuild (kill every actor, new actors, new process group on a new port).
-Nothing waits without a timeout: setup, waves and progress polls all have one, and the
-process group itself has one so a rank stuck in a collective eventually errors out.
+A ``RankGroup`` is N actors that tick together: an AllGather DP group (N ranks, one
+torch.distributed group), or a single rank that makes no collectives (a rank-local or
+resident rank: each one is its own group, so one that dies takes only itself down). An
+``Engine`` is the set of groups behind one queue and owns their placement group.
+
+Lifecycle of a group: start (actors, rendezvous, load) -> ready -> ... -> on a dead rank, a
+rank error or a missed deadline it is marked broken -> rebuild (kill its actors, new
+actors, new process group on a new port). Nothing waits without a timeout: set-up has
+one, requests have deadlines (enforced by the dispatcher), the process group has one.
+
+The driver never touches tensors: it assigns requests, starts ``serve`` on every rank
+when some rank has forwards to run, and collects events from one long poll per rank.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -27,12 +34,21 @@ from service.engine.worker import DPWorkerActor, WorkerSpec
 
 log = logging.getLogger("dloserve.engine")
 NAMESPACE = "dloserve"
-ProgressFn = Callable[[int, int, int], None]  # (dp_rank, step, total)
+
+
+class GroupState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    BROKEN = "broken"
+    REBUILDING = "rebuilding"
+    FAILED = "failed"
+    CLOSED = "closed"
 
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How to build a DP group; one per ingress replica or batch job."""
+    """How to build the rank groups of one ingress replica or batch job."""
 
     model_dir: str
     dp_size: int = 1
@@ -41,9 +57,9 @@ class EngineSpec:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
-    pg_timeout_s: float = 3600.0  # last resort: the wave deadline tears the group down first
+    pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     setup_timeout_s: float = 900.0
-    poll_s: float = 0.25
+    encoders_per_rank: int = 1
 
     def bundles(self) -> list[dict[str, float]]:
         """One bundle per rank; a Serve replica with 0 CPUs rides in bundle 0."""
@@ -56,10 +72,21 @@ class EngineSpec:
     def device(self) -> str:
         return "cuda" if self.gpus_per_rank else "cpu"
 
+    @property
+    def collective(self) -> bool:
+        """Whether the ranks gather weights from each other (and so must tick together)."""
+        return self.offload and self.use_allgather and self.dp_size > 1
+
+    def group_layout(self) -> list[tuple[int, int]]:
+        """(first bundle, size) of each group: one AllGather group, or N single ranks."""
+        if self.collective:
+            return [(0, self.dp_size)]
+        return [(r, 1) for r in range(self.dp_size)]
+
 
 @dataclass
 class Outcome:
-    """The result for one request of a wave (index i ran on dp_rank i)."""
+    """How one request ended: MP4 bytes, or an error naming the reason."""
 
     dp_rank: int
     mp4: bytes | None = None
@@ -72,42 +99,52 @@ class Outcome:
         return self.mp4 is not None and self.error is None
 
 
+class GroupFailure(Exception):
+    """A rank died, failed or was lost: every request the group holds fails with this."""
+
+
 @dataclass
-class DPGroup:
-    """Owns the actors; thread-safe for one wave at a time plus concurrent status reads."""
+class RankGroup:
+    """Actors of one group; the dispatcher thread drives it, status reads may come from any."""
 
     spec: EngineSpec
+    first_bundle: int
+    size: int
     pg: PlacementGroup | None = None
     group_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
-    state: str = "new"  # new|starting|ready|broken|rebuilding|failed|closed
+    state: GroupState = GroupState.NEW
     generation: int = 0
     last_error: str | None = None
     rebuilds: int = 0
+    failed_at: float = 0.0  # monotonic time of the last failed start or rebuild
     actors: list[Any] = field(default_factory=list)
-    _own_pg: bool = False
+    _refs: dict[Any, tuple[str, int]] = field(default_factory=dict)  # ref -> (kind, rank)
+    _serving: int = 0  # serve calls in flight
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Create actors in the placement group, rendezvous, load; raises on failure."""
-        self.state = "starting" if self.generation == 0 else "rebuilding"
+        assert self.pg is not None, "the engine places groups"
+        self.state = GroupState.STARTING if self.generation == 0 else GroupState.REBUILDING
         self._gauge(0)
-        self.actors = []
         wspec = WorkerSpec(
             model_dir=self.spec.model_dir,
-            world=self.spec.dp_size,
+            world=self.size,
             device=self.spec.device,
             offload=self.spec.offload,
             use_allgather=self.spec.use_allgather,
             pg_timeout_s=self.spec.pg_timeout_s,
             group_id=self.group_id,
+            rank_offset=self.first_bundle,
+            encoders=self.spec.encoders_per_rank,
         )
+        actors: list[Any] = []
         try:
-            if self.pg is None:
-                self.pg = self._placement_group()
-            for r in range(self.spec.dp_size):
-                strat = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)
-                self.actors.append(
+            for r in range(self.size):
+                strat = PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=self.first_bundle + r)
+                actors.append(
                     DPWorkerActor.options(
                         name=self.actor_name(r),
                         namespace=NAMESPACE,
@@ -117,43 +154,46 @@ class DPGroup:
                         max_restarts=0,
                     ).remote(r, wspec)
                 )
+            self.actors = actors
             timeout = self.spec.setup_timeout_s
-            addr = ray.get(self.actors[0].rendezvous_address.remote(), timeout=timeout)
-            facts = ray.get([a.setup.remote(addr) for a in self.actors], timeout=timeout)
+            addr = ray.get(actors[0].rendezvous_address.remote(), timeout=timeout)
+            facts = ray.get([a.setup.remote(addr) for a in actors], timeout=timeout)
         except Exception as e:  # noqa: BLE001 - any start failure leaves a clean, failed group
             self.last_error = f"group start failed: {_short(e)}"
             self._kill()
-            if self._own_pg and self.pg is not None and self.state != "ready":
-                remove_placement_group(self.pg)  # e.g. it never fitted: try afresh next time
-                self.pg, self._own_pg = None, False
-            self.state = "failed"
+            self.state = GroupState.FAILED
+            self.failed_at = time.monotonic()
             raise RuntimeError(self.last_error) from e
-        log.info("DP group %s gen %d ready: %s", self.group_id, self.generation, facts)
-        self.state = "ready"
+        log.info("group %s gen %d ready: %s", self.group_id, self.generation, facts)
+        with self._lock:
+            self._refs = {}
+            self._serving = 0
+            for r in range(self.size):
+                self._poll(r)
+        self.state = GroupState.READY
         self._gauge(1)
 
     def rebuild(self, reason: str, attempts: int = 3) -> bool:
-        """Tear everything down and start again on new actors; True once ready."""
+        """Tear down and start again on new actors; True once ready."""
         metrics()["rebuilds"].inc(1, tags={"group": self.group_id, "reason": reason[:40]})
         self.rebuilds += 1
         for i in range(attempts):
             self._kill()
             self.generation += 1
-            self.state = "rebuilding"
+            self.state = GroupState.REBUILDING
             try:
                 self.start()
                 return True
             except RuntimeError:
-                log.exception("rebuild attempt %d failed", i + 1)
+                log.exception("rebuild attempt %d of group %s failed", i + 1, self.group_id)
                 time.sleep(min(5.0, 0.5 * 2**i))
+        self.state = GroupState.FAILED
+        self.failed_at = time.monotonic()
         return False
 
     def close(self) -> None:
         self._kill()
-        if self._own_pg and self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
-        self.state = "closed"
+        self.state = GroupState.CLOSED
         self._gauge(0)
 
     def actor_name(self, rank: int) -> str:
@@ -162,98 +202,81 @@ class DPGroup:
     def status(self) -> dict[str, Any]:
         return {
             "group": self.group_id,
-            "state": self.state,
+            "state": self.state.value,
             "generation": self.generation,
-            "dp_size": self.spec.dp_size,
+            "size": self.size,
+            "first_rank": self.first_bundle,
             "rebuilds": self.rebuilds,
             "last_error": self.last_error,
-            "namespace": NAMESPACE,
             "workers": [self.actor_name(r) for r in range(len(self.actors))],
         }
 
-    # -- waves -------------------------------------------------------------------------
-    def run_wave(
-        self, reqs: list[Any], deadline_s: float, on_progress: ProgressFn | None = None
-    ) -> list[Outcome]:
-        """One call to all N ranks; rank r runs reqs[r], the rest idle-replay reqs[0]."""
-        if not 1 <= len(reqs) <= self.spec.dp_size:
-            raise ValueError(f"wave of {len(reqs)} for dp_size {self.spec.dp_size}")
-        if self.state != "ready":
-            why = f"DP group not ready ({self.state})"
-            return [Outcome(r, error=why) for r in range(len(reqs))]
+    # -- driving -----------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.state is GroupState.READY
+
+    @property
+    def serving(self) -> bool:
+        return self._serving > 0
+
+    def assign(self, rank: int, job_id: str, req: Any) -> None:
         with self._lock:
-            try:
-                return self._run(reqs, deadline_s, on_progress)
-            except BaseException as e:
-                # Ranks may still be inside this wave: never send another to them.
-                self.last_error = f"wave aborted: {_short(e)}"
-                self.state = "broken"
-                self._gauge(0)
-                raise
+            self._refs[self.actors[rank].assign.remote(job_id, req)] = ("assign", rank)
 
-    def _run(
-        self, reqs: list[Any], deadline_s: float, on_progress: ProgressFn | None
-    ) -> list[Outcome]:
-        m, tags = metrics(), {"group": self.group_id}
-        wave_id = uuid.uuid4().hex[:12]
-        t0 = time.monotonic()
-        end = t0 + deadline_s
-        refs = {a.run.remote(wave_id, reqs): r for r, a in enumerate(self.actors)}
-        results: dict[int, dict[str, Any]] = {}
-        failure: str | None = None
-        while refs and failure is None:
-            done, _ = ray.wait(list(refs), num_returns=1, timeout=self.spec.poll_s)
-            for ref in done:
-                rank = refs.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayActorError as e:
-                    failure = f"rank {rank} died: {_short(e)}"
-                except RayTaskError as e:
-                    failure = f"rank {rank} failed: {_short(e)}"
-                except RayError as e:  # object lost, node died, worker crashed, OOM
-                    failure = f"rank {rank} lost: {_short(e)}"
-            if failure is None and refs and time.monotonic() > end:
-                failure = f"wave deadline of {deadline_s:.0f}s exceeded"
-            if failure is None and on_progress is not None:
-                self._poll_progress(wave_id, len(reqs), on_progress)
-        elapsed = time.monotonic() - t0
-        m["wave_size"].observe(len(reqs), tags=tags)
-        m["wave_latency"].observe(elapsed, tags={**tags, "outcome": "failed" if failure else "ok"})
-        outcomes = []
-        for i in range(len(reqs)):
-            res = results.get(i)
-            if res is not None and res.get("mp4") is not None:
-                outcomes.append(Outcome(i, res["mp4"], None, res["seconds"], res.get("stats")))
-            else:
-                outcomes.append(Outcome(i, error=failure or "rank returned no output"))
-        if failure is not None:
-            log.warning("wave %s failed: %s", wave_id, failure)
-            self.last_error = failure
-            self.state = "broken"
-            self._gauge(0)
-        return outcomes
+    def serve(self) -> None:
+        """Start one round of ticks on every rank (they return together when all are idle)."""
+        with self._lock:
+            for r, a in enumerate(self.actors):
+                self._refs[a.serve.remote()] = ("serve", r)
+            self._serving = self.size
 
-    def _poll_progress(self, wave_id: str, n: int, on_progress: ProgressFn) -> None:
-        refs = [self.actors[r].progress.remote() for r in range(n)]
+    def refs(self) -> list[Any]:
+        with self._lock:
+            return list(self._refs)
+
+    def owns(self, ref: Any) -> bool:
+        return ref in self._refs
+
+    def take(self, ref: Any) -> list[dict[str, Any]]:
+        """Events from a finished call; GroupFailure if a rank died or its loop failed."""
+        with self._lock:
+            if ref not in self._refs:  # from before a fail() or rebuild: nothing to say
+                return []
+            kind, rank = self._refs.pop(ref)
         try:
-            got = ray.get(refs, timeout=max(1.0, self.spec.poll_s * 4))
-        except (RayError, GetTimeoutError):
-            return  # a dead rank shows up on its run() ref; progress is best effort
-        for r, p in enumerate(got):
-            if p.get("wave") == wave_id and p.get("total"):
-                on_progress(r, int(p["step"]), int(p["total"]))
+            result = ray.get(ref, timeout=30)
+        except RayActorError as e:
+            raise GroupFailure(f"rank {self.first_bundle + rank} died: {_short(e)}") from e
+        except RayTaskError as e:
+            if kind == "assign":  # refused by the rank (it re-validates): that request only
+                return [{"kind": "refused", "rank": rank, "error": _short(e)}]
+            raise GroupFailure(f"rank {self.first_bundle + rank} failed: {_short(e)}") from e
+        except RayError as e:  # object lost, node died, worker crashed, OOM
+            raise GroupFailure(f"rank {self.first_bundle + rank} lost: {_short(e)}") from e
+        if kind == "events":
+            with self._lock:
+                self._poll(rank)
+            return list(result)
+        if kind == "serve":
+            with self._lock:
+                self._serving -= 1
+            return [{"kind": "served", "rank": rank, **result}]
+        return []
+
+    def fail(self, reason: str) -> None:
+        """Mark broken: ranks may still be inside a collective, nothing more goes to them."""
+        self.last_error = reason
+        self.state = GroupState.BROKEN
+        with self._lock:
+            self._refs.clear()
+            self._serving = 0
+        self._gauge(0)
 
     # -- internals ---------------------------------------------------------------------
-    def _placement_group(self) -> PlacementGroup:
-        """Reuse the Serve replica's placement group when it has our bundles, else make one."""
-        current = ray.util.get_current_placement_group()
-        if current is not None and len(current.bundle_specs) >= self.spec.dp_size:
-            return current
-        pg = placement_group(self.spec.bundles(), strategy=self.spec.strategy)
-        self.pg, self._own_pg = pg, True  # ours to remove, even if it never becomes ready
-        ray.get(pg.ready(), timeout=self.spec.setup_timeout_s)
-        return pg
+    def _poll(self, rank: int) -> None:
+        """One long poll per rank, always outstanding: a rank that dies, even idle, shows up."""
+        self._refs[self.actors[rank].events.remote(1.0)] = ("events", rank)
 
     def _kill(self) -> None:
         for a in self.actors:
@@ -262,12 +285,100 @@ class DPGroup:
             except Exception:  # noqa: BLE001 - already dead is fine
                 pass
         self.actors = []
+        with self._lock:
+            self._refs.clear()
+            self._serving = 0
 
     def _gauge(self, v: int) -> None:
         metrics()["group_ready"].set(v, tags={"group": self.group_id})
 
     def refresh_gauges(self) -> None:
-        self._gauge(1 if self.state == "ready" else 0)
+        self._gauge(1 if self.ready else 0)
+
+
+@dataclass
+class Engine:
+    """The rank groups behind one queue, in one placement group."""
+
+    spec: EngineSpec
+    pg: PlacementGroup | None = None
+    groups: list[RankGroup] = field(default_factory=list)
+    _own_pg: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            self.groups = [RankGroup(self.spec, first, size) for first, size in self.spec.group_layout()]
+
+    def place(self) -> None:
+        """Reuse the Serve replica's placement group when it has our bundles, else make one."""
+        if self.pg is None:
+            current = ray.util.get_current_placement_group()
+            if current is not None and len(current.bundle_specs) >= self.spec.dp_size:
+                self.pg = current
+            else:
+                self.pg = placement_group(self.spec.bundles(), strategy=self.spec.strategy)
+                self._own_pg = True
+                ray.get(self.pg.ready(), timeout=self.spec.setup_timeout_s)
+        for g in self.groups:
+            g.pg = self.pg
+
+    def start(self) -> None:
+        """Place and start every group, in parallel; raises if none could start."""
+        try:
+            self.place()
+        except Exception as e:  # noqa: BLE001
+            for g in self.groups:
+                g.state, g.last_error = GroupState.FAILED, f"placement failed: {_short(e)}"
+            self._drop_pg()
+            raise RuntimeError(f"placement failed: {_short(e)}") from e
+        errors: list[str] = []
+
+        def one(g: RankGroup) -> None:
+            try:
+                g.start()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        threads = [threading.Thread(target=one, args=(g,)) for g in self.groups]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if len(errors) == len(self.groups):
+            raise RuntimeError(errors[0])
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.close()
+        self._drop_pg()
+
+    def _drop_pg(self) -> None:
+        if self._own_pg and self.pg is not None:
+            remove_placement_group(self.pg)
+        if self._own_pg:
+            self.pg, self._own_pg = None, False
+
+    def status(self) -> dict[str, Any]:
+        states = [g.state for g in self.groups]
+        ready = sum(s is GroupState.READY for s in states)
+        if ready == len(states):
+            state = "ready"
+        elif ready:
+            state = "degraded"  # some ranks serve, others rebuild
+        else:
+            order = ["rebuilding", "starting", "broken", "failed", "new", "closed"]
+            state = min((s.value for s in states), key=order.index)
+        errors = [g.last_error for g in self.groups if g.last_error and not g.ready]
+        return {
+            "state": state,
+            "dp_size": self.spec.dp_size,
+            "groups": [g.status() for g in self.groups],
+            "generation": sum(g.generation for g in self.groups),
+            "rebuilds": sum(g.rebuilds for g in self.groups),
+            "last_error": errors[0] if errors else None,
+            "namespace": NAMESPACE,
+            "workers": [w for g in self.groups for w in g.status()["workers"]],
+        }
 
 
 def _short(e: BaseException, n: int = 300) -> str:

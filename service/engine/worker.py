@@ -1,7 +1,7 @@
-"""One DP rank as a Ray actor: process-group membership, a PipelineRunner, progress.
+"""One rank as a Ray actor: process-group membership, a RankWorker, metrics.
 
-The actor is threaded (max_concurrency=2) so the group can poll ``progress`` while ``run``
-holds the main thread inside a denoising loop.
+The actor is threaded: ``serve`` holds one thread for as long as the group ticks, while
+the driver calls ``assign``, long-polls ``events`` and ``ping``s on the others.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ class WorkerSpec:
     device: str = "cpu"  # "cpu" or "cuda"
     offload: bool = True
     use_allgather: bool = True
-    pg_timeout_s: float = 3600.0  # last resort: the wave deadline tears the group down first
+    pg_timeout_s: float = 3600.0  # last resort: request deadlines tear the group down first
     group_id: str = "g0"
+    rank_offset: int = 0  # this group's first rank among the replica's ranks (metrics tags)
+    encoders: int = 1  # MP4 encoder processes beside the rank (0: inline)
 
 
 def free_port() -> int:
@@ -40,20 +42,18 @@ def free_port() -> int:
 
 
 class DPWorker:
-    """Rank ``rank`` of a DP group; see DPGroup for the lifecycle."""
+    """Rank ``rank`` of a group; see engine.group for the lifecycle."""
 
     def __init__(self, rank: int, spec: WorkerSpec) -> None:
         self.rank = rank
         self.spec = spec
         self.runner: Any = None
+        self.worker: Any = None
         self.pg: Any = None
-        self.calls = 0
-        self._progress: dict[str, Any] = {"wave": None, "step": 0, "total": 0}
-        self._lock = threading.Lock()
-        self._busy = threading.Lock()
         self._seen: dict[str, float] = {}
-        self._tags = {"group": spec.group_id, "rank": str(rank)}
+        self._tags = {"group": spec.group_id, "rank": str(spec.rank_offset + rank)}
         self._gauges: dict[str, float] = {}
+        self._last_step: dict[str, float] = {}
         # Ray drops a gauge series not re-set within ~2 report intervals: keep ours fresh.
         threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True).start()
 
@@ -62,14 +62,17 @@ class DPWorker:
         return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
 
     def setup(self, init_method: str) -> dict[str, Any]:
-        """Join the process group and load the pipeline with DLO; returns load facts."""
+        """Join the process group, load the pipeline, start the rank loop; returns load facts."""
         import torch
         import torch.distributed as dist
 
+        from service.engine.encoder import Encoder
+        from service.engine.rank import RankWorker
         from service.models.pipeline import OffloadConfig, PipelineRunner
 
         t0 = time.monotonic()
         device = self.spec.device
+        control = None
         if device == "cuda":
             torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU
         if self.spec.world > 1:
@@ -81,64 +84,53 @@ class DPWorker:
                 timeout=timedelta(seconds=self.spec.pg_timeout_s),
             )
             self.pg = dist.group.WORLD
+            control = dist.new_group(backend="gloo")
         offload = OffloadConfig(enabled=self.spec.offload, use_allgather=self.spec.use_allgather)
         self.runner = PipelineRunner.load(
-            self.spec.model_dir, device=device, offload=offload, group=self.pg
+            self.spec.model_dir, device=device, offload=offload,
+            group=self.pg if self.spec.offload else None,
         )
+        self.worker = RankWorker(self.runner, self.rank, self.spec.world, control,
+                                 Encoder(self.spec.encoders), on_report=self._report_offload)
         self._report_memory()
         return {"rank": self.rank, "pid": os.getpid(), "load_s": time.monotonic() - t0}
 
-    def run(self, wave_id: str, reqs: list[Any]) -> dict[str, Any]:
-        """Run ``reqs[rank]``, or idle-replay ``reqs[0]``'s gathers if this rank has none."""
-        # The actor is threaded for progress polls; two waves at once would interleave
-        # their gathers on one ring, so a second one is refused.
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"rank {self.rank} is still running wave {self._progress.get('wave')}")
-        try:
-            return self._run(wave_id, reqs)
-        finally:
-            self._busy.release()
+    # -- the rank loop, for the driver ---------------------------------------------------
 
-    def _run(self, wave_id: str, reqs: list[Any]) -> dict[str, Any]:
-        self.calls += 1
-        t0 = time.monotonic()
-        last = [t0]
-        step_hist = metrics()["step_time"]
+    def assign(self, job_id: str, req: Any) -> None:
+        self.worker.assign(job_id, req)
 
-        def on_step(step: int, total: int) -> None:
-            now = time.monotonic()
-            step_hist.observe(now - last[0], tags=self._tags)
-            last[0] = now
-            with self._lock:
-                self._progress = {"wave": wave_id, "step": step, "total": total}
+    def serve(self) -> dict[str, Any]:
+        return self.worker.serve()
 
-        with self._lock:
-            self._progress = {"wave": wave_id, "step": 0, "total": 0}
-        mp4: bytes | None = None
-        if self.rank < len(reqs):
-            mp4 = self.runner.generate(reqs[self.rank], on_step=on_step)
-        else:
-            self.runner.idle(reqs[0])
-        stats = self._report_offload()
-        self._report_memory()
-        return {
-            "dp_rank": self.rank,
-            "wave": wave_id,
-            "mp4": mp4,
-            "seconds": time.monotonic() - t0,
-            "stats": stats,
-        }
+    def events(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        evs = self.worker.events(timeout)
+        for e in evs:
+            if e["kind"] == "step":
+                now = time.monotonic()
+                last = self._last_step.get(e["id"])
+                if last is not None:
+                    metrics()["step_time"].observe(now - last, tags=self._tags)
+                self._last_step[e["id"]] = now
+            elif e["kind"] == "finished":
+                self._last_step.pop(e["id"], None)
+        return evs
 
-    def progress(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self._progress)
+    def status(self) -> dict[str, Any]:
+        return self.worker.status() if self.worker is not None else {"rank": self.rank}
+
+    def ping(self) -> int:
+        return os.getpid()
 
     def info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": os.getpid(), "calls": self.calls}
+        return {"rank": self.rank, "pid": os.getpid(), **self.status()}
 
     def close(self) -> None:
         import torch.distributed as dist
 
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -146,11 +138,13 @@ class DPWorker:
             dist.destroy_process_group()
             self.pg = None
 
-    def _report_offload(self) -> dict[str, Any] | None:
-        """Turn the runner's cumulative offload stats into counter increments."""
-        stats = self.runner.offload_stats() if self.runner else None
+    # -- metrics -----------------------------------------------------------------------
+
+    def _report_offload(self) -> None:
+        """Turn the runner's cumulative offload stats into counter increments (tick thread)."""
+        stats = self.runner.offload_stats(sync=False) if self.runner else None
         if not stats:
-            return stats
+            return
         m = metrics()
         for key, metric in (
             ("stall_s", "stall"),
@@ -167,7 +161,6 @@ class DPWorker:
             if stats.get(key) is not None:
                 self._gauges[metric] = float(stats[key])
         self._set_gauges()
-        return stats
 
     def _report_memory(self) -> None:
         self._gauges["pss"] = float(pss_bytes())
@@ -184,4 +177,4 @@ class DPWorker:
             self._report_memory()
 
 
-DPWorkerActor = ray.remote(max_concurrency=2)(DPWorker)
+DPWorkerActor = ray.remote(max_concurrency=4)(DPWorker)

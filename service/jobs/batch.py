@@ -90,18 +90,18 @@ class ManifestSink:
         if todo == 0:
             self.all_done.set()
 
-    def on_start(self, ticket: Any, wave: dict[str, Any]) -> None:
-        self.bar.set_postfix_str(f"wave {wave['wave']} x{wave['size']}")
+    def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
+        self.bar.set_postfix_str(f"{ticket.id} on rank {info['rank']}")
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         pass
 
-    def on_finish(self, ticket: Any, outcome: Any, wave: dict[str, Any]) -> None:
+    def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
         req: GenerationRequest = ticket.payload
         entry: dict[str, Any] = {
             "id": ticket.id,
             "request": dataclasses.asdict(req),
-            "wave": wave.get("wave"),
+            "wave": info.get("wave"),
             "finished_at": time.time(),
         }
         if outcome.ok:
@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus-per-rank", type=float, default=None, help="default: 1 if GPUs exist")
     p.add_argument("--placement-strategy", default="STRICT_PACK")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or local)")
-    p.add_argument("--wave-deadline-base-s", type=float, default=600.0)
+    p.add_argument("--wave-deadline-base-s", type=float, default=600.0,
+                   help="fixed part of each request's deadline")
+    p.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
+                   help="continuous: a freed rank starts the next item at once; waves: N of one key")
+    p.add_argument("--encoders-per-rank", type=int, default=1, help="MP4 encoder processes per rank")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -171,10 +175,9 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     import ray
     from tqdm import tqdm
 
-    from service.engine.group import DPGroup, EngineSpec
+    from service.engine.group import Engine, EngineSpec
     from service.router.dispatcher import Dispatcher
     from service.router.policy import DeadlinePolicy
-    from service.router.waves import WaveRouter
 
     ray.init(address=args.address, log_to_driver=False)
     gpus = args.gpus_per_rank
@@ -183,15 +186,14 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     spec = EngineSpec(
         model_dir=model, dp_size=args.data_parallel_size, offload=not args.no_offload,
         use_allgather=not args.dlo_no_use_allgather, cpus_per_rank=args.cpus_per_rank,
-        gpus_per_rank=gpus, strategy=args.placement_strategy,
+        gpus_per_rank=gpus, strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
     )
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
     sink = ManifestSink(args.out, len(todo), bar)
-    group = DPGroup(spec)
-    router = WaveRouter(spec.dp_size, max_wait_s=0.0, max_queue=len(todo))
-    disp = Dispatcher(group, router, sink, DeadlinePolicy(base_s=args.wave_deadline_base_s))
-    for item_id, req in todo:  # all queued before the loop starts: full waves form
+    disp = Dispatcher(Engine(spec), sink, scheduler=args.scheduler, max_wait_s=0.0, max_queue=len(todo),
+                      deadlines=DeadlinePolicy(base_s=args.wave_deadline_base_s))
+    for item_id, req in todo:  # all queued before the loop starts (waves: full waves form)
         disp.submit(item_id, req.compat_key(), req)
     disp.start()
     try:

@@ -33,6 +33,7 @@ class Ticket:
     key: str
     payload: Any
     enqueued_at: float
+    cost: float = 1.0  # relative time of one forward (continuous scheduling weighs it)
 
 
 @dataclass
@@ -69,9 +70,6 @@ class WaveRouter:
     @property
     def depth(self) -> int:
         return len(self._ids)
-
-    def depth_by_key(self) -> dict[str, int]:
-        return {k: len(q) for k, q in self._queues.items()}
 
     def submit(self, ticket_id: str, key: str, payload: Any, now: float | None = None) -> Ticket:
         """Queue a request, or raise QueueFull so nothing unbounded piles up."""

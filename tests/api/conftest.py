@@ -1,7 +1,8 @@
-"""One Serve app (DP=2 over the demo model) shared by every HTTP test in this folder."""
+"""One Serve app (DP=2 AllGather, continuous scheduling, demo model) shared by the HTTP tests."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -10,7 +11,9 @@ import pytest
 
 from tests.conftest import free_port
 
-MAX_WAIT_MS = 2500  # wide enough that 4 concurrent POSTs meet even on a loaded 2-core box
+# On a GPU machine: DLOSERVE_TEST_GPUS=1 puts every rank on its own GPU (NCCL).
+GPUS_PER_RANK = float(os.environ.get("DLOSERVE_TEST_GPUS", "0"))
+
 QUEUE_SIZE = 6
 
 
@@ -25,7 +28,7 @@ def app_url(ray_cluster: dict, demo_model: str, tmp_path_factory: pytest.TempPat
         model=demo_model,
         dp_size=2,
         cpus_per_rank=0.5,
-        max_wait_ms=MAX_WAIT_MS,
+        gpus_per_rank=GPUS_PER_RANK,
         queue_size=QUEUE_SIZE,
         results_dir=str(tmp_path_factory.mktemp("results")),
         pg_timeout_s=60,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.api.conftest import wait_final
+from tests.api.conftest import GPUS_PER_RANK, wait_final
 
 FIELDS = {"prompt": "a red fox runs through snow", "size": "96x64", "num_frames": 9,
           "num_inference_steps": 3, "seed": 0}
@@ -22,7 +22,7 @@ FIELDS = {"prompt": "a red fox runs through snow", "size": "96x64", "num_frames"
 def generate_cli(model: str, out: Path) -> bytes:
     cmd = [sys.executable, "-m", "service.cli", "generate", "--model", model, "--quiet",
            "--prompt", FIELDS["prompt"], "--width", "96", "--height", "64", "--num-frames", "9",
-           "--steps", "3", "--seed", "0", "--out", str(out)]
+           "--steps", "3", "--seed", "0", "--out", str(out), "--device", "cuda" if GPUS_PER_RANK else "cpu"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     return out.read_bytes()
 

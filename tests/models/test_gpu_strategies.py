@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from service.engine.local import generate_local
 from service.models.demo import ensure_demo_model
-from service.models.local import generate_local
 from service.models.pipeline import OffloadConfig, PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import encode_mp4

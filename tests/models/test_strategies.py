@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.models.local import launch
 from service.models.pipeline import OffloadConfig, PipelineRunner
 from service.models.request import GenerationRequest
+from service.offload.spawn import run_ranks
 
 REQ = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG on: 4 forwards
 
@@ -69,7 +69,7 @@ def test_layerwise_dp1_matches_resident(demo_model: str, reference: str, allgath
 
 
 def test_spawned_ranks_match_resident(demo_model: str, reference: str, tmp_path: Path) -> None:
-    launch(3, _waves, (demo_model, str(tmp_path)))
+    run_ranks(_waves, 3, demo_model, str(tmp_path), timeout=None)
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     seen = 0
     for name in ("allgather3", "allgather2", "ranklocal2"):

@@ -1,0 +1,107 @@
+"""MP4 encoding beside a rank: a small process pool, so the rank's next forward never waits.
+
+x264 at 480p x 81 frames takes ~14 s on one core; inside the rank it held a GPU for that
+long. Frames go to the pool as uint8 arrays and the bytes come back through a callback.
+Worker processes are spawned (never forked from a process that holds CUDA) and import
+only ``service.models.video`` (PyAV and numpy, no torch), so each costs little memory.
+The bytes are those ``encode_mp4`` gives in any process (see video.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+
+from service.models.video import encode_mp4
+
+log = logging.getLogger("dloserve.encoder")
+Done = Callable[[bytes | None, str | None], None]  # (mp4, error): exactly one is set
+
+
+def _warm() -> int:
+    return 0
+
+
+class Encoder:
+    """``submit(frames, fps, done)``; ``workers=0`` encodes inline on the caller's thread."""
+
+    def __init__(self, workers: int = 1) -> None:
+        if workers < 0:
+            raise ValueError(f"encoder workers must be >= 0, got {workers}")
+        self.workers = workers
+        self._lock = threading.Lock()
+        self._pool: ProcessPoolExecutor | None = None
+        self._inflight = 0
+        if workers:
+            self._pool = self._new_pool()
+            # Start the processes now (imports take a second): not on the first request.
+            for f in [self._pool.submit(_warm) for _ in range(workers)]:
+                f.result(timeout=120)
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        ctx = multiprocessing.get_context("spawn")
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return self._inflight
+
+    def submit(self, frames: np.ndarray, fps: int, done: Done) -> None:
+        """Encode in the pool (or inline); ``done`` runs once, from some thread, when it ends."""
+        if self._pool is None:
+            try:
+                data = encode_mp4(frames, fps)
+            except Exception as e:  # noqa: BLE001 - reported to the request, not raised
+                done(None, f"MP4 encoding failed: {e}")
+                return
+            done(data, None)
+            return
+        with self._lock:
+            self._inflight += 1
+            pool = self._pool
+        try:
+            fut = pool.submit(encode_mp4, frames, fps)
+        except (BrokenProcessPool, RuntimeError) as e:
+            self._finish(done, None, f"MP4 encoder pool unavailable: {e}")
+            self._replace(pool)
+            return
+        fut.add_done_callback(lambda f: self._collect(f, done, pool))
+
+    def _collect(self, fut: Future, done: Done, pool: ProcessPoolExecutor) -> None:
+        try:
+            data = fut.result()
+        except BrokenProcessPool as e:
+            # An encoder process died (killed, or crashed in the codec): new pool, this
+            # request fails with the reason, the next ones go to the new processes.
+            log.error("MP4 encoder process died: %s", e)
+            self._replace(pool)
+            self._finish(done, None, f"MP4 encoder process died: {e}")
+            return
+        except Exception as e:  # noqa: BLE001
+            self._finish(done, None, f"MP4 encoding failed: {e}")
+            return
+        self._finish(done, data, None)
+
+    def _finish(self, done: Done, data: bytes | None, error: str | None) -> None:
+        with self._lock:
+            self._inflight -= 1
+        done(data, error)
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is broken:
+                self._pool = self._new_pool()
+        broken.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,303 @@
+"""One rank's serving loop: an inbox, a pipeline thread, a forward gate and the tick protocol.
+
+No Ray here. The Ray actor (worker.py), the local N-process launcher (local.py) and so
+the service, the batch job and ``dloserve generate`` all drive ranks through this one
+class, as vLLM's executors share one worker.
+
+The lock-step unit is one transformer forward. Every forward makes the same gathers
+whatever the request's shape, so in one *tick* each rank of a group either lets its own
+request's next forward through the gate or replays the gathers of one forward idle. Before
+every tick the ranks agree, over a small gloo group, on two bits: does anyone have a
+forward waiting, and does anyone have work at all. No forward waiting but work somewhere
+(a text encoder still running) is a null tick: nobody gathers, everyone asks again. Nobody
+with work ends ``serve``. So a rank whose request ends starts the next one at the next
+forward boundary, and requests of any size, step count or CFG setting share a group.
+
+Threads of a rank:
+- the pipeline thread takes requests from the inbox one at a time: text encoding (HEAD),
+  forwards through the gate, VAE decode (TAIL), then hands the uint8 frames to the MP4
+  encoder pool and takes the next request;
+- the caller of ``serve`` (the tick thread) runs the agreement, opens the gate or replays;
+- anyone may call ``assign``, ``events`` (long poll) and ``ping`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from service.models.pipeline import PipelineRunner
+from service.models.request import GenerationRequest
+
+from .encoder import Encoder
+
+
+class Phase(enum.Enum):
+    """Where the pipeline thread is."""
+
+    IDLE = "idle"  # no request, or between requests
+    HEAD = "head"  # text encoding and set-up before the first forward
+    GATE = "gate"  # a forward is waiting for the tick that lets it run
+    FORWARD = "forward"  # a forward is running (its gathers with the group's)
+    BETWEEN = "between"  # between two forwards of one request (scheduler step, CFG)
+    TAIL = "tail"  # all forwards done: VAE decode, then the frames go to the encoder
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request assigned to this rank."""
+
+    id: str
+    req: GenerationRequest
+
+
+class RankWorker:
+    """Rank ``rank`` of a group of ``world`` ranks that make the same gathers per forward.
+
+    ``control`` is a gloo group of the same ranks (None for a single rank): the per-tick
+    agreement goes over it, on the CPU, so it never queues behind GPU work.
+    """
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        rank: int = 0,
+        world: int = 1,
+        control: dist.ProcessGroup | None = None,
+        encoder: Encoder | None = None,
+        head_wait_s: float = 1.0,
+        on_report: Callable[[], None] | None = None,
+        report_every_s: float = 5.0,
+    ) -> None:
+        if world > 1 and control is None:
+            raise ValueError("a group of several ranks needs a control group")
+        self.runner = runner
+        self.rank, self.world, self.control = rank, world, control
+        self.encoder = encoder or Encoder(0)
+        self.head_wait_s = head_wait_s
+        # Offload counters are read on the tick thread, between forwards: no fill is being
+        # issued then, so reading them races with nothing.
+        self.on_report = on_report
+        self.report_every_s = report_every_s
+        self._reported = time.monotonic()
+        self._cv = threading.Condition()
+        self._inbox: deque[Job] = deque()
+        self._phase = Phase.IDLE
+        self._current: Job | None = None
+        self._go = False
+        self._done_forwards = 0  # of the current request
+        self._expected = 0  # forwards the current request makes
+        self._events: list[dict[str, Any]] = []
+        self._closed = False
+        self.ticks = 0  # ticks this rank took part in, real or idle
+        self.forwards = 0
+        self.idle_ticks = 0
+        self.null_ticks = 0
+        self.agree_s = 0.0  # time spent in the per-tick agreement
+        self.tick_log: deque[str] = deque(maxlen=4096)  # per tick: the job that ran, "" if idle
+        self._hooks = [
+            runner.transformer.register_forward_pre_hook(self._gate_enter),
+            runner.transformer.register_forward_hook(self._gate_leave, always_call=True),
+        ]
+        self._thread = threading.Thread(target=self._pipeline_loop, name=f"rank{rank}-pipeline",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- API for the driver ------------------------------------------------------------
+
+    def assign(self, job_id: str, req: GenerationRequest) -> None:
+        """Queue a request on this rank; it starts when the pipeline thread is free."""
+        self.runner.validate(req)  # a bad request fails here, at the caller, not mid-tick
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"rank {self.rank} is closed")
+            self._inbox.append(Job(job_id, req))
+            self._cv.notify_all()
+
+    def events(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        """Everything that happened since the last call; waits up to ``timeout`` for one."""
+        with self._cv:
+            if not self._events:
+                self._cv.wait_for(lambda: bool(self._events) or self._closed, timeout=timeout)
+            out, self._events = self._events, []
+            return out
+
+    def status(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "rank": self.rank,
+                "phase": self._phase.value,
+                "current": self._current.id if self._current else None,
+                "inbox": [j.id for j in self._inbox],
+                "ticks": self.ticks,
+                "forwards": self.forwards,
+                "idle_ticks": self.idle_ticks,
+                "null_ticks": self.null_ticks,
+                "agree_s": self.agree_s,
+                "encoding": self.encoder.inflight,
+            }
+
+    def serve(self) -> dict[str, Any]:
+        """Tick with the group until no rank has a forward to run or about to run.
+
+        Every rank of the group calls this at the same time (the driver starts them
+        together); all return together, after the same ticks.
+        """
+        t0 = time.monotonic()
+        ticks0 = self.ticks
+        while True:
+            if self.on_report is not None and time.monotonic() - self._reported > self.report_every_s:
+                self._report()
+            at_gate, busy = self._local_flags()
+            any_gate, any_busy = self._agree(at_gate, busy)
+            if any_gate:
+                self.ticks += 1
+                if at_gate:
+                    self.tick_log.append(self._current.id if self._current else "?")
+                    self._open_gate()
+                else:
+                    self.tick_log.append("")
+                    self.idle_ticks += 1
+                    self.runner.idle_forwards(1)
+            elif any_busy:
+                self.null_ticks += 1
+                with self._cv:  # someone is still encoding text: ask again shortly
+                    self._cv.wait(timeout=0.005)
+            else:
+                if self.on_report is not None:
+                    self._report()
+                return {"rank": self.rank, "ticks": self.ticks - ticks0,
+                        "seconds": time.monotonic() - t0}
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        for h in self._hooks:
+            h.remove()
+        self.encoder.close()
+
+    # -- the tick thread ---------------------------------------------------------------
+
+    def _local_flags(self) -> tuple[bool, bool]:
+        with self._cv:
+            # A forward that just ran, or the scheduler step after it, decides what this
+            # rank has next: wait for it rather than idling through a tick it could use.
+            self._cv.wait_for(lambda: self._phase not in (Phase.FORWARD, Phase.BETWEEN))
+            if self._phase is Phase.HEAD or (self._phase is Phase.IDLE and self._inbox):
+                # Text encoding takes milliseconds next to a forward: worth a short wait.
+                self._cv.wait_for(lambda: self._phase in (Phase.GATE, Phase.TAIL)
+                                  or (self._phase is Phase.IDLE and not self._inbox),
+                                  timeout=self.head_wait_s)
+            at_gate = self._phase is Phase.GATE
+            busy = at_gate or self._phase is Phase.HEAD or bool(self._inbox)
+            return at_gate, busy
+
+    def _report(self) -> None:
+        self._reported = time.monotonic()
+        try:
+            self.on_report()  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - metrics never stop the group
+            pass
+
+    def _agree(self, at_gate: bool, busy: bool) -> tuple[bool, bool]:
+        if self.control is None:
+            return at_gate, busy
+        t0 = time.perf_counter()
+        flags = torch.tensor([int(at_gate), int(busy)], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        self.agree_s += time.perf_counter() - t0
+        return bool(flags[0]), bool(flags[1])
+
+    def _open_gate(self) -> None:
+        with self._cv:
+            self._go = True
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._go)  # the pipeline thread took it
+
+    # -- the pipeline thread -----------------------------------------------------------
+
+    def _gate_enter(self, module: torch.nn.Module, args: object) -> None:
+        with self._cv:
+            self._phase = Phase.GATE
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._go or self._closed)
+            if self._closed:
+                raise RuntimeError(f"rank {self.rank} closed during a request")
+            self._go = False
+            self._phase = Phase.FORWARD
+            self._cv.notify_all()
+
+    def _gate_leave(self, module: torch.nn.Module, args: object, output: object) -> None:
+        with self._cv:
+            self.forwards += 1
+            self._done_forwards += 1
+            job = self._current
+            if job is not None and self._done_forwards == self._expected:
+                self._phase = Phase.TAIL
+                self._emit({"kind": "forwards_done", "id": job.id, "rank": self.rank})
+            else:
+                self._phase = Phase.BETWEEN
+            self._cv.notify_all()
+
+    def _pipeline_loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._inbox) or self._closed)
+                if self._closed:
+                    return
+                job = self._inbox.popleft()
+                self._current = job
+                self._done_forwards = 0
+                self._expected = self.runner.adapter.forwards(job.req)
+                self._phase = Phase.HEAD
+                self._emit({"kind": "started", "id": job.id, "rank": self.rank, "t": time.time()})
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        t0 = time.monotonic()
+
+        def on_step(step: int, total: int) -> None:
+            self._emit_locked({"kind": "step", "id": job.id, "rank": self.rank,
+                               "step": step, "total": total})
+
+        frames = None
+        error: str | None = None
+        try:
+            frames = self.runner.frames(job.req, on_step)
+        except Exception as e:  # noqa: BLE001 - the request fails with the reason; the rank lives
+            error = f"{type(e).__name__}: {e}"
+        with self._cv:
+            self._current = None
+            if self._phase is not Phase.TAIL:  # failed before its last forward
+                self._emit({"kind": "forwards_done", "id": job.id, "rank": self.rank})
+            self._phase = Phase.IDLE
+            self._cv.notify_all()
+        gpu_s = time.monotonic() - t0
+        if frames is None:
+            self._finish(job, None, error, gpu_s, t0)
+            return
+        self.encoder.submit(frames, job.req.fps,
+                            lambda data, err: self._finish(job, data, err, gpu_s, t0))
+
+    def _finish(self, job: Job, mp4: bytes | None, error: str | None, gpu_s: float, t0: float) -> None:
+        self._emit_locked({"kind": "finished", "id": job.id, "rank": self.rank, "mp4": mp4,
+                           "error": error, "gpu_s": gpu_s, "seconds": time.monotonic() - t0})
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        """Append an event; the caller holds ``_cv``."""
+        self._events.append(event)
+        self._cv.notify_all()
+
+    def _emit_locked(self, event: dict[str, Any]) -> None:
+        with self._cv:
+            self._emit(event)
