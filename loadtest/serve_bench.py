@@ -1,0 +1,372 @@
+"""The HTTP service under an open-loop mixed workload, design by design, against the ideal.
+
+    python loadtest/serve_bench.py --model /tmp/wan40 --dp 2 --device cuda \\
+        --designs waves,continuous,ranklocal --ideal --out loadtest/results/h200x2-serve-DATE.json
+
+One fixed list of requests (shapes, frame counts, step counts and Poisson arrival times
+drawn from ``--seed``) goes to each design in turn: ``dloserve serve`` is started with that
+design's flags, warmed up (one small request per rank), then every request is posted at
+its arrival time and polled to the end; its MP4 is downloaded and hashed. Per design:
+completed videos per hour over the makespan (first arrival to last completion), p50/p99
+latency, the share of time each GPU was computing (nvidia-smi utilization, sampled), and
+the ratio to the ideal.
+
+The ideal (``--ideal``) is N x the throughput of one GPU holding the whole model resident,
+on the same requests one by one: N resident processes (one per GPU) split the list and run
+each request alone; a request's GPU time is text encoding + denoising + VAE decode (the
+MP4 encode runs in a process pool beside it, as in the service). Their MP4 hashes are the
+reference every design's outputs are compared with.
+
+``--phase`` lets one run be split over several calls (the device machine limits a call
+to 10 minutes): results accumulate in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+DESIGNS = {
+    "waves": ["--scheduler", "waves"],
+    "continuous": ["--scheduler", "continuous"],
+    "ranklocal": ["--scheduler", "continuous", "--dlo-no-use-allgather"],
+}
+MIXES = {
+    # The issue's suggestion for the 40-layer model, at the low end of its step range.
+    "video": {"sizes": [(832, 480), (480, 832)], "frames": [33, 81], "steps": (4, 6)},
+    # CPU smoke on the tiny demo model.
+    "tiny": {"sizes": [(32, 32), (48, 32), (32, 16)], "frames": [5, 9], "steps": (2, 4)},
+}
+
+
+def workload(mix: str, n: int, rate_per_min: float, seed: int) -> list[dict[str, Any]]:
+    """Requests with arrival offsets (s): Poisson arrivals, uniform shape/frames/steps."""
+    m, rng = MIXES[mix], random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        w, h = rng.choice(m["sizes"])
+        body = {"prompt": f"benchmark request {i}", "seed": 1000 + i, "width": w, "height": h,
+                "num_frames": rng.choice(m["frames"]), "num_inference_steps": rng.randint(*m["steps"]),
+                "guidance_scale": 5.0}
+        out.append({"i": i, "at": round(t, 3), "body": body})
+        t += rng.expovariate(rate_per_min / 60.0)
+    return out
+
+
+# -- the ideal: resident, one request at a time per GPU -----------------------------------
+
+def resident_worker(args: argparse.Namespace) -> int:
+    """One GPU (or CPU), the whole model resident; runs its share of the list one by one."""
+    import torch
+
+    from service.engine.encoder import Encoder
+    from service.models.pipeline import OffloadConfig, PipelineRunner
+    from service.models.request import GenerationRequest
+
+    items = json.loads(Path(args.items).read_text())
+    device = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        torch.cuda.set_device(args.gpu)
+    runner = PipelineRunner.load(args.model, device, offload=OffloadConfig(enabled=False))
+    enc = Encoder(args.encoders)
+    warm = items[0]["body"]
+    runner.frames(GenerationRequest(**{**warm, "num_inference_steps": 1, "num_frames": 5}))
+    done: dict[int, dict[str, Any]] = {}
+    lock = threading.Condition()
+    for it in items:
+        req = GenerationRequest(**it["body"])
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        frames = runner.frames(req)
+        gpu_s = time.perf_counter() - t0
+
+        def finish(data: bytes | None, err: str | None, i: int = it["i"], g: float = gpu_s) -> None:
+            with lock:
+                done[i] = {"i": i, "gpu_s": g, "error": err,
+                           "sha256": hashlib.sha256(data).hexdigest() if data else None}
+                lock.notify_all()
+
+        enc.submit(frames, req.fps, finish)
+    with lock:
+        lock.wait_for(lambda: len(done) == len(items), timeout=1800)
+    enc.close()
+    Path(args.result).write_text(json.dumps(list(done.values())))
+    return 0
+
+
+def run_ideal(args: argparse.Namespace, items: list[dict[str, Any]], tmp: Path) -> dict[str, Any]:
+    """N resident processes in parallel, each on its own GPU and its share of the list."""
+    shares = [items[g::args.dp] for g in range(args.dp)]
+    procs = []
+    t0 = time.monotonic()
+    for g, share in enumerate(shares):
+        (tmp / f"ideal-{g}.json").write_text(json.dumps(share))
+        cmd = [sys.executable, __file__, "--resident-worker", "--model", args.model, "--device", args.device,
+               "--gpu", str(g), "--items", str(tmp / f"ideal-{g}.json"),
+               "--result", str(tmp / f"ideal-{g}-out.json"), "--encoders", str(args.encoders)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"resident workers failed: {codes}")
+    per = [json.loads((tmp / f"ideal-{g}-out.json").read_text()) for g in range(args.dp)]
+    rows = sorted((r for share in per for r in share), key=lambda r: r["i"])
+    gpu_s = [sum(r["gpu_s"] for r in share) for share in per]
+    n = len(rows)
+    return {
+        "wall_s": round(time.monotonic() - t0, 1),
+        "gpu_s_per_request": [round(r["gpu_s"], 3) for r in rows],
+        "gpu_s_sum": round(sum(gpu_s), 2),
+        # N x one GPU's throughput: n requests over the mean GPU time per request, x N.
+        "videos_per_hour": round(args.dp * n / sum(gpu_s) * 3600, 1),
+        "sha256": {r["i"]: r["sha256"] for r in rows},
+        "errors": [r["error"] for r in rows if r["error"]],
+    }
+
+
+# -- one design: the real service ------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GpuSampler(threading.Thread):
+    """nvidia-smi utilization.gpu of every GPU every 0.5 s (empty list off a GPU machine)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[list[float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                query = ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+                out = subprocess.run(query, capture_output=True, text=True, timeout=5).stdout
+                self.samples.append([float(x) for x in out.split()])
+            except (OSError, subprocess.SubprocessError, ValueError):
+                return
+            self.stop.wait(0.5)
+
+    def shares(self) -> list[float]:
+        if not self.samples:
+            return []
+        return [round(statistics.mean(s[g] for s in self.samples) / 100, 3)
+                for g in range(len(self.samples[0]))]
+
+
+def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "service.cli", "serve", args.model, "--data-parallel-size", str(args.dp),
+           "--enable-distributed-layerwise-offload", "--port", str(port), "--queue-size", "256",
+           "--encoders-per-rank", str(args.encoders), *DESIGNS[name]]
+    if args.device == "cpu":
+        cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
+    log = open(Path(args.logdir) / f"serve-{name}.log", "w")  # noqa: SIM115 - closed below
+    t_start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(url, proc, args.ready_timeout_s)
+        ready_s = time.monotonic() - t_start
+        # Warm-up: one small request per rank (CUDA kernels, allocator, encoder processes).
+        warm = dict(items[0]["body"], num_frames=5, num_inference_steps=1, prompt="warm-up")
+        warm_ids = [httpx.post(f"{url}/v1/videos", json=dict(warm, seed=s), timeout=60).json()["id"]
+                    for s in range(args.dp)]
+        for vid in warm_ids:
+            _final(url, vid, 900)
+        sampler = GpuSampler()
+        sampler.start()
+        results = _drive(url, items)
+        sampler.stop.set()
+        waves = httpx.get(f"{url}/v1/waves", timeout=30).json()
+        ready = httpx.get(f"{url}/readyz", timeout=30).json()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    done = [r for r in results if r["status"] == "completed"]
+    lat = sorted(r["latency_s"] for r in done)
+    first = min(r["submitted"] for r in results)
+    makespan = max(r["finished"] for r in results) - first
+    return {
+        "flags": DESIGNS[name],
+        "ready_s": round(ready_s, 1),
+        "completed": len(done),
+        "failed": [r for r in results if r["status"] != "completed"],
+        "makespan_s": round(makespan, 1),
+        "videos_per_hour": round(len(done) / makespan * 3600, 1) if makespan else 0.0,
+        "latency_p50_s": round(statistics.median(lat), 2) if lat else None,
+        "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
+        "gpu_busy_share": sampler.shares(),
+        "sha256": {r["i"]: r["sha256"] for r in results},
+        "requests": results,
+        "assignments": [{k: w.get(k) for k in ("wave", "rank", "size", "reason", "queued_s", "latency_s")}
+                        for w in waves if not set(w.get("ids", [])) & set(warm_ids)],
+        "readyz": {k: ready.get(k) for k in ("state", "scheduler", "generation", "rebuilds")},
+    }
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"dloserve serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def _final(url: str, vid: str, timeout: float) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()
+        if v["status"] in ("completed", "failed"):
+            return v
+        time.sleep(0.5)
+    raise TimeoutError(f"{vid} not final after {timeout} s")
+
+
+def _drive(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Post each request at its arrival time (open loop); poll each to the end."""
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    t0 = time.monotonic()
+
+    def one(it: dict[str, Any]) -> None:
+        time.sleep(max(0.0, t0 + it["at"] - time.monotonic()))
+        sub = time.monotonic()
+        rec: dict[str, Any] = {"i": it["i"], "submitted": sub - t0, "sha256": None}
+        r = httpx.post(f"{url}/v1/videos", json=it["body"], timeout=60)
+        if r.status_code != 202:
+            rec.update(status=f"http_{r.status_code}", finished=time.monotonic() - t0, latency_s=None)
+        else:
+            v = _final(url, r.json()["id"], 3600)
+            rec.update(status=v["status"], finished=time.monotonic() - t0, latency_s=time.monotonic() - sub,
+                       dp_rank=v.get("dp_rank"), error=v.get("error"))
+            if v["status"] == "completed":
+                data = httpx.get(f"{url}/v1/videos/{v['id']}/content", timeout=120).content
+                rec["sha256"] = hashlib.sha256(data).hexdigest()
+        with lock:
+            results.append(rec)
+
+    threads = [threading.Thread(target=one, args=(it,)) for it in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(results, key=lambda r: r["i"])
+
+
+# -- main ------------------------------------------------------------------------------------
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(),
+                            "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(g) for g in range(torch.cuda.device_count())]
+    except ImportError:
+        pass
+    try:
+        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                        capture_output=True, text=True, timeout=10).stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return info
+
+
+def summarize(res: dict[str, Any]) -> None:
+    ideal = res.get("ideal")
+    ref = ideal["sha256"] if ideal else None
+    for d in res.get("designs", {}).values():
+        if ideal:
+            d["ratio_to_ideal"] = round(d["videos_per_hour"] / ideal["videos_per_hour"], 3)
+        if ref:
+            d["bytes_equal_resident"] = all(d["sha256"].get(str(i), d["sha256"].get(i)) == h
+                                            for i, h in ref.items())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--designs", default="waves,continuous,ranklocal")
+    p.add_argument("--ideal", action="store_true", help="also run the resident one-by-one baseline")
+    p.add_argument("--mix", choices=sorted(MIXES), default="video")
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--rate-per-min", type=float, default=6.0, help="mean Poisson arrivals per minute")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--encoders", type=int, default=2, help="MP4 encoder processes per rank")
+    p.add_argument("--ready-timeout-s", type=float, default=600.0)
+    p.add_argument("--out", help="results JSON (updated in place across phases)")
+    p.add_argument("--logdir", default="/tmp")
+    p.add_argument("--resident-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gpu", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--items", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.resident_worker:
+        return resident_worker(args)
+    if not args.out:
+        p.error("--out is required")
+    out = Path(args.out)
+    res: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    items = workload(args.mix, args.requests, args.rate_per_min, args.seed)
+    if res.get("workload") not in (None, items):
+        raise SystemExit(f"{out} holds another workload: use a new --out")
+    cmdline = " ".join([Path(sys.executable).name, *sys.argv])
+    res.update(workload=items, machine=machine(), model=args.model, dp=args.dp, mix=args.mix)
+    res.setdefault("commands", []).append({"command": cmdline, "date": dt.datetime.now().isoformat()})
+    Path(args.logdir).mkdir(parents=True, exist_ok=True)
+    if args.ideal:
+        res["ideal"] = run_ideal(args, items, Path(args.logdir))
+        print(f"ideal: {res['ideal']['videos_per_hour']} videos/h", flush=True)
+    for name in [d for d in args.designs.split(",") if d]:
+        res.setdefault("designs", {})[name] = run_design(args, name, items)
+        d = res["designs"][name]
+        print(f"{name}: {d['videos_per_hour']} videos/h, p50 {d['latency_p50_s']} s, "
+              f"gpu busy {d['gpu_busy_share']}, failed {len(d['failed'])}", flush=True)
+        summarize(res)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+    summarize(res)
+    out.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
