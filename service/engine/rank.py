@@ -151,6 +151,7 @@ class RankWorker:
         Every rank of the group calls this at the same time (the driver starts them
         together); all return together, after the same ticks.
         """
+        self._bind_device()
         t0 = time.monotonic()
         ticks0 = self.ticks
         while True:
@@ -249,7 +250,13 @@ class RankWorker:
                 self._phase = Phase.BETWEEN
             self._cv.notify_all()
 
+    def _bind_device(self) -> None:
+        """The current CUDA device is per thread: point this one at the rank's GPU."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
+
     def _pipeline_loop(self) -> None:
+        self._bind_device()
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._inbox) or self._closed)
