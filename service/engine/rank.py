@@ -103,6 +103,9 @@ class RankWorker:
         self.null_ticks = 0
         self.agree_s = 0.0  # time spent in the per-tick agreement
         self.tick_log: deque[str] = deque(maxlen=4096)  # per tick: the job that ran, "" if idle
+        dev = runner.device
+        self._cuda_index = (dev.index if dev.index is not None else torch.cuda.current_device()) \
+            if dev.type == "cuda" else None
         self._hooks = [
             runner.transformer.register_forward_pre_hook(self._gate_enter),
             runner.transformer.register_forward_hook(self._gate_leave, always_call=True),
@@ -252,8 +255,8 @@ class RankWorker:
 
     def _bind_device(self) -> None:
         """The current CUDA device is per thread: point this one at the rank's GPU."""
-        if self.runner.device.type == "cuda":
-            torch.cuda.set_device(self.runner.device)
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
 
     def _pipeline_loop(self) -> None:
         self._bind_device()
