@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test lint serve generate bench bench-dp loadtest batch clean
+.PHONY: setup test lint serve generate bench bench-dp bench-tick loadtest batch clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -40,6 +40,9 @@ bench:
 
 bench-dp:
 	$(BIN)/python loadtest/bench_dp.py
+
+bench-tick:
+	$(BIN)/python loadtest/bench_tick.py --out out/tick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache out

@@ -13,10 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dp import dp_table  # noqa: E402
 from bench_offload import table  # noqa: E402
+from serve_bench import serve_table, summarize  # noqa: E402
 
 
 def render(path: Path) -> str:
     report = json.loads(path.read_text())
+    if "designs" in report:
+        summarize(report)
+        cmds = "; ".join(f"`{c['command']}`" for c in report["commands"])
+        return f"From `{path.as_posix()}` ({cmds}):\n\n{serve_table(report)}\n"
     body = dp_table(report) if "runs" in report else table(report)
     return f"From `{path.as_posix()}` (`{report['command']}`):\n\n{body}\n"
 

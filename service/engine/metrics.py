@@ -25,12 +25,14 @@ def metrics() -> dict[str, Any]:
         "requests": Counter(
             "dloserve_requests_total", "Requests by final status", tag_keys=("status",)
         ),
-        "queue_depth": Gauge("dloserve_queue_depth", "Requests waiting for a wave", ("group",)),
+        "queue_depth": Gauge("dloserve_queue_depth", "Requests waiting for a rank", ("group",)),
         "wave_size": Histogram(
-            "dloserve_wave_size", "Requests per wave", [1, 2, 3, 4, 6, 8, 16], ("group",)
+            "dloserve_wave_size", "Requests per wave (1 per assignment under continuous scheduling)",
+            [1, 2, 3, 4, 6, 8, 16], ("group",)
         ),
         "wave_latency": Histogram(
-            "dloserve_wave_latency_seconds", "Wall time of a wave", _SECONDS, ("group", "outcome")
+            "dloserve_wave_latency_seconds", "Wall time from a rank taking a request to its end",
+            _SECONDS, ("group", "outcome")
         ),
         "step_time": Histogram(
             "dloserve_step_seconds", "Denoising step wall time per rank", _STEP, _RANK

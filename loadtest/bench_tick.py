@@ -1,0 +1,91 @@
+"""What the per-forward agreement of continuous scheduling costs (two gloo ranks, CPU).
+
+    python loadtest/bench_tick.py --out loadtest/results/cpu-tick-DATE.json
+
+Before every transformer forward the ranks of an AllGather group all-reduce two bits over
+a gloo group (engine/rank.py). This runs two real ranks of the tiny demo model, rank 0
+with one long request (2 x steps forwards), rank 1 replaying, and reports the time each
+rank spent in the agreement per tick. The time includes waiting for the other rank to
+arrive, so it is an upper bound on the protocol's own cost. The protocol alone is then
+timed as back-to-back agreements with nothing else to do (``--calls`` of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.engine.local import control_group  # noqa: E402
+from service.engine.rank import RankWorker  # noqa: E402
+from service.models.demo import ensure_demo_model  # noqa: E402
+from service.models.pipeline import OffloadConfig, PipelineRunner  # noqa: E402
+from service.models.request import GenerationRequest  # noqa: E402
+from service.offload.spawn import run_ranks  # noqa: E402
+
+
+def _rank(rank: int, world: int, model: str, steps: int, calls: int) -> dict:
+    runner = PipelineRunner.load(model, "cpu", offload=OffloadConfig(), group=dist.group.WORLD)
+    worker = RankWorker(runner, rank, world, control_group(world))
+    done = threading.Event()
+    if rank == 0:
+        worker.assign("long", GenerationRequest(prompt="ticks", num_inference_steps=steps))
+
+        def pump() -> None:
+            while not any(e["kind"] == "finished" for e in worker.events(1.0)):
+                pass
+            done.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+    served = worker.serve()
+    if rank == 0:
+        done.wait(120)
+    st = worker.status()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        worker._agree(True, True)
+        times.append(time.perf_counter() - t0)
+    worker.close()
+    runner.close()
+    return {"rank": rank, "ticks": st["ticks"], "agree_s": st["agree_s"], "serve_s": served["seconds"],
+            "alone_median_us": round(statistics.median(times) * 1e6, 1),
+            "alone_p99_us": round(sorted(times)[int(0.99 * len(times))] * 1e6, 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    model = str(ensure_demo_model())
+    ranks = run_ranks(_rank, 2, model, args.steps, args.calls, timeout=600)
+    per_tick = [r["agree_s"] / r["ticks"] * 1e6 for r in ranks]
+    res = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": dt.date.today().isoformat(),
+        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine()},
+        "ranks": ranks,
+        "agree_us_per_tick": [round(x, 1) for x in per_tick],
+        "agree_share_of_serve": [round(r["agree_s"] / r["serve_s"], 4) for r in ranks],
+        "mean_agree_us_in_serve": round(statistics.mean(per_tick), 1),
+        "alone_median_us": max(r["alone_median_us"] for r in ranks),
+    }
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
