@@ -3,7 +3,10 @@
     dloserve serve [MODEL] --data-parallel-size 2 --enable-distributed-layerwise-offload
 
 With no MODEL the tiny demo model is served. RAY_ADDRESS (or --address) joins a running
-cluster instead of starting a local one.
+cluster (within --join-timeout-s); without one a new local cluster is started, never the
+last one this machine ran. A busy port ends it with exit code 2 before anything starts.
+SIGINT or SIGTERM at any moment stops the service and every process of a cluster it
+started.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -58,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention-s", type=float, default=86400.0, help="keep finished jobs this long")
     p.add_argument("--max-jobs", type=int, default=1000, help="keep at most this many jobs")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
+    p.add_argument("--join-timeout-s", type=float, default=60.0,
+                   help="with --address: give up joining the cluster after this long")
 
 
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
@@ -93,12 +99,47 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
             "base_s": args.wave_deadline_base_s,
             "per_forward_s": args.wave_deadline_per_forward_s,
         },
+        instance=uuid.uuid4().hex[:12],
         **extra,
     )
 
 
+class _Stop(Exception):
+    """SIGINT or SIGTERM arrived: unwind, then clean up."""
+
+
+_signals = {"count": 0}
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    """First signal: unwind from wherever start-up is. A second one: stop at once."""
+    _signals["count"] += 1
+    if _signals["count"] == 1:
+        raise _Stop(signal.Signals(signum).name)
+    print(f"dloserve serve: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
+    _force_exit(130)
+
+
+def _force_exit(code: int) -> None:
+    from service.api.hostproc import descendants, kill_tree
+
+    if _own_cluster["started"]:
+        kill_tree(descendants(os.getpid()), grace_s=2.0)
+    os._exit(code)
+
+
+_own_cluster = {"started": False, "ray": False}  # a cluster we started; a ray.init we made
+
+
+def _install_handlers() -> None:
+    """Ours, again: ray.init replaces the SIGTERM handler with one that exits abruptly."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Deploy and block until Ctrl-C; exit code 2 on bad flags or a model that cannot load."""
+    """Deploy and block until SIGINT/SIGTERM; exit code 2 on bad flags, a busy port, a model
+    that cannot load or a cluster that cannot be joined."""
     if args.data_parallel_size < 1:
         print("dloserve serve: --data-parallel-size must be >= 1", file=sys.stderr)
         return 2
@@ -106,11 +147,29 @@ def run(args: argparse.Namespace) -> int:
         print("dloserve serve: --dlo-no-use-allgather needs "
               "--enable-distributed-layerwise-offload", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Signals stop the service from the very first moment, not only once it is ready.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    _install_handlers()
+    try:
+        return _run(args)
+    except (_Stop, SystemExit) as e:  # SystemExit: ray.init's own SIGTERM handler, while it runs
+        print(f"dloserve serve: {e or 'SIGTERM'} received, stopping ...", file=sys.stderr, flush=True)
+        return 0  # a requested stop is not an error
+    finally:
+        _shutdown(bool(args.address))
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _signals["count"] = 0
+        _own_cluster["started"] = _own_cluster["ray"] = False
+
+
+def _run(args: argparse.Namespace) -> int:
+    from service.api.hostproc import port_free, port_holder
     from service.models.adapter import ModelError, load_adapter
     from service.models.demo import resolve_model
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     t0 = time.monotonic()
     try:
         args.model = resolve_model(args.model)  # the demo is written once, here
@@ -118,55 +177,137 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
+    if not port_free(args.host, args.port):
+        holder = port_holder(args.port)
+        print(f"dloserve serve: port {args.port} on {args.host} is already in use"
+              f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
+        return 2
+    if args.address:
+        err = _join(args.address, args.join_timeout_s)
+        if err:
+            print(f"dloserve serve: {err}", file=sys.stderr)
+            return 2
+    else:
+        _start_local_cluster()
 
     import ray
-    from ray import serve
 
     from service.api.app import deploy
 
-    joined = bool(args.address)
-    ray.init(address=args.address or None, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     cfg = config_from_args(args, gpus)
     print(f"deploying {cfg.model} DP{cfg.dp_size} "
           f"[{'DLO ' + ('allgather' if cfg.use_allgather else 'rank-local') if cfg.offload else 'resident'}"
-          f", {'cuda' if gpus else 'cpu'}] ...", flush=True)
+          f", {cfg.scheduler}, {'cuda' if gpus else 'cpu'}] ...", flush=True)
     deploy(cfg, args.host, args.port)
     url = f"http://{args.host}:{args.port}"
     try:
-        _wait_ready(url, args.ready_timeout_s)
-    except TimeoutError as e:
+        _wait_ready(url, cfg.instance or "", args.ready_timeout_s)
+    except (TimeoutError, PortTaken) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, PortTaken) else 1
     print(f"dloserve ready at {url} in {time.monotonic() - t0:.1f} s "
           f"(POST {url}/v1/videos, docs {url}/docs); Ctrl-C to stop", flush=True)
-    signal.signal(signal.SIGTERM, _interrupt)
+    while True:
+        time.sleep(3600)
+
+
+def _start_local_cluster() -> None:
+    """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names."""
+    import ray
+
+    _own_cluster["started"] = True  # from here on, our descendants are ours to stop
+    _own_cluster["ray"] = True
+    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    _install_handlers()
+
+
+def _join(address: str, timeout_s: float) -> str | None:
+    """Join ``address`` within ``timeout_s``; an error naming it if that cannot be done."""
+    import threading
+
+    import ray
+
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if host and port.isdigit():
+        import socket
+
+        try:
+            socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
+        except OSError as e:
+            return f"cannot reach the Ray cluster at {address}: {e} (check --address / RAY_ADDRESS)"
+    result: dict[str, BaseException | None] = {}
+
+    def connect() -> None:
+        try:
+            _own_cluster["ray"] = True
+            ray.init(address=address, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+            result["error"] = None
+        except BaseException as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=connect, name="ray-join", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        return f"could not join the Ray cluster at {address} within {timeout_s:.0f} s"
+    if result.get("error") is not None:
+        return f"could not join the Ray cluster at {address}: {result['error']}"
+    return None
+
+
+def _shutdown(joined: bool, timeout_s: float = 60.0) -> None:
+    """Stop what we started, within ``timeout_s`` whatever hangs; a second signal forces it."""
+    import threading
+
+    from service.api.hostproc import descendants, kill_tree
+
+    watchdog = threading.Timer(timeout_s, _force_exit, args=(1,))
+    watchdog.daemon = True
+    watchdog.start()
+    # Who is ours, before anything stops: Ray workers outlive their raylet for a while and
+    # are then no longer our descendants.
+    ours = descendants(os.getpid()) if _own_cluster["started"] else []
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping ...", flush=True)
-    finally:
-        serve.delete("dloserve")
-        if not joined:
-            serve.shutdown()
+        import ray
+
+        if _own_cluster["ray"] and ray.is_initialized():
+            from ray import serve
+
+            try:
+                serve.delete("dloserve")
+                if not joined:
+                    serve.shutdown()
+            except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
+                pass
             ray.shutdown()
-    return 0
+    except (_Stop, SystemExit):
+        pass
+    finally:
+        if _own_cluster["started"]:
+            kill_tree(sorted(set(ours) | set(descendants(os.getpid()))), grace_s=5.0)
+        watchdog.cancel()
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+class PortTaken(RuntimeError):
+    """Another service answers on our port (it listens with SO_REUSEPORT, as Serve does)."""
 
 
-def _wait_ready(url: str, timeout_s: float) -> None:
+def _wait_ready(url: str, instance: str, timeout_s: float) -> None:
     end = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < end:
         try:
             r = httpx.get(f"{url}/readyz", timeout=5)
-            if r.status_code == 200:
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            other = body.get("instance")
+            if other and other != instance:
+                raise PortTaken(f"{url} is answered by another dloserve instance ({other}): "
+                                f"its port is shared; choose another with --port")
+            if r.status_code == 200 and other == instance:
                 return
             last = r.text[:300]
         except httpx.HTTPError as e:

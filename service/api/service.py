@@ -54,6 +54,7 @@ class ServiceConfig(BaseModel):
     scheduler: Literal["continuous", "waves"] = "continuous"
     starve_s: float = Field(30.0, gt=0)
     encoders_per_rank: int = Field(1, ge=0)
+    instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict)
@@ -176,6 +177,7 @@ class VideoService:
             "ready": st["state"] in ("ready", "degraded"),
             **st,
             "scheduler": self.cfg.scheduler,
+            "instance": self.cfg.instance,
             "queue_depth": self.dispatcher.depth,
             "in_flight": self.dispatcher.held,
             "waves_run": self.dispatcher.assignments,

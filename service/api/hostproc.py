@@ -1,0 +1,110 @@
+"""Host facts `dloserve serve` needs before and after Ray: who holds a port, which processes
+are ours. Linux /proc only; elsewhere the answers are "unknown" and nothing is killed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound now by a listener that does not share ports.
+
+    Serve's proxy binds with SO_REUSEPORT, so two proxies can listen on one port and the
+    kernel splits the clients between them; a plain bind fails if anyone listens there.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no listener
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def port_holder(port: int) -> str | None:
+    """'pid 123 (ray::ProxyActor)' for a process listening on ``port``, if /proc tells."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            local, state, inode = parts[1], parts[3], parts[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(inode)
+    if not inodes:
+        return None
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    return f"pid {pid_dir.name} ({_cmdline(pid_dir)})"
+        except OSError:
+            continue
+    return "a process this user cannot see"
+
+
+def _cmdline(pid_dir: Path) -> str:
+    try:
+        cmd = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return cmd[:120] or "?"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def kill_tree(pids: list[int], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL after ``grace_s`` what is left; returns the pids still alive."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait
+        while time.monotonic() < end and (pids := [p for p in pids if _alive(p)]):
+            time.sleep(0.1)
+        if not pids:
+            return []
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie is dead, only not yet reaped

@@ -1,0 +1,153 @@
+"""`dloserve serve` start-up and stop, as a user meets them, in real subprocesses.
+
+- A port another instance listens on ends a second one at once, exit code 2, naming the
+  port and the process that holds it (the first instance's Serve proxy).
+- A stale ``ray_current_cluster`` (a dead cluster's address) is not joined: the service
+  starts a cluster of its own. An explicit dead ``--address`` fails fast, naming it.
+- SIGINT and SIGTERM at several moments of start-up and while serving stop the service,
+  and every process it started (raylet, GCS, ``ray::`` workers) is gone afterwards.
+Each run gets its own Ray temp folder, so nothing here touches the test session's cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.api.hostproc import descendants
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """A short private RAY_TMPDIR (Ray's socket paths must stay under 108 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Serve:
+    """`dloserve serve` in a subprocess; remembers every process it ever had below it."""
+
+    def __init__(self, ray_tmp: Path, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_TMPDIR=str(ray_tmp), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.seen: set[int] = set()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def watch_until(self, cond, timeout: float) -> None:  # noqa: ANN001
+        end = time.monotonic() + timeout
+        while not cond():
+            self.seen |= set(descendants(self.proc.pid))
+            assert self.proc.poll() is None, self.output[-3000:]
+            assert time.monotonic() < end, self.output[-3000:]
+            time.sleep(0.05)
+        self.seen |= set(descendants(self.proc.pid))
+
+    def stop(self, sig: int, timeout: float = 90) -> int:
+        self.seen |= set(descendants(self.proc.pid))
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        time.sleep(0.5)
+        return rc
+
+    def survivors(self) -> list[str]:
+        alive = []
+        for pid in self.seen:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80]
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(f"{pid} {cmd.decode(errors='replace')}")
+        return alive
+
+
+def test_busy_port_ends_a_second_instance_with_exit_2(app_url: str, ray_tmp: Path) -> None:
+    port = app_url.rsplit(":", 1)[1]
+    s = Serve(ray_tmp, "--port", port)
+    assert s.proc.wait(120) == 2, s.output[-2000:]
+    assert f"port {port} on 127.0.0.1 is already in use by pid" in s.output
+    assert "ProxyActor" in s.output  # the first instance's Serve proxy holds it
+    assert not s.survivors() and not list(ray_tmp.glob("ray/session_*"))  # no cluster was started
+
+
+def test_dead_address_fails_fast_naming_it(ray_tmp: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    s = Serve(ray_tmp, "--address", dead, "--port", str(free_port()), "--join-timeout-s", "20")
+    assert s.proc.wait(120) == 2, s.output[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert f"cannot reach the Ray cluster at {dead}" in s.output
+
+
+def test_stale_current_cluster_is_not_joined_and_sigterm_cleans_up(ray_tmp: Path) -> None:
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")  # nobody there
+    s = Serve(ray_tmp, "--port", str(free_port()))
+    s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
+    assert "Connecting to existing Ray cluster" not in s.output
+    assert len(s.seen) >= 5  # GCS, raylet, agents, Serve controller, proxy, replica, rank
+    assert s.stop(signal.SIGTERM) == 0, s.output[-2000:]
+    assert not s.survivors(), s.survivors()
+
+
+@pytest.mark.parametrize(
+    ("sig", "moment"),
+    [
+        (signal.SIGINT, "while Python starts"),
+        (signal.SIGTERM, "while Ray starts"),
+        (signal.SIGTERM, "while the model loads"),
+        (signal.SIGINT, "while serving"),
+    ],
+)
+def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment: str) -> None:
+    s = Serve(ray_tmp, "--port", str(free_port()))
+    if moment == "while Python starts":
+        s.watch_until(lambda: True, timeout=1)
+        time.sleep(0.3)
+    elif moment == "while Ray starts":
+        s.watch_until(lambda: any("gcs_server" in c for c in _cmds(s.seen)), timeout=120)
+    elif moment == "while the model loads":
+        s.watch_until(lambda: "deploying" in s.output, timeout=180)
+    else:
+        s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
+    t0 = time.monotonic()
+    assert s.stop(sig) == 0, s.output[-2000:]
+    assert time.monotonic() - t0 < 90
+    assert not s.survivors(), s.survivors()
+
+
+def _cmds(pids: set[int]) -> list[str]:
+    out = []
+    for p in pids:
+        try:
+            out.append(Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+        except OSError:
+            pass
+    return out
