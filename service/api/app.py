@@ -1,4 +1,4 @@
-"""FastAPI routes behind a Ray Serve ingress; one replica = one DP group.
+"""FastAPI routes behind a Ray Serve ingress; one replica owns one engine (its rank groups).
 
 No ``from __future__ import annotations`` here: Serve re-wraps the route methods and
 FastAPI must see real types, not strings.
@@ -7,9 +7,14 @@ FastAPI must see real types, not strings.
 (``import_path: service.api.app:build_app``). The replica itself asks for no CPU and
 rides in bundle 0 of the placement group Serve reserves for it from
 ``placement_group_bundles``; the N worker actors take the N bundles.
+
+Every /v1 route asks ``_owner`` first (API keys, when configured); /healthz, /readyz and
+/openapi.json stay open. Bodies are read against ``max_body_bytes``: a declared length
+over it is refused before reading, a stream that grows past it is cut off at the cap.
 """
 
 import asyncio
+import logging
 from typing import Any, Literal
 
 import ray
@@ -18,11 +23,22 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from service.api.schemas import BodyError, VideoCreate, VideoDeleted, VideoList
-from service.api.service import ServiceConfig, VideoService, video_object
+from service.api.schemas import (
+    BodyError,
+    ErrorResponse,
+    MediaTypeError,
+    Video,
+    VideoCreate,
+    VideoDeleted,
+    VideoList,
+    media_type,
+    parse_body,
+)
+from service.api.service import AuthError, ServiceConfig, VideoService, video_object
 from service.engine.metrics import metrics
 from service.router.waves import QueueFull
 
+log = logging.getLogger("dloserve.api")
 app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO")
 
 _CREATE_BODY = {
@@ -34,6 +50,18 @@ _CREATE_BODY = {
         },
     }
 }
+_ERR = {"model": ErrorResponse}
+_AUTH = {401: {**_ERR, "description": "missing or unknown API key"}}
+_CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body over the size limit"},
+                  415: {**_ERR, "description": "not JSON or a form"},
+                  422: {**_ERR, "description": "a field is invalid (param names it)"},
+                  429: {**_ERR, "description": "queue full; see Retry-After"},
+                  503: {**_ERR, "description": "draining; see Retry-After"}}
+_BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
+
+
+class TooLarge(Exception):
+    """The body is over the limit (413)."""
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -45,21 +73,65 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+async def read_capped(request: Request, cap: int) -> bytes:
+    """The body, never reading more than ``cap`` + one chunk of it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise TooLarge(f"body of {declared} bytes is over the limit of {cap}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise TooLarge(f"body is over the limit of {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
+                  health_check_period_s=5, health_check_timeout_s=30)
 @serve.ingress(app)
 class VideoIngress:
     def __init__(self, config: dict[str, Any]) -> None:
         self.svc = VideoService(
             ServiceConfig(**config), placement_group=ray.util.get_current_placement_group()
         )
+        if not self.svc.cfg.api_key_hashes:
+            log.warning("no API key configured: every client can read and delete every job")
+
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine cannot serve is reported unhealthy."""
+        problem = self.svc.health_problem()
+        if problem:
+            raise RuntimeError(problem)
+
+    def _owner(self, request: Request) -> str | None | JSONResponse:
+        try:
+            return self.svc.owner_of(request.headers.get("authorization"))
+        except AuthError as e:
+            return _error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _create(self, request: Request) -> dict[str, Any] | JSONResponse:
-        """The job record as accepted, or the 422/429 answer."""
-        raw = await request.body()
+        """The job record as accepted, or the 401/413/415/422/429/503 answer."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        draining = self.svc.draining()
+        if draining:
+            return _error(503, draining, None, kind="server_error", code="draining",
+                          headers={"Retry-After": "30"})
+        ctype = request.headers.get("content-type", "")
         try:
+            media_type(ctype)
+            raw = await read_capped(request, self.svc.cfg.max_body_bytes)
+            fields = await parse_body(ctype, raw)
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
-            return await asyncio.to_thread(self.svc.create, request.headers.get("content-type", ""), raw)
+            return await asyncio.to_thread(self.svc.create, fields, owner)
+        except MediaTypeError as e:
+            return _error(415, str(e), None, code="unsupported_media_type")
+        except TooLarge as e:
+            metrics()["requests"].inc(1, tags={"status": "rejected"})
+            return _error(413, str(e), None, code="body_too_large")
         except BodyError as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return _error(422, e.message, e.field, code=e.kind)
@@ -68,7 +140,8 @@ class VideoIngress:
             return _error(429, str(e), kind="rate_limit_error", code="queue_full",
                           headers={"Retry-After": str(e.retry_after_s)})
 
-    @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY)
+    @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY, response_model=Video,
+              responses=_CREATE_ERRORS)
     async def create_video(self, request: Request) -> JSONResponse:
         """Queue a generation job (JSON or multipart, as the openai client sends)."""
         rec = await self._create(request)
@@ -77,7 +150,8 @@ class VideoIngress:
         return JSONResponse(video_object(rec), status_code=202)
 
     @app.post("/v1/videos/sync", openapi_extra=_CREATE_BODY, response_class=Response,
-              responses={200: {"content": {"video/mp4": {}}}})
+              responses={200: {"content": {"video/mp4": {}}, "description": "the MP4"},
+                         **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
     async def create_video_sync(self, request: Request) -> Response:
         """Generate and answer the MP4 itself; the job is also listed under /v1/videos.
 
@@ -87,9 +161,9 @@ class VideoIngress:
         rec = await self._create(request)
         if isinstance(rec, JSONResponse):
             return rec
-        vid = rec["id"]
+        vid, owner = rec["id"], rec.get("owner")
         while True:
-            final = self.svc.get(vid)
+            final = self.svc.get(vid, owner)
             if final is None:
                 return _error(404, f"video {vid} was deleted before it finished", "video_id",
                               code="not_found")
@@ -107,14 +181,18 @@ class VideoIngress:
                           code="not_found", headers=headers)
         return FileResponse(path, media_type="video/mp4", filename=f"{vid}.mp4", headers=headers)
 
-    @app.get("/v1/videos")
+    @app.get("/v1/videos", response_model=VideoList, responses=_AUTH)
     def list_videos(
         self,
-        after: str | None = None,
+        request: Request,
+        after: str | None = Query(None, max_length=64),
         limit: int = Query(20, ge=1, le=100),
         order: Literal["asc", "desc"] = "desc",
-    ) -> VideoList:
-        recs, more = self.svc.list(after, limit, order)
+    ) -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        recs, more = self.svc.list(after, limit, order, owner)
         data = [video_object(r) for r in recs]
         return VideoList.model_validate({
             "data": data,
@@ -123,19 +201,28 @@ class VideoIngress:
             "has_more": more,
         })
 
-    @app.get("/v1/videos/{video_id}")
-    def retrieve_video(self, video_id: str) -> JSONResponse:
-        rec = self.svc.get(video_id)
+    @app.get("/v1/videos/{video_id}", response_model=Video, responses=_BY_ID)
+    def retrieve_video(self, request: Request, video_id: str) -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        rec = self.svc.get(video_id, owner)
         if rec is None:
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
         headers = {"openai-poll-after-ms": "250"} if rec["status"] in ("queued", "in_progress") else {}
         return JSONResponse(video_object(rec), headers=headers)
 
-    @app.get("/v1/videos/{video_id}/content", response_class=FileResponse)
-    def video_content(self, video_id: str, variant: str = "video") -> Any:
+    @app.get("/v1/videos/{video_id}/content", response_class=Response,
+             responses={200: {"content": {"video/mp4": {}}, "description": "the MP4"}, **_BY_ID,
+                        409: {**_ERR, "description": "not completed"},
+                        422: {**_ERR, "description": "unknown variant"}})
+    def video_content(self, request: Request, video_id: str, variant: str = "video") -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
         if variant != "video":
             return _error(422, "only variant=video is available", "variant")
-        rec = self.svc.get(video_id)
+        rec = self.svc.get(video_id, owner)
         if rec is None:
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
         path = self.svc.store.content_path(video_id)
@@ -143,9 +230,13 @@ class VideoIngress:
             return _error(409, f"video {video_id} is {rec['status']}", "video_id", code="not_ready")
         return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
-    @app.delete("/v1/videos/{video_id}")
-    def delete_video(self, video_id: str) -> Any:
-        result = self.svc.delete(video_id)
+    @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted,
+                responses={**_BY_ID, 409: {**_ERR, "description": "being generated"}})
+    def delete_video(self, request: Request, video_id: str) -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        result = self.svc.delete(video_id, owner)
         if result == "missing":
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
         if result == "running":
@@ -153,18 +244,25 @@ class VideoIngress:
                           code="in_progress")
         return VideoDeleted(id=video_id)
 
-    @app.get("/v1/waves")
-    def waves(self) -> list[dict[str, Any]]:
-        """Recent waves (size, key, ids, generation, latency): for operators and tests."""
-        return self.svc.waves()
+    @app.get("/v1/waves", responses=_AUTH)
+    def waves(self, request: Request) -> Any:
+        """Recent assignments (ids, rank, latency): for operators and tests."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return self.svc.waves(owner)
+
+    async def drain(self, timeout_s: float) -> dict[str, Any]:
+        """Called by the launcher on SIGTERM before the app is deleted (not a route)."""
+        return await asyncio.to_thread(self.svc.drain, timeout_s)
 
     @app.get("/healthz")
     def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "starting, rebuilding, broken or draining"}})
     def readyz(self) -> JSONResponse:
-        """200 when the DP group serves; 503 while starting or rebuilding (says which)."""
+        """200 when a rank group serves; 503 while starting, rebuilding or draining (says which)."""
         r = self.svc.readiness()
         return JSONResponse(r, status_code=200 if r["ready"] else 503)
 

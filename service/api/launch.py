@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -58,9 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed part of each request's deadline")
     p.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,
                    help="deadline = base + this x forwards x (pixels*frames / 832*480*81)")
-    p.add_argument("--results-dir", default=None, help="job store folder")
+    p.add_argument("--results-dir", default=None,
+                   help="job store folder (default ~/.cache/dloserve/results/port-PORT; locked)")
     p.add_argument("--retention-s", type=float, default=86400.0, help="keep finished jobs this long")
     p.add_argument("--max-jobs", type=int, default=1000, help="keep at most this many jobs")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' (repeatable); jobs belong to their key")
+    p.add_argument("--api-key-file", default=None, help="one API key per line")
+    p.add_argument("--max-body-bytes", type=int, default=65536,
+                   help="larger request bodies are refused with 413 before they are read")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0,
+                   help="on SIGTERM: how long running jobs may take to finish")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
     p.add_argument("--join-timeout-s", type=float, default=60.0,
                    help="with --address: give up joining the cluster after this long")
@@ -69,9 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     from service.api.service import ServiceConfig
 
-    extra: dict[str, Any] = {}
-    if args.results_dir:
-        extra["results_dir"] = args.results_dir
+    extra: dict[str, Any] = {"results_dir": args.results_dir or _default_results_dir(args.port)}
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
@@ -100,8 +107,28 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
             "per_forward_s": args.wave_deadline_per_forward_s,
         },
         instance=uuid.uuid4().hex[:12],
+        api_key_hashes=api_key_hashes(args),
+        max_body_bytes=args.max_body_bytes,
         **extra,
     )
+
+
+def _default_results_dir(port: int) -> str:
+    """One folder per instance: an instance is its port on this machine."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "dloserve", "results", f"port-{port}")
+
+
+def api_key_hashes(args: argparse.Namespace) -> list[str]:
+    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS; the keys
+    themselves never leave this process (the Serve config carries only hashes)."""
+    import hashlib
+
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        keys += [ln.strip() for ln in open(args.api_key_file).read().splitlines()
+                 if ln.strip() and not ln.startswith("#")]
+    keys += [k.strip() for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",") if k.strip()]
+    return sorted({hashlib.sha256(k.encode()).hexdigest() for k in keys})
 
 
 class _Stop(Exception):
@@ -156,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dloserve serve: {e or 'SIGTERM'} received, stopping ...", file=sys.stderr, flush=True)
         return 0  # a requested stop is not an error
     finally:
-        _shutdown(bool(args.address))
+        _shutdown(bool(args.address), drain_s=args.drain_timeout_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _signals["count"] = 0
@@ -177,6 +204,21 @@ def _run(args: argparse.Namespace) -> int:
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
+    try:
+        keys = api_key_hashes(args)
+    except OSError as e:
+        print(f"dloserve serve: --api-key-file: {e}", file=sys.stderr)
+        return 2
+    if not keys:
+        print("dloserve serve: WARNING: no --api-key given: any client that reaches the port can read, "
+              "download and delete every job", file=sys.stderr, flush=True)
+    from service.api.store import StoreLocked, lock_folder
+
+    try:
+        lock_folder(Path(args.results_dir or _default_results_dir(args.port))).close()
+    except StoreLocked as e:
+        print(f"dloserve serve: {e}", file=sys.stderr)
+        return 2
     if not port_free(args.host, args.port):
         holder = port_holder(args.port)
         print(f"dloserve serve: port {args.port} on {args.host} is already in use"
@@ -188,7 +230,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        _start_local_cluster()
+        _start_local_cluster(loopback=args.host in ("127.0.0.1", "localhost", "::1"))
 
     import ray
 
@@ -214,13 +256,21 @@ def _run(args: argparse.Namespace) -> int:
         time.sleep(3600)
 
 
-def _start_local_cluster() -> None:
-    """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names."""
+def _start_local_cluster(loopback: bool) -> None:
+    """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names.
+
+    Ray's token authentication stays on (ray.init handles the token for this process and
+    the workers it starts). With a loopback --host the node is advertised as 127.0.0.1
+    and the dashboard binds there.
+    """
     import ray
 
     _own_cluster["started"] = True  # from here on, our descendants are ours to stop
     _own_cluster["ray"] = True
-    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    kw: dict[str, Any] = {"dashboard_host": "127.0.0.1"}
+    if loopback:
+        kw["_node_ip_address"] = "127.0.0.1"
+    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **kw)
     _install_handlers()
 
 
@@ -259,13 +309,14 @@ def _join(address: str, timeout_s: float) -> str | None:
     return None
 
 
-def _shutdown(joined: bool, timeout_s: float = 60.0) -> None:
-    """Stop what we started, within ``timeout_s`` whatever hangs; a second signal forces it."""
+def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> None:
+    """Drain, then stop what we started, within ``drain_s + timeout_s`` whatever hangs; a
+    second signal forces it at once."""
     import threading
 
     from service.api.hostproc import descendants, kill_tree
 
-    watchdog = threading.Timer(timeout_s, _force_exit, args=(1,))
+    watchdog = threading.Timer(drain_s + timeout_s, _force_exit, args=(1,))
     watchdog.daemon = True
     watchdog.start()
     # Who is ours, before anything stops: Ray workers outlive their raylet for a while and
@@ -278,6 +329,7 @@ def _shutdown(joined: bool, timeout_s: float = 60.0) -> None:
             from ray import serve
 
             try:
+                _drain(drain_s)
                 serve.delete("dloserve")
                 if not joined:
                     serve.shutdown()
@@ -290,6 +342,22 @@ def _shutdown(joined: bool, timeout_s: float = 60.0) -> None:
         if _own_cluster["started"]:
             kill_tree(sorted(set(ours) | set(descendants(os.getpid()))), grace_s=5.0)
         watchdog.cancel()
+
+
+def _drain(timeout_s: float) -> None:
+    """New jobs get 503, queued ones fail now, running ones get ``timeout_s`` to finish."""
+    from ray import serve
+
+    try:
+        handle = serve.get_app_handle("dloserve")
+    except Exception:  # noqa: BLE001 - never deployed: nothing to drain
+        return
+    print(f"draining (running jobs get up to {timeout_s:.0f} s) ...", file=sys.stderr, flush=True)
+    try:
+        done = handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+        print(f"drained: {done}", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the app is deleted next anyway
+        print(f"drain did not finish: {e}", file=sys.stderr, flush=True)
 
 
 class PortTaken(RuntimeError):

@@ -5,15 +5,13 @@ field error can be reported by its HTTP name.
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
 import json
 import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.models.request import GenerationRequest, RequestError
+from service.models.request import GenerationRequest
 
 
 class BodyError(ValueError):
@@ -85,6 +83,20 @@ class VideoCreate(BaseModel):
         )
 
 
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer: OpenAI's shape (``detail`` repeats a field error for FastAPI clients)."""
+
+    error: ErrorBody
+    detail: list[dict[str, Any]] | None = None
+
+
 class VideoError(BaseModel):
     code: str
     message: str
@@ -130,44 +142,63 @@ class VideoDeleted(BaseModel):
     deleted: bool = True
 
 
-def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
-    """JSON or multipart/form-data (what ``client.videos.create`` sends) -> field dict."""
-    ctype = (content_type or "").split(";")[0].strip().lower()
-    if ctype in ("", "application/json"):
+CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-form-urlencoded")
+MAX_FORM_FIELDS = 32  # VideoCreate has 14 fields; more is not a video request
+
+
+class MediaTypeError(ValueError):
+    """A content type this API does not read (415)."""
+
+
+def media_type(content_type: str | None) -> str:
+    """The bare media type; MediaTypeError for anything but JSON and the two form types."""
+    ctype = (content_type or "application/json").split(";")[0].strip().lower()
+    if ctype not in CONTENT_TYPES:
+        raise MediaTypeError(f"unsupported content type {ctype!r}; send one of {', '.join(CONTENT_TYPES)}")
+    return ctype
+
+
+async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
+    """JSON or a form (multipart as ``client.videos.create`` sends it) -> a flat field dict.
+
+    Forms go through Starlette's parsers (python-multipart) with part and field limits;
+    nothing here recurses on the input, and a JSON body nested too deep is a 422.
+    """
+    ctype = media_type(content_type)
+    if ctype == "application/json":
         try:
             data = json.loads(raw or b"null")
+        except RecursionError:
+            raise BodyError("body", "JSON nested too deeply", "json_invalid") from None
         except ValueError as e:
             raise BodyError("body", f"invalid JSON: {e}", "json_invalid") from None
         if not isinstance(data, dict):
             raise BodyError("body", "must be a JSON object", "model_type")
         return data
-    if ctype == "multipart/form-data":
-        head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode()
-        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + raw)
-        if not msg.is_multipart():
-            raise BodyError("body", "malformed multipart body", "multipart_invalid")
-        out: dict[str, Any] = {}
-        for part in msg.iter_parts():
-            name = part.get_param("name", header="content-disposition")
-            if not name:
-                continue
-            if part.get_filename() is not None:
-                raise BodyError(str(name), "file uploads (input_reference) are not supported")
-            out[str(name)] = _text(part.get_payload(decode=True), str(name))
-        return out
-    if ctype == "application/x-www-form-urlencoded":
-        from urllib.parse import parse_qsl
+    from starlette.datastructures import Headers, UploadFile
+    from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
-        return dict(parse_qsl(_text(raw, "body"), keep_blank_values=True))
-    raise BodyError("body", f"unsupported content type {ctype!r}", "content_type")
+    async def stream() -> Any:
+        yield raw
+        yield b""
 
-
-def _text(data: bytes | None, field: str) -> str:
-    """UTF-8 text of a body or form part; anything else is the client's error (422)."""
+    headers = Headers({"content-type": content_type})
     try:
-        return (data or b"").decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BodyError(field, f"not UTF-8 text: {e.reason}", "encoding") from e
+        if ctype == "multipart/form-data":
+            parser: Any = MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS,
+                                          max_part_size=len(raw) + 1)
+        else:
+            parser = FormParser(headers, stream(), max_fields=MAX_FORM_FIELDS, max_part_size=len(raw) + 1)
+        form = await parser.parse()
+    except MultiPartException as e:
+        field = "input_reference" if "file" in str(e).lower() else "body"
+        raise BodyError(field, f"malformed or unsupported form: {e}", "multipart_invalid") from None
+    out: dict[str, Any] = {}
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            raise BodyError(name, "file uploads (input_reference) are not supported")
+        out[name] = value
+    return out
 
 
 def validate_create(data: dict[str, Any]) -> VideoCreate:
@@ -178,11 +209,3 @@ def validate_create(data: dict[str, Any]) -> VideoCreate:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or "body"
         raise BodyError(field, err["msg"], err["type"]) from None
-
-
-def check_request(req: GenerationRequest) -> None:
-    """Re-raise RequestError as BodyError so the API speaks one error type."""
-    try:
-        req.check()
-    except RequestError as e:
-        raise BodyError(e.field, e.message) from None

@@ -7,6 +7,8 @@ config files -> operator limits): bad input never reaches a worker.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -17,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.api.schemas import BodyError, Video, parse_body, validate_create
+from service.api.schemas import BodyError, Video, validate_create
 from service.api.store import JobStore
 from service.engine.group import Engine, EngineSpec, Outcome
 from service.engine.metrics import metrics
@@ -29,6 +31,10 @@ from service.router.policy import DeadlinePolicy, Limits
 from service.router.waves import Ticket
 
 log = logging.getLogger("dloserve.api")
+
+
+class AuthError(Exception):
+    """No or a wrong API key (401)."""
 
 
 class ServiceConfig(BaseModel):
@@ -55,6 +61,10 @@ class ServiceConfig(BaseModel):
     starve_s: float = Field(30.0, gt=0)
     encoders_per_rank: int = Field(1, ge=0)
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
+    api_key_hashes: list[str] = Field(default_factory=list,
+                                      description="SHA-256 (hex) of the accepted API keys; empty = open")
+    max_body_bytes: int = Field(65536, ge=1024)
+    unhealthy_after_s: float = Field(300.0, gt=0)
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict)
@@ -84,7 +94,8 @@ class VideoService:
         self.limits = Limits(**cfg.limits)
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.store = JobStore(
-            os.path.expanduser(cfg.results_dir), ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs
+            os.path.expanduser(cfg.results_dir), ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
+            exclusive=cfg.num_replicas == 1,
         )
         if cfg.num_replicas == 1:
             self._fail_orphans()
@@ -94,6 +105,7 @@ class VideoService:
             max_queue=cfg.queue_size, deadlines=DeadlinePolicy(**cfg.deadline), starve_s=cfg.starve_s,
         )
         self.started_at = time.time()
+        self._draining: str | None = None
         self.dispatcher.start()
 
     def _fail_orphans(self) -> None:
@@ -106,9 +118,9 @@ class VideoService:
             log.warning("marked %d unfinished jobs from a previous run as failed", n)
 
     # -- requests ----------------------------------------------------------------------
-    def create(self, content_type: str, raw: bytes) -> dict[str, Any]:
+    def create(self, fields: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
         """Validate fully, record, queue. Raises BodyError (422) or QueueFull (429)."""
-        body = validate_create(parse_body(content_type, raw))
+        body = validate_create(fields)
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
         if body.seed is None and "seed" not in self.cfg.defaults:
@@ -137,6 +149,7 @@ class VideoService:
             "fps": req.fps,
             "num_inference_steps": req.num_inference_steps,
             "guidance_scale": req.guidance_scale,
+            "owner": owner,  # who may see it (the API key's id); never in the video object
         }
         self.store.put(rec)
         accepted = dict(rec)  # the job as accepted; the dispatcher may move it on at once
@@ -147,23 +160,30 @@ class VideoService:
             raise
         return accepted
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
-        return self.store.get(job_id)
-
-    def delete(self, job_id: str) -> str:
-        """'deleted', 'missing', or 'running' (a running wave cannot drop one rank)."""
+    def get(self, job_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The job if it exists and belongs to ``owner`` (with API keys on, jobs are private)."""
         rec = self.store.get(job_id)
+        if rec is None or (self.cfg.api_key_hashes and rec.get("owner") != owner):
+            return None  # another key's job is "not found": its existence is not told either
+        return rec
+
+    def delete(self, job_id: str, owner: str | None = None) -> str:
+        """'deleted', 'missing', or 'running' (a request a rank holds cannot be dropped)."""
+        rec = self.get(job_id, owner)
         if rec is None:
             return "missing"
         if rec["status"] == "in_progress":
             return "running"
         if rec["status"] == "queued" and not self.dispatcher.cancel(job_id):
-            return "running"  # picked by a wave just now
+            return "running"  # a rank took it just now
         self.store.delete(job_id)
         return "deleted"
 
-    def list(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
+    def list(self, after: str | None, limit: int, order: str, owner: str | None = None,
+             ) -> tuple[list[dict], bool]:
         recs = self.store.list()
+        if self.cfg.api_key_hashes:
+            recs = [r for r in recs if r.get("owner") == owner]
         if order == "desc":
             recs.reverse()
         if after:
@@ -171,8 +191,27 @@ class VideoService:
             recs = recs[ids.index(after) + 1 :] if after in ids else []
         return recs[:limit], len(recs) > limit
 
+    def owner_of(self, authorization: str | None) -> str | None:
+        """The caller's owner id from ``Authorization: Bearer KEY``; AuthError if keys are on
+        and it is missing or unknown. Keys are compared by SHA-256, in constant time."""
+        if not self.cfg.api_key_hashes:
+            return None
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthError("Missing bearer authentication in header (Authorization: Bearer YOUR_KEY)")
+        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        match = None
+        for h in self.cfg.api_key_hashes:
+            if hmac.compare_digest(h, digest):
+                match = h
+        if match is None:
+            raise AuthError("Incorrect API key provided")
+        return match[:16]
+
     def readiness(self) -> dict[str, Any]:
         st = self.engine.status()
+        if self._draining:
+            st["state"], st["last_error"] = "draining", self._draining
         return {
             "ready": st["state"] in ("ready", "degraded"),
             **st,
@@ -185,8 +224,43 @@ class VideoService:
             "model_dir": self.model_dir,
         }
 
-    def waves(self) -> list[dict[str, Any]]:
-        return list(self.dispatcher.history)
+    def health_problem(self) -> str | None:
+        """Why this replica cannot serve and will not recover by itself (Serve's health check).
+
+        A group that is rebuilding is recovering: healthy. Unhealthy: the dispatcher thread
+        is gone, or no group has been able to start for ``unhealthy_after_s``.
+        """
+        if self._draining:
+            return None
+        if not self.dispatcher.alive:
+            return "the dispatcher thread is not running"
+        since = self.dispatcher.unavailable_since
+        if since is not None and time.monotonic() - since > self.cfg.unhealthy_after_s:
+            return f"no rank group could start for {time.monotonic() - since:.0f} s: " \
+                   f"{self.engine.status()['last_error']}"
+        return None
+
+    def draining(self) -> str | None:
+        """Why new work is refused (503), or None."""
+        return self._draining
+
+    def drain(self, timeout_s: float, reason: str = "service stopped") -> dict[str, Any]:
+        """Refuse new work; fail queued jobs now; give running ones ``timeout_s`` to finish,
+        then fail them with ``reason``. Status reads keep working throughout."""
+        self._draining = f"{reason}: draining"
+        t0 = time.monotonic()
+        queued = self.dispatcher.fail_queued(reason)
+        while self.dispatcher.held and time.monotonic() - t0 < timeout_s:
+            time.sleep(0.1)
+        left = self.dispatcher.held
+        self.dispatcher.stop()
+        return {"queued_failed": queued, "running_failed": left, "seconds": round(time.monotonic() - t0, 1)}
+
+    def waves(self, owner: str | None = None) -> list[dict[str, Any]]:
+        hist = list(self.dispatcher.history)
+        if not self.cfg.api_key_hashes:
+            return hist
+        return [r for r in hist if all(self.get(i, owner) for i in r.get("ids", []))]
 
     def close(self) -> None:
         self.dispatcher.stop()

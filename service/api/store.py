@@ -19,12 +19,43 @@ from typing import Any
 FINAL = ("completed", "failed")
 
 
-class JobStore:
-    """Thread-safe: the HTTP handlers read while the dispatcher thread writes."""
+class StoreLocked(RuntimeError):
+    """Another live process owns this results folder."""
 
-    def __init__(self, root: str | os.PathLike, ttl_s: float = 86400.0, max_jobs: int = 1000):
+
+def lock_folder(root: Path) -> Any:
+    """An exclusive lock on ``root`` held for the life of the returned file (flock: the
+    kernel drops it when the process dies, so a crashed instance never blocks the next)."""
+    import fcntl
+
+    root.mkdir(parents=True, exist_ok=True)
+    f = open(root / ".lock", "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise StoreLocked(f"results folder {root} is in use by {holder}; give this instance its own "
+                          "with --results-dir") from None
+    f.truncate(0)
+    f.write(f"pid {os.getpid()}")
+    f.flush()
+    return f
+
+
+class JobStore:
+    """Thread-safe: the HTTP handlers read while the dispatcher thread writes.
+
+    ``exclusive`` locks the folder for this process: one instance never changes another
+    live instance's jobs (replicas that share a folder on purpose pass False).
+    """
+
+    def __init__(self, root: str | os.PathLike, ttl_s: float = 86400.0, max_jobs: int = 1000,
+                 exclusive: bool = False):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_file = lock_folder(self.root) if exclusive else None
         self.ttl_s = ttl_s
         self.max_jobs = max_jobs
         self._jobs: dict[str, dict[str, Any]] = {}

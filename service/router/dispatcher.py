@@ -131,6 +131,22 @@ class Dispatcher:
     def held(self) -> int:
         return len(self._held)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def unavailable_since(self) -> float | None:
+        """Since when no group can serve or is about to (None while one can)."""
+        return self._unavailable_since
+
+    def fail_queued(self, why: str) -> int:
+        """End every queued request as failed with ``why`` (a drain); returns how many."""
+        with self._cv:
+            n = self.depth
+            self._fail_queue(why)
+            return n
+
     # -- the loop ----------------------------------------------------------------------
     def _main(self) -> None:
         try:

@@ -59,10 +59,10 @@ def wait_ready(url: str, timeout: float) -> dict:
     raise AssertionError(f"not ready after {timeout}s: {last}")
 
 
-def wait_final(url: str, vid: str, timeout: float = 120) -> dict:
+def wait_final(url: str, vid: str, timeout: float = 120, headers: dict | None = None) -> dict:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=10).json()
+        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=10, headers=headers).json()
         if v["status"] in ("completed", "failed"):
             return v
         time.sleep(0.1)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
-from service.api.schemas import BodyError, parse_body, validate_create
+from service.api import schemas
+from service.api.schemas import BodyError, MediaTypeError, validate_create
 from service.models.request import GenerationRequest
 
 DEFAULTS = GenerationRequest(prompt="-")
+
+
+def parse_body(ctype: str, raw: bytes) -> dict:
+    return asyncio.run(schemas.parse_body(ctype, raw))
 
 
 def encoded(**kw: object) -> tuple[str, bytes]:
@@ -47,20 +54,41 @@ def test_field_errors_name_the_field() -> None:
 
 
 def test_unreadable_bodies() -> None:
-    for ctype, raw in (("application/json", b"[1]"), ("application/json", b"{"), ("text/plain", b"x")):
+    for ctype, raw in (("application/json", b"[1]"), ("application/json", b"{")):
         with pytest.raises(BodyError):
             parse_body(ctype, raw)
+    with pytest.raises(MediaTypeError):
+        parse_body("text/plain", b"x")
     ctype, raw = encoded(files={"input_reference": ("a.png", b"\x89PNG", "image/png")})
     with pytest.raises(BodyError) as e:
         parse_body(ctype, raw)
     assert e.value.field == "input_reference"
 
 
-def test_bodies_that_are_not_utf8_are_the_clients_error() -> None:
+def test_deep_nesting_is_a_422_not_a_crash() -> None:
+    deep = b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}"
     with pytest.raises(BodyError) as e:
-        parse_body("application/x-www-form-urlencoded", b"prompt=\xff\xfe")
-    assert e.value.field == "body"
+        parse_body("application/json", deep)
+    assert "nested" in e.value.message
+    ctype, raw = encoded(files={"prompt": (None, "x"), "seed": (None, "1")})
+    nested = raw  # multipart inside a part, 2,000 levels: python-multipart does not recurse
+    for i in range(2000):
+        b = f"b{i}".encode()
+        nested = (b"--" + b + b'\r\nContent-Disposition: form-data; name="prompt"\r\n'
+                  b"Content-Type: multipart/form-data; boundary=" + f"b{i - 1}".encode() + b"\r\n\r\n"
+                  + nested + b"\r\n--" + b + b"--\r\n")
+    fields = parse_body("multipart/form-data; boundary=b1999", nested)
+    assert set(fields) == {"prompt"}  # one opaque text field, then pydantic's length rule
+
+
+def test_too_many_form_fields_is_a_422() -> None:
+    ctype, raw = encoded(data={f"f{i}": "x" for i in range(100)})
+    with pytest.raises(BodyError):
+        parse_body(ctype, raw)
+
+
+def test_form_values_that_are_not_utf8_are_read_as_latin1() -> None:
+    """Starlette's rule for form parts: no 500, the bytes become a string."""
     ctype, raw = encoded(files={"prompt": (None, "a fox")})
-    with pytest.raises(BodyError) as e:
-        parse_body(ctype, raw.replace(b"a fox", b"\xff\xfe"))
-    assert e.value.field == "prompt"
+    assert parse_body(ctype, raw.replace(b"a fox", b"\xff\xfe")) == {"prompt": "\xff\xfe"}
+    assert parse_body("application/x-www-form-urlencoded", b"prompt=\xff\xfe") == {"prompt": "\xff\xfe"}

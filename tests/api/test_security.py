@@ -1,0 +1,129 @@
+"""Safe to expose: API keys and ownership, bounded bodies, health that notices a dead rank.
+
+A second app with two API keys (DP1, under /keyed) lives for this module only; the shared
+open app (tests/api/conftest.py) serves the body and health checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+
+from service.api.store import JobStore, StoreLocked
+from tests.api.conftest import wait_final, wait_ready
+
+KEY_A, KEY_B = "sk-test-alice-0123456789", "sk-test-bob-9876543210"
+
+
+@pytest.fixture(scope="module")
+def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from ray import serve
+
+    from service.api.app import build_app
+    from service.api.service import ServiceConfig
+
+    cfg = ServiceConfig(
+        model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+        results_dir=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
+        api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
+    )
+    serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")
+    url = f"{app_url}/keyed"
+    wait_ready(url, 180)
+    yield url
+    serve.delete("keyed")
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_no_or_wrong_key_is_401_in_the_openai_shape(keyed: str) -> None:
+    for headers in ({}, auth("sk-wrong"), {"Authorization": "Basic abc"}):
+        r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{keyed}/v1/videos", headers=headers).status_code == 401
+    assert httpx.get(f"{keyed}/healthz").status_code == 200  # health stays open
+    assert httpx.get(f"{keyed}/readyz").status_code == 200
+
+
+def test_jobs_belong_to_the_key_that_made_them(keyed: str) -> None:
+    r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "alice's fox", "seed": 1}, headers=auth(KEY_A))
+    assert r.status_code == 202, r.text
+    vid = r.json()["id"]
+    assert "owner" not in r.json()
+    assert wait_final(keyed, vid, headers=auth(KEY_A))["status"] == "completed"
+    for path in (f"/v1/videos/{vid}", f"/v1/videos/{vid}/content"):
+        assert httpx.get(f"{keyed}{path}", headers=auth(KEY_B)).status_code == 404
+        assert httpx.get(f"{keyed}{path}", headers=auth(KEY_A)).status_code == 200
+    assert vid not in [v["id"] for v in httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_B)).json()["data"]]
+    assert vid in [v["id"] for v in httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_A)).json()["data"]]
+    assert not httpx.get(f"{keyed}/v1/waves", headers=auth(KEY_B)).json()
+    assert httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_B)).status_code == 404
+    assert httpx.get(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A)).status_code == 200  # still there
+    assert httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A)).json()["deleted"]
+
+
+def raw_post(url: str, headers: str, body: bytes = b"") -> tuple[int, float]:
+    """Send a request by hand (a declared length the client never sends); status and time."""
+    host, port = url.split("//")[1].split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port.split("/")[0])), timeout=30) as s:
+        s.sendall(f"POST /v1/videos HTTP/1.1\r\nHost: {host}\r\n{headers}\r\n".encode() + body)
+        status = int(s.recv(4096).split(b" ", 2)[1])
+    return status, time.monotonic() - t0
+
+
+def test_bodies_over_the_cap_are_413_before_they_are_read(app_url: str) -> None:
+    status, seconds = raw_post(app_url, "Content-Type: application/json\r\nContent-Length: 100000000\r\n")
+    assert status == 413 and seconds < 10  # answered without waiting for 100 MB that never come
+
+    def chunks() -> Iterator[bytes]:  # no declared length: cut off at the cap while streaming
+        yield b'{"prompt": "'
+        for _ in range(1000):
+            yield b"x" * 100_000
+
+    r = httpx.post(f"{app_url}/v1/videos", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_unsupported_media_type_is_415(app_url: str) -> None:
+    r = httpx.post(f"{app_url}/v1/videos", content=b"prompt: x", headers={"content-type": "text/yaml"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_deep_json_is_422_not_500(app_url: str) -> None:
+    deep = b'{"prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}"
+    r = httpx.post(f"{app_url}/v1/videos", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+
+
+def test_a_rank_that_dies_while_idle_is_replaced_before_the_next_request(app_url: str) -> None:
+    ready = wait_ready(app_url, 120)
+    ray.kill(ray.get_actor(ready["workers"][0], namespace=ready["namespace"]))
+    end = time.monotonic() + 60
+    while httpx.get(f"{app_url}/readyz").json()["generation"] == ready["generation"]:
+        assert time.monotonic() < end, "nobody noticed the dead rank"
+        time.sleep(0.1)
+    after = wait_ready(app_url, 120)
+    assert after["rebuilds"] == ready["rebuilds"] + 1 and "rank 0" in (after["groups"][0]["last_error"] or "")
+    vid = httpx.post(f"{app_url}/v1/videos", json={"prompt": "after an idle death"}).json()["id"]
+    assert wait_final(app_url, vid)["status"] == "completed"
+
+
+def test_a_results_folder_has_one_live_owner(tmp_path: Path) -> None:
+    first = JobStore(tmp_path, exclusive=True)
+    with pytest.raises(StoreLocked) as e:
+        JobStore(tmp_path, exclusive=True)
+    assert f"pid {__import__('os').getpid()}" in str(e.value)
+    JobStore(tmp_path)  # replicas that share a folder on purpose do not lock
+    del first
