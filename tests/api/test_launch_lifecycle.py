@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from service.api.hostproc import descendants
@@ -151,3 +152,53 @@ def _cmds(pids: set[int]) -> list[str]:
         except OSError:
             pass
     return out
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/videos", json=body, timeout=30)
+
+
+def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
+    """While draining: new work 503 with Retry-After, reads answer, the queued job fails at
+    once, the running one finishes; then every process is gone."""
+    import json
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    s = Serve(ray_tmp, "--port", str(port), "--results-dir", str(tmp_path), "--drain-timeout-s", "120",
+              "--max-steps", "1000")
+    s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
+    running = _post(url, {"prompt": "finishes during the drain", "num_inference_steps": 400}).json()["id"]
+    queued = _post(url, {"prompt": "never starts"}).json()["id"]
+    s.watch_until(lambda: httpx.get(f"{url}/v1/videos/{running}").json()["progress"] > 0, timeout=120)
+    s.seen |= set(descendants(s.proc.pid))
+    s.proc.send_signal(signal.SIGTERM)
+    s.watch_until(lambda: "draining" in s.output, timeout=60)
+    refused = _post(url, {"prompt": "too late"})
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    assert httpx.get(f"{url}/v1/videos/{running}").status_code == 200
+    assert httpx.get(f"{url}/readyz").json()["state"] == "draining"
+    assert s.proc.wait(240) == 0, s.output[-2000:]
+    time.sleep(0.5)
+    assert not s.survivors(), s.survivors()
+    final = {v: json.loads((tmp_path / f"{v}.json").read_text()) for v in (running, queued)}
+    assert final[running]["status"] == "completed", final[running]
+    assert final[queued]["status"] == "failed" and "service stopped" in final[queued]["error"]["message"]
+
+
+def test_a_second_signal_during_the_drain_stops_at_once(ray_tmp: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    s = Serve(ray_tmp, "--port", str(port), "--drain-timeout-s", "600", "--max-steps", "1000")
+    s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
+    vid = _post(url, {"prompt": "long", "num_inference_steps": 1000}).json()["id"]
+    s.watch_until(lambda: httpx.get(f"{url}/v1/videos/{vid}").json()["progress"] > 0, timeout=120)
+    s.seen |= set(descendants(s.proc.pid))
+    s.proc.send_signal(signal.SIGTERM)
+    s.watch_until(lambda: "draining" in s.output, timeout=60)
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGINT)
+    s.proc.wait(60)
+    assert time.monotonic() - t0 < 30
+    time.sleep(0.5)
+    assert not s.survivors(), s.survivors()

@@ -127,3 +127,34 @@ def test_a_results_folder_has_one_live_owner(tmp_path: Path) -> None:
     assert f"pid {__import__('os').getpid()}" in str(e.value)
     JobStore(tmp_path)  # replicas that share a folder on purpose do not lock
     del first
+
+
+def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, demo_model: str,
+                                                          tmp_path: Path) -> None:
+    """A truncated checkpoint: every rank fails to load; requests fail naming the file, and the
+    replica's check_health (what Serve calls) says why once it stays so."""
+    import shutil
+
+    from service.api.service import ServiceConfig, VideoService
+
+    model = tmp_path / "broken"
+    shutil.copytree(demo_model, model)
+    weights = next((model / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    svc = VideoService(ServiceConfig(model=str(model), dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+                                     results_dir=str(tmp_path / "r"), unhealthy_after_s=1.0))
+    try:
+        rec = svc.create({"prompt": "never"})
+        end = time.monotonic() + 120
+        while (svc.get(rec["id"]) or {}).get("status") not in ("failed", "completed"):
+            assert time.monotonic() < end, svc.readiness()
+            time.sleep(0.2)
+        err = svc.get(rec["id"])["error"]["message"]
+        assert "no DP group available" in err and weights.name in err, err
+        while svc.health_problem() is None:
+            assert time.monotonic() < end, svc.readiness()
+            time.sleep(0.2)
+        assert weights.name in svc.health_problem()
+        assert not svc.readiness()["ready"]
+    finally:
+        svc.close()
