@@ -20,9 +20,12 @@ from typing import Any, Literal
 import ray
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.routing import APIRoute
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.openapi import body_rules, instance_openapi
 from service.api.schemas import (
     BodyError,
     ErrorResponse,
@@ -58,6 +61,22 @@ _CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body over the size limi
                   429: {**_ERR, "description": "queue full; see Retry-After"},
                   503: {**_ERR, "description": "draining; see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (404 route, 405 method) in the OpenAI shape; a 405 lists every
+    method the path has (Starlette names only those of the first route that matched)."""
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
+        path = path[len(root):] if root and path.startswith(root) else path
+        methods: set[str] = set()
+        for route in app.router.routes:
+            if isinstance(route, APIRoute) and route.path_regex.match(path):
+                methods |= route.methods
+        headers["Allow"] = ", ".join(sorted(methods))
+    return _error(exc.status_code, str(exc.detail), None, code=f"http_{exc.status_code}", headers=headers)
 
 
 class TooLarge(Exception):
@@ -97,6 +116,9 @@ class VideoIngress:
         )
         if not self.svc.cfg.api_key_hashes:
             log.warning("no API key configured: every client can read and delete every job")
+        rules = body_rules(self.svc.adapter, self.svc.limits, self.svc.model_name)
+        app.openapi_schema = None
+        app.openapi_schema = instance_openapi(app.openapi(), rules)
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine cannot serve is reported unhealthy."""
@@ -214,14 +236,11 @@ class VideoIngress:
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
              responses={200: {"content": {"video/mp4": {}}, "description": "the MP4"}, **_BY_ID,
-                        409: {**_ERR, "description": "not completed"},
-                        422: {**_ERR, "description": "unknown variant"}})
-    def video_content(self, request: Request, video_id: str, variant: str = "video") -> Any:
+                        409: {**_ERR, "description": "not completed"}})
+    def video_content(self, request: Request, video_id: str, variant: Literal["video"] = "video") -> Any:
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
             return owner
-        if variant != "video":
-            return _error(422, "only variant=video is available", "variant")
         rec = self.svc.get(video_id, owner)
         if rec is None:
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")

@@ -22,12 +22,18 @@ class BodyError(ValueError):
         self.field, self.message, self.kind = field, message, kind
 
 
+MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
+NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
+                            "guidance_scale", "flow_shift", "max_sequence_length"})
+
+
 class VideoCreate(BaseModel):
     """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str = Field(max_length=100_000)
+    prompt: str = Field(min_length=1, max_length=10_000, pattern=r"\S",
+                        description="what to generate; the instance's own limit is in /openapi.json")
     model: str | None = None
     size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "832x480"')
     width: int | None = None
@@ -58,8 +64,8 @@ class VideoCreate(BaseModel):
         if self.seconds is not None:
             if frames is not None:
                 raise BodyError("seconds", "give either seconds or num_frames, not both")
-            if not math.isfinite(self.seconds) or self.seconds < 0 or fps < 1:
-                raise BodyError("seconds", f"must be a non-negative number, got {self.seconds}")
+            if not math.isfinite(self.seconds) or not 0 <= self.seconds <= MAX_SECONDS or fps < 1:
+                raise BodyError("seconds", f"must be in [0, {MAX_SECONDS}], got {self.seconds}")
             frames = round(self.seconds * fps) + 1
         extra = {}
         if self.max_sequence_length is not None:
@@ -203,6 +209,9 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
 
 def validate_create(data: dict[str, Any]) -> VideoCreate:
     """pydantic validation with the first failing field turned into a BodyError."""
+    for name in NUMERIC_FIELDS & set(data):
+        if isinstance(data[name], bool):  # pydantic's lax mode would read true as 1
+            raise BodyError(name, "must be a number, not a boolean", "type_error")
     try:
         return VideoCreate.model_validate(data)
     except ValidationError as e:

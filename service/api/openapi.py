@@ -1,0 +1,85 @@
+"""The OpenAPI schema of one instance: the create body's limits are this instance's own.
+
+FastAPI derives the schema from the pydantic models, which know only the hard ceilings.
+The limits a request meets here depend on the operator's settings (``Limits``) and on the
+model (the Wan VAE x patch makes sizes multiples of 16 and frame counts 4k+1; Flux makes
+one frame). This fills them in, so a client or a schema fuzzer sees the rules the code
+applies. Rules across fields cannot be written in JSON Schema and stay 422s: size or
+width/height but not both, seconds or num_frames but not both, frames from seconds x fps
+that are not 4k+1 or over the limit, and the pixel budget (width x height).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from service.api.schemas import MAX_SECONDS
+from service.models.adapter import ModelAdapter
+from service.router.policy import Limits
+
+CREATE_PATHS = ("/v1/videos", "/v1/videos/sync")
+
+
+def body_rules(adapter: ModelAdapter, limits: Limits, model_name: str) -> dict[str, dict[str, Any]]:
+    """JSON Schema keywords per create-body field, from the model and the operator limits."""
+    multiple = getattr(adapter, "multiple", 1)  # Wan: (h, w); Flux: one number
+    mh, mw = multiple if isinstance(multiple, tuple) else (multiple, multiple)
+    temporal = getattr(adapter, "temporal", None)  # Wan: frames are temporal*k + 1
+    frames = list(range(1, limits.max_frames + 1, temporal)) if temporal else [1]
+    widths = list(range(mw, limits.max_width + 1, mw))
+    heights = list(range(mh, limits.max_height + 1, mh))
+    size = f"^({'|'.join(map(str, widths))})x({'|'.join(map(str, heights))})$"
+    text = {"maxLength": limits.max_prompt_chars}
+    rules: dict[str, dict[str, Any]] = {
+        "prompt": {"minLength": 1, "pattern": r"\S", **text},
+        "negative_prompt": text,
+        "model": {"enum": [model_name]},
+        "size": {"pattern": size},
+        "width": {"minimum": mw, "maximum": widths[-1], "multipleOf": mw},
+        "height": {"minimum": mh, "maximum": heights[-1], "multipleOf": mh},
+        "num_frames": {"enum": frames},
+        "fps": {"minimum": 1, "maximum": 240},
+        "seed": {"minimum": 0, "maximum": 2**63 - 1},
+        "num_inference_steps": {"minimum": 1, "maximum": limits.max_steps},
+        "guidance_scale": {"minimum": 0, "maximum": 100},
+        "flow_shift": {"minimum": 0.001, "maximum": 100},
+        "max_sequence_length": {"minimum": 1, "maximum": 512},
+        "seconds": {"minimum": 0, "maximum": MAX_SECONDS},
+    }
+    if adapter.family == "flux-t2i":  # refused fields (see FluxAdapter.validate)
+        rules["negative_prompt"] = {"maxLength": 0}
+        rules["flow_shift"] = {"not": {}}
+    return rules
+
+
+def instance_openapi(base: dict[str, Any], rules: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``base`` (FastAPI's schema) with the create bodies' field rules filled in."""
+    spec = copy.deepcopy(base)
+    for path in CREATE_PATHS:
+        body = spec.get("paths", {}).get(path, {}).get("post", {}).get("requestBody", {})
+        for ctype, media in body.get("content", {}).items():
+            props = media.get("schema", {}).get("properties", {})
+            for name, extra in rules.items():
+                if name not in props:
+                    continue
+                prop = props[name]
+                variants = prop.get("anyOf")  # "T | None": the rules go on the non-null branch
+                target = next((v for v in variants if v.get("type") != "null"), prop) if variants else prop
+                for key in ("maxLength", "minLength", "pattern", "minimum", "maximum"):
+                    target.pop(key, None)
+                target.update(extra)
+                if variants and ctype == "multipart/form-data":
+                    # A form has no null: a field is sent or it is not.
+                    props[name] = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")},
+                                   **target}
+            media["schema"]["not"] = {"anyOf": [_both(a, b) for a, b in EXCLUSIVE]}
+    return spec
+
+
+EXCLUSIVE = (("size", "width"), ("size", "height"), ("seconds", "num_frames"))
+
+
+def _both(a: str, b: str) -> dict[str, Any]:
+    """Both fields given (and not null): one of each pair only."""
+    return {"required": [a, b], "properties": {a: {"not": {"type": "null"}}, b: {"not": {"type": "null"}}}}
