@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test lint serve generate bench bench-dp bench-tick loadtest batch clean
+.PHONY: setup test soak lint serve generate bench bench-dp bench-tick loadtest batch clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -17,6 +17,9 @@ setup: $(BIN)/python
 
 test:
 	$(BIN)/python -m pytest -q --durations=12 tests
+
+soak:
+	SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
 
 lint:
 	$(BIN)/ruff check service tests loadtest

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from service.api.hostproc import descendants
 from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # On a GPU machine: DLOSERVE_TEST_GPUS=1 puts every rank on its own GPU (NCCL).
 GPUS_PER_RANK = float(os.environ.get("DLOSERVE_TEST_GPUS", "0"))
@@ -67,3 +76,78 @@ def wait_final(url: str, vid: str, timeout: float = 120, headers: dict | None = 
             return v
         time.sleep(0.1)
     raise AssertionError(f"{vid} not final after {timeout}s: {v}")
+
+
+@pytest.fixture
+def ray_tmp() -> Iterator[Path]:
+    """A short private RAY_TMPDIR (Ray's socket paths must stay under 108 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+_started: list[Serve] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_services() -> Iterator[None]:
+    """A test that fails half-way must not leave its `dloserve serve` (and its cluster) behind."""
+    yield
+    from service.api.hostproc import kill_tree
+
+    while _started:
+        s = _started.pop()
+        if s.proc.poll() is None:
+            s.seen |= set(descendants(s.proc.pid))
+            kill_tree([s.proc.pid, *s.seen], grace_s=10)
+
+
+class Serve:
+    """`dloserve serve` in a subprocess; remembers every process it ever had below it."""
+
+    def __init__(self, ray_tmp: Path, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        env.update(RAY_TMPDIR=str(ray_tmp), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.seen: set[int] = set()
+        _started.append(self)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def watch_until(self, cond, timeout: float) -> None:  # noqa: ANN001
+        end = time.monotonic() + timeout
+        while not cond():
+            self.seen |= set(descendants(self.proc.pid))
+            assert self.proc.poll() is None, self.output[-3000:]
+            assert time.monotonic() < end, self.output[-3000:]
+            time.sleep(0.05)
+        self.seen |= set(descendants(self.proc.pid))
+
+    def stop(self, sig: int, timeout: float = 90) -> int:
+        self.seen |= set(descendants(self.proc.pid))
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        time.sleep(0.5)
+        return rc
+
+    def survivors(self) -> list[str]:
+        alive = []
+        for pid in self.seen:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80]
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(f"{pid} {cmd.decode(errors='replace')}")
+        return alive

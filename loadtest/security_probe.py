@@ -1,0 +1,171 @@
+"""Probe a fresh `dloserve serve` as a hostile client would; write the figures as JSON.
+
+    python loadtest/security_probe.py --out loadtest/results/cpu-security-DATE.json
+
+- 413: a POST declaring a 100 MB body is answered before any of it is sent (latency);
+  then 8 clients stream 100 MB bodies at once: RSS of the Serve proxy and the replica
+  before and after.
+- Listeners: every listening TCP socket of the service's processes (`--host 127.0.0.1`),
+  loopback or not, with the process that holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.api.hostproc import descendants  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def find(root: int, needle: str) -> int | None:
+    for pid in descendants(root):
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                return pid
+        except OSError:
+            pass
+    return None
+
+
+def listeners(pids: list[int]) -> list[dict]:
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in owner:
+                continue
+            hexip, hexport = f[1].split(":")
+            ip = _ip(hexip)
+            cmd = Path(f"/proc/{owner[f[9]]}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            out.append({"address": ip, "port": int(hexport, 16), "process": os.path.basename(cmd)[:40],
+                        "loopback": ip.startswith("127.") or ip == "::1"})
+    return sorted(out, key=lambda x: (x["loopback"], x["process"], x["port"]))
+
+
+def _ip(h: str) -> str:
+    if len(h) == 8:
+        return socket.inet_ntop(socket.AF_INET, bytes.fromhex(h)[::-1])
+    raw = b"".join(bytes.fromhex(h[i:i + 8])[::-1] for i in range(0, 32, 8))
+    return socket.inet_ntop(socket.AF_INET6, raw)
+
+
+def declared_413(port: int) -> tuple[int, float]:
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\n\r\n")
+        status = int(s.recv(4096).split(b" ", 2)[1])
+    return status, time.monotonic() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ray_tmp = tempfile.mkdtemp(prefix="r", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HF_HUB_OFFLINE": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--host", "127.0.0.1",
+           "--results-dir", os.path.join(ray_tmp, "results")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < end, "not ready"
+            time.sleep(1)
+        tree = [proc.pid] + descendants(proc.pid)
+        found = listeners(tree)
+        status, latency = declared_413(port)
+        proxy, replica = find(proc.pid, "ProxyActor"), find(proc.pid, "ServeReplica")
+        before = {"proxy": rss(proxy), "replica": rss(replica)}
+        codes: list[int] = []
+
+        def big() -> Iterator[bytes]:
+            yield b'{"prompt": "'
+            for _ in range(100):
+                yield b"x" * 1_000_000
+
+        def client() -> None:
+            try:
+                r = httpx.post(f"{url}/v1/videos", content=big(), timeout=120,
+                               headers={"content-type": "application/json"})
+                codes.append(r.status_code)
+            except httpx.HTTPError as e:
+                codes.append(-1 if "reset" not in str(e).lower() else 0)
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        streamed_s = time.monotonic() - t0
+        time.sleep(2)
+        after = {"proxy": rss(proxy), "replica": rss(replica)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    res = {
+        "command": " ".join(["python", *sys.argv]),
+        "date": dt.date.today().isoformat(),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+        "declared_100MB": {"status": status, "seconds": round(latency, 3)},
+        "streamed_8x100MB": {"statuses": sorted(codes), "seconds": round(streamed_s, 2),
+                             "rss_before_mb": {k: round(v / 2**20) for k, v in before.items()},
+                             "rss_after_mb": {k: round(v / 2**20) for k, v in after.items()}},
+        "listeners": found,
+        "non_loopback_listeners": sum(not x["loopback"] for x in found),
+    }
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "listeners"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Chaos soak (``make soak``, not in ``make test``): load while ranks and the replica die.
+
+``dloserve serve`` (DP2 AllGather, its own Ray cluster) takes a closed loop of small
+requests from three clients for ``SOAK_S`` seconds (150 by default). Meanwhile a rank
+process is SIGKILLed every ~20 s and the Serve replica once. Every accepted job must end
+``completed`` or ``failed`` with a reason, none may hang or vanish, every completed MP4
+must equal the resident output for its request, and when the service is stopped no
+process of it is left. The figures go to ``$SOAK_OUT`` (JSON) when set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from service.api.hostproc import descendants
+from service.models.request import GenerationRequest
+from tests.api.conftest import Serve
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.soak
+SOAK_S = float(os.environ.get("SOAK_S", "150"))
+VARIANTS = [
+    {"prompt": "soak fox", "seed": 1},
+    {"prompt": "soak owl", "seed": 2, "num_frames": 9},
+    {"prompt": "soak eel", "seed": 3, "width": 48, "guidance_scale": 1.0},
+    {"prompt": "soak cat", "seed": 4, "num_inference_steps": 3},
+]
+
+
+def _procs(root: int, needle: str) -> list[int]:
+    out = []
+    for pid in descendants(root):
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: ANN001
+    want = {i: hashlib.sha256(resident.generate(GenerationRequest(**v))).hexdigest()
+            for i, v in enumerate(VARIANTS)}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
+              "--enable-distributed-layerwise-offload", "--cpus-per-rank", "0.5", "--queue-size", "16",
+              "--results-dir", str(tmp_path / "results"), "--wave-deadline-base-s", "60",
+              "--drain-timeout-s", "30")
+    s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
+    stop = threading.Event()
+    lock = threading.Lock()
+    jobs: list[dict] = []  # every accepted job and how it ended
+    refused = {"n": 0}
+    kills = {"rank": 0, "replica": 0}
+
+    def client(cid: int) -> None:
+        rng = random.Random(cid)
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                v = rng.randrange(len(VARIANTS))
+                try:
+                    r = c.post(f"{url}/v1/videos", json=VARIANTS[v])
+                except httpx.HTTPError:
+                    r = None
+                if r is None or r.status_code != 202:  # replica restarting, queue full: not accepted
+                    with lock:
+                        refused["n"] += 1
+                    time.sleep(1.0)
+                    continue
+                job = {"id": r.json()["id"], "variant": v, "t0": time.monotonic(), "final": None}
+                with lock:
+                    jobs.append(job)
+                end = time.monotonic() + 300
+                while time.monotonic() < end:
+                    try:
+                        got = c.get(f"{url}/v1/videos/{job['id']}")
+                        if got.status_code == 200 and got.json()["status"] in ("completed", "failed"):
+                            job["final"] = got.json()
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.2)
+                if job["final"] and job["final"]["status"] == "completed":
+                    data = c.get(f"{url}/v1/videos/{job['id']}/content").content
+                    job["sha256"] = hashlib.sha256(data).hexdigest()
+                job["seconds"] = time.monotonic() - job["t0"]
+
+    def chaos() -> None:
+        t0 = time.monotonic()
+        while not stop.wait(20):
+            if not kills["replica"] and time.monotonic() - t0 > 0.6 * SOAK_S:
+                for pid in _procs(s.proc.pid, "ServeReplica:dloserve"):
+                    os.kill(pid, signal.SIGKILL)
+                    kills["replica"] += 1
+                continue
+            ranks = _procs(s.proc.pid, "DPWorker")
+            if ranks:
+                os.kill(random.choice(ranks), signal.SIGKILL)
+                kills["rank"] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=chaos))
+    for t in threads:
+        t.start()
+    time.sleep(SOAK_S)
+    stop.set()
+    for t in threads:
+        t.join(timeout=400)
+    assert not any(t.is_alive() for t in threads), "a client never saw its job end"
+    s.seen |= set(descendants(s.proc.pid))
+    assert s.stop(signal.SIGTERM, timeout=180) == 0, s.output[-3000:]
+    lost = [j for j in jobs if j["final"] is None]
+    failed = [j for j in jobs if j["final"] and j["final"]["status"] == "failed"]
+    done = [j for j in jobs if j["final"] and j["final"]["status"] == "completed"]
+    wrong = [j for j in done if j["sha256"] != want[j["variant"]]]
+    figures = {"seconds": SOAK_S, "accepted": len(jobs), "completed": len(done), "failed": len(failed),
+               "lost": len(lost), "wrong_bytes": len(wrong), "refused_while_down": refused["n"],
+               "rank_kills": kills["rank"], "replica_kills": kills["replica"],
+               "failure_reasons": sorted({j["final"]["error"]["message"][:80] for j in failed}),
+               "max_job_seconds": round(max((j["seconds"] for j in jobs), default=0), 1),
+               "survivors": s.survivors()}
+    if os.environ.get("SOAK_OUT"):
+        Path(os.environ["SOAK_OUT"]).write_text(json.dumps(figures, indent=1))
+    print(json.dumps(figures, indent=1))
+    assert not lost and not wrong, figures
+    assert all(j["final"]["error"] and j["final"]["error"]["message"] for j in failed), figures
+    assert kills["rank"] >= 3 and kills["replica"] == 1 and len(done) >= 10, figures
+    assert not figures["survivors"], figures
