@@ -126,7 +126,7 @@ class ManifestSink:
                 self.all_done.set()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m service.jobs.batch", description=__doc__.split("\n")[0])
     p.add_argument("--prompts", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
                    help="continuous: a freed rank starts the next item at once; waves: N of one key")
     p.add_argument("--encoders-per-rank", type=int, default=1, help="MP4 encoder processes per rank")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from service.models.adapter import ModelError, load_adapter
