@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test soak lint serve generate bench bench-dp bench-tick loadtest batch clean
+.PHONY: setup setup-system test soak deploy-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -15,14 +15,36 @@ setup: $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
 
+# Debian packages for the deploy checks (podman, debootstrap, prometheus/promtool); needs root.
+setup-system:
+	@missing=""; for c in podman debootstrap prometheus promtool curl; do command -v $$c >/dev/null || missing=1; done; \
+	 if [ -n "$$missing" ]; then apt-get update -q && apt-get install -y -q podman debootstrap prometheus curl; fi
+
 test:
 	$(BIN)/python -m pytest -q --durations=12 tests
 
 soak:
 	SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
 
+# Live Prometheus against a running service, then the CPU image built and run (podman).
+deploy-check:
+	$(BIN)/python -m pytest -q -m deploy tests
+	bash docker/test_image.sh
+
+VARIANT ?= cpu
+IMAGE_BASE ?= debian:bookworm-slim
+image:
+	@engine=$$(if docker info >/dev/null 2>&1; then echo docker; elif command -v podman >/dev/null; then echo podman; fi); \
+	 [ -n "$$engine" ] || { echo "make image: needs docker (with a running engine) or podman" >&2; exit 2; }; \
+	 flags=""; [ "$$engine" = podman ] && flags="--isolation chroot"; \
+	 $$engine build $$flags -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) --build-arg BASE=$(IMAGE_BASE) \
+	   -t dloserve:$(VARIANT) .
+
+image-test:
+	bash docker/test_image.sh
+
 lint:
-	$(BIN)/ruff check service tests loadtest
+	$(BIN)/ruff check service tests loadtest deploy
 
 SERVE_ARGS ?= --data-parallel-size 2 --enable-distributed-layerwise-offload
 serve:

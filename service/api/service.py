@@ -283,6 +283,9 @@ class VideoService:
             self.store.finish(ticket.id, None, status="failed", error=err)
             status = "failed"
         metrics()["requests"].inc(1, tags={"status": status})
+        created = (self.store.get(ticket.id) or {}).get("created_at")
+        if created:
+            metrics()["request_latency"].observe(max(0.0, time.time() - created), tags={"status": status})
 
 
 def video_object(rec: dict[str, Any]) -> dict[str, Any]:

@@ -25,7 +25,16 @@ def metrics() -> dict[str, Any]:
         "requests": Counter(
             "dloserve_requests_total", "Requests by final status", tag_keys=("status",)
         ),
+        "request_latency": Histogram(
+            "dloserve_request_latency_seconds", "Accepted to final status, per request (the client's wait)",
+            _SECONDS, ("status",)
+        ),
+        "assignments": Counter(
+            "dloserve_assignments_total", "Requests handed to a rank, by scheduler and why it left the queue",
+            ("scheduler", "reason"),
+        ),
         "queue_depth": Gauge("dloserve_queue_depth", "Requests waiting for a rank", ("group",)),
+        "queue_capacity": Gauge("dloserve_queue_capacity", "Bound of the queue (429 beyond it)", ("group",)),
         "wave_size": Histogram(
             "dloserve_wave_size", "Requests per wave (1 per assignment under continuous scheduling)",
             [1, 2, 3, 4, 6, 8, 16], ("group",)

@@ -253,6 +253,7 @@ class Dispatcher:
         self.history.append(rec)
         self._held[t.id] = Held(t, g, rank, now, now + deadline, rec)
         metrics()["wave_size"].observe(info["size"], tags={"group": g.group_id})
+        metrics()["assignments"].inc(1, tags={"scheduler": info["scheduler"], "reason": info["reason"]})
         self.sink.on_start(t, rec)
         g.assign(rank, t.id, t.payload)
 
@@ -350,4 +351,5 @@ class Dispatcher:
     def _depth(self) -> None:
         for g in self.engine.groups:
             metrics()["queue_depth"].set(self.depth, tags={"group": g.group_id})
+            metrics()["queue_capacity"].set(self.max_queue, tags={"group": g.group_id})
             g.refresh_gauges()

@@ -105,9 +105,10 @@ def _no_leftover_services() -> Iterator[None]:
 class Serve:
     """`dloserve serve` in a subprocess; remembers every process it ever had below it."""
 
-    def __init__(self, ray_tmp: Path, *args: str) -> None:
+    def __init__(self, ray_tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env.update(RAY_TMPDIR=str(ray_tmp), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env.update(RAY_TMPDIR=str(ray_tmp), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
         self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

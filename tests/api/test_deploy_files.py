@@ -34,5 +34,26 @@ def test_dashboard_and_scrape_config_name_only_exported_metrics() -> None:
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"ray_dloserve_\w+", e)}
     assert used == exported, (used - exported, exported - used)  # no typos, nothing left out
-    prom = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     assert prom["scrape_configs"][0]["file_sd_configs"][0]["files"]
+    assert prom["rule_files"] == ["alerts.yml"]
+
+
+def test_dashboard_json_is_what_the_generator_writes() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dashboard", DEPLOY / "dashboard.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (DEPLOY / "grafana-dashboard.json").read_text() == gen.render(), "run: python deploy/dashboard.py"
+
+
+def test_alert_rules_check_and_pass_their_unit_tests() -> None:
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool missing: make setup installs Debian's prometheus package"
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
+        r = subprocess.run([promtool, *args], cwd=DEPLOY / "prometheus", capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
