@@ -34,6 +34,7 @@ rm -f docker/wheels/*.whl docker/extra-ca/*.crt
 "$PY" -m pip download -q --no-deps -d docker/wheels "torch==2.13.0"
 cp /etc/ssl/certs/ca-certificates.crt docker/extra-ca/host-bundle.crt
 podman build --isolation chroot -f docker/Dockerfile --build-arg BASE="$BASE" --build-arg VARIANT=cpu \
+  --build-arg TORCH_INDEX=https://pypi.org/simple \
   -t "$IMAGE" . >/tmp/dloserve-image-build.log 2>&1 || { tail -40 /tmp/dloserve-image-build.log; exit 1; }
 rm -f docker/wheels/*.whl docker/extra-ca/*.crt
 t_build=$(date +%s)
