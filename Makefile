@@ -24,7 +24,7 @@ test:
 	$(BIN)/python -m pytest -q --durations=12 tests
 
 soak:
-	SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
+	mkdir -p out && SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
 
 # Live Prometheus against a running service, then the CPU image built and run (podman).
 deploy-check:
@@ -67,7 +67,7 @@ bench-dp:
 	$(BIN)/python loadtest/bench_dp.py
 
 bench-tick:
-	$(BIN)/python loadtest/bench_tick.py --out out/tick.json
+	mkdir -p out && $(BIN)/python loadtest/bench_tick.py --out out/tick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache out

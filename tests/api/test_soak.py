@@ -130,9 +130,11 @@ def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: A
                "failure_reasons": sorted({j["final"]["error"]["message"][:80] for j in failed}),
                "max_job_seconds": round(max((j["seconds"] for j in jobs), default=0), 1),
                "survivors": s.survivors()}
-    if os.environ.get("SOAK_OUT"):
-        Path(os.environ["SOAK_OUT"]).write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1))
+    if os.environ.get("SOAK_OUT"):
+        out = Path(os.environ["SOAK_OUT"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figures, indent=1))
     assert not lost and not wrong, figures
     assert all(j["final"]["error"] and j["final"]["error"]["message"] for j in failed), figures
     assert kills["rank"] >= 3 and kills["replica"] == 1 and len(done) >= 10, figures
