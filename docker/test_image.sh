@@ -44,7 +44,14 @@ mnt=$(podman image mount "$IMAGE")
 work=$(mktemp -d /tmp/dloserve-image-run.XXXX)
 cleanup() {
   set +e
-  [ -n "${serve_pid:-}" ] && kill -TERM "$serve_pid" 2>/dev/null && wait "$serve_pid"
+  if [ -n "${serve_pid:-}" ]; then
+    kill -TERM "$serve_pid" 2>/dev/null
+    for _ in $(seq 90); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
+  fi
+  for p in /proc/[0-9]*; do  # anything still running inside the image: stop it
+    [ "$(readlink "$p/root" 2>/dev/null)" = "$mnt" ] && kill -KILL "${p#/proc/}" 2>/dev/null
+  done
+  sleep 1
   for m in "$mnt/home/dloserve" "$mnt/tmp" "$mnt/dev/shm" "$mnt/dev" "$mnt/sys" "$mnt/proc"; do
     mountpoint -q "$m" && umount -l "$m"
   done
@@ -65,7 +72,10 @@ in_image() { chroot --userspec=1000:1000 "$mnt" env -i HOME=/home/dloserve PATH=
 in_image dloserve generate --prompt "a red fox runs through snow" --width 96 --height 64 --num-frames 9 \
   --steps 3 --seed 0 --out /home/dloserve/generated.mp4 --quiet
 port=$("$PY" -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-in_image dloserve serve --port "$port" --ready-timeout-s 600 >"$work/serve.log" 2>&1 &
+# Not through in_image: chroot and env exec in place, so $! is the service's own pid.
+chroot --userspec=1000:1000 "$mnt" env -i HOME=/home/dloserve PATH=/opt/venv/bin:/usr/bin:/bin HF_HUB_OFFLINE=1 \
+  RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1 dloserve serve --port "$port" --ready-timeout-s 600 \
+  >"$work/serve.log" 2>&1 &
 serve_pid=$!
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/readyz" >/dev/null && break
@@ -75,6 +85,12 @@ done
 curl -sf -o "$work/served.mp4" "http://127.0.0.1:$port/v1/videos/sync" -H 'content-type: application/json' \
   -d '{"prompt": "a red fox runs through snow", "size": "96x64", "num_frames": 9, "num_inference_steps": 3, "seed": 0}'
 cmp "$work/generated.mp4" "$work/served.mp4"
+kill -TERM "$serve_pid"
+for _ in $(seq 90); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
+if kill -0 "$serve_pid" 2>/dev/null; then echo "dloserve serve in the image did not stop on SIGTERM" >&2; exit 1; fi
+left=$(for p in /proc/[0-9]*; do [ "$(readlink "$p/root" 2>/dev/null)" = "$mnt" ] && echo "${p#/proc/}"; done; true)
+if [ -n "$left" ]; then echo "processes left in the image after it stopped: $left" >&2; exit 1; fi
+serve_pid=
 t_run=$(date +%s)
 echo "image-test: OK. base $((t_base - t0)) s, build $((t_build - t_base)) s, run $((t_run - t_build)) s;" \
   "$IMAGE $((size / 1000000)) MB; served MP4 == generated MP4 ($(stat -c %s "$work/served.mp4") bytes)"
