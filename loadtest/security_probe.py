@@ -31,13 +31,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.api.hostproc import descendants  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from service.api.hostproc import descendants, matching  # noqa: E402
+from service.offload.spawn import free_port  # noqa: E402
 
 
 def rss(pid: int) -> int:
@@ -46,15 +41,6 @@ def rss(pid: int) -> int:
             return int(line.split()[1]) * 1024
     return 0
 
-
-def find(root: int, needle: str) -> int | None:
-    for pid in descendants(root):
-        try:
-            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                return pid
-        except OSError:
-            pass
-    return None
 
 
 def listeners(pids: list[int]) -> list[dict]:
@@ -122,7 +108,7 @@ def main() -> int:
         tree = [proc.pid] + descendants(proc.pid)
         found = listeners(tree)
         status, latency = declared_413(port)
-        proxy, replica = find(proc.pid, "ProxyActor"), find(proc.pid, "ServeReplica")
+        proxy, replica = matching(proc.pid, "ProxyActor")[0], matching(proc.pid, "ServeReplica")[0]
         before = {"proxy": rss(proxy), "replica": rss(replica)}
         codes: list[int] = []
 

@@ -31,7 +31,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,10 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.offload.spawn import free_port  # noqa: E402
+
 DESIGNS = {
     "waves": ["--scheduler", "waves"],
     "continuous": ["--scheduler", "continuous"],
@@ -142,11 +145,6 @@ def run_ideal(args: argparse.Namespace, items: list[dict[str, Any]], tmp: Path) 
 
 
 # -- one design: the real service ------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class GpuSampler(threading.Thread):

@@ -86,6 +86,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def matching(root: int, needle: str) -> list[int]:
+    """Processes below ``root`` whose command line contains ``needle`` ("DPWorker", say)."""
+    out = []
+    for pid in descendants(root):
+        try:
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 def kill_tree(pids: list[int], grace_s: float = 5.0) -> list[int]:
     """SIGTERM, then SIGKILL after ``grace_s`` what is left; returns the pids still alive."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.api.hostproc import descendants
+from service.api.hostproc import descendants, matching
 from tests.api.conftest import Serve
 from tests.conftest import free_port
 
@@ -67,7 +67,7 @@ def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment
         s.watch_until(lambda: True, timeout=1)
         time.sleep(0.3)
     elif moment == "while Ray starts":
-        s.watch_until(lambda: any("gcs_server" in c for c in _cmds(s.seen)), timeout=120)
+        s.watch_until(lambda: bool(matching(s.proc.pid, "gcs_server")), timeout=120)
     elif moment == "while the model loads":
         s.watch_until(lambda: "deploying" in s.output, timeout=180)
     else:
@@ -77,15 +77,6 @@ def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment
     assert time.monotonic() - t0 < 90
     assert not s.survivors(), s.survivors()
 
-
-def _cmds(pids: set[int]) -> list[str]:
-    out = []
-    for p in pids:
-        try:
-            out.append(Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
-        except OSError:
-            pass
-    return out
 
 
 def _post(url: str, body: dict) -> httpx.Response:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from service.api.hostproc import descendants
+from service.api.hostproc import matching
 from tests.api.conftest import Serve, wait_final
 from tests.conftest import free_port
 
@@ -69,8 +69,7 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
         for r in rs:
             if r.status_code == 202:
                 assert wait_final(url, r.json()["id"])["status"] == "completed"
-        rank = next(p for p in descendants(s.proc.pid)
-                    if b"DPWorker" in Path(f"/proc/{p}/cmdline").read_bytes())
+        rank = matching(s.proc.pid, "DPWorker")[0]
         os.kill(rank, signal.SIGKILL)
         end = time.monotonic() + 120
         while (ready := httpx.get(f"{url}/readyz")).status_code != 200 or ready.json()["rebuilds"] < 1:

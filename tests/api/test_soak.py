@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.api.hostproc import descendants
+from service.api.hostproc import descendants, matching
 from service.models.request import GenerationRequest
 from tests.api.conftest import Serve
 from tests.conftest import free_port
@@ -36,16 +36,6 @@ VARIANTS = [
     {"prompt": "soak cat", "seed": 4, "num_inference_steps": 3},
 ]
 
-
-def _procs(root: int, needle: str) -> list[int]:
-    out = []
-    for pid in descendants(root):
-        try:
-            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
-                out.append(pid)
-        except OSError:
-            pass
-    return out
 
 
 def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: ANN001
@@ -100,11 +90,11 @@ def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: A
         t0 = time.monotonic()
         while not stop.wait(20):
             if not kills["replica"] and time.monotonic() - t0 > 0.6 * SOAK_S:
-                for pid in _procs(s.proc.pid, "ServeReplica:dloserve"):
+                for pid in matching(s.proc.pid, "ServeReplica:dloserve"):
                     os.kill(pid, signal.SIGKILL)
                     kills["replica"] += 1
                 continue
-            ranks = _procs(s.proc.pid, "DPWorker")
+            ranks = matching(s.proc.pid, "DPWorker")
             if ranks:
                 os.kill(random.choice(ranks), signal.SIGKILL)
                 kills["rank"] += 1
@@ -137,5 +127,7 @@ def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: A
         out.write_text(json.dumps(figures, indent=1))
     assert not lost and not wrong, figures
     assert all(j["final"]["error"] and j["final"]["error"]["message"] for j in failed), figures
-    assert kills["rank"] >= 3 and kills["replica"] == 1 and len(done) >= 10, figures
+    # A kill every 20 s, the replica's once past 60% of the run: a short SOAK_S has fewer.
+    assert kills["rank"] >= max(1, int(SOAK_S // 20) - 3) and kills["replica"] == 1, figures
+    assert len(done) >= 10, figures
     assert not figures["survivors"], figures

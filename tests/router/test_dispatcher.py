@@ -70,16 +70,23 @@ def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
         time.sleep(0.1)
 
 
+def running(spec: EngineSpec, **kw: object) -> Iterator[tuple[Dispatcher, Collect]]:
+    """A started dispatcher over ``spec``'s groups, ready; stopped afterwards."""
+    sink = Collect()
+    d = Dispatcher(Engine(spec), sink, **kw)
+    d.start()
+    try:
+        wait_ready(d)
+        yield d, sink
+    finally:
+        d.stop()
+
+
 @pytest.fixture
 def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
     spec = EngineSpec(demo_model, dp_size=2, use_allgather=False, cpus_per_rank=0.5, pg_timeout_s=60,
                       encoders_per_rank=0)
-    sink = Collect()
-    d = Dispatcher(Engine(spec), sink, scheduler="continuous", deadlines=DeadlinePolicy(base_s=120))
-    d.start()
-    wait_ready(d)
-    yield d, sink
-    d.stop()
+    yield from running(spec, scheduler="continuous", deadlines=DeadlinePolicy(base_s=120))
 
 
 def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> None:  # noqa: ANN001
@@ -109,13 +116,8 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
 @pytest.fixture
 def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
     spec = EngineSpec(demo_model, dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60, encoders_per_rank=1)
-    sink = Collect()
-    d = Dispatcher(Engine(spec), sink, scheduler="waves", max_wait_s=0.5,
-                   deadlines=DeadlinePolicy(base_s=5.0, per_forward_s=0.004))
-    d.start()
-    wait_ready(d)
-    yield d, sink
-    d.stop()
+    yield from running(spec, scheduler="waves", max_wait_s=0.5,
+                       deadlines=DeadlinePolicy(base_s=5.0, per_forward_s=0.004))
 
 
 def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> None:  # noqa: ANN001
