@@ -43,9 +43,41 @@ def ray_cluster() -> Iterator[dict]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768+) and above Ray's worker ports
+    (10002-19999): a port the kernel handed us could be handed next to one of the Ray
+    processes a test starts after picking it (its agents bind port 0), and then the
+    service under test cannot bind it."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[dict]:
+    """An S3-protocol endpoint on 127.0.0.1 (moto's server: there is no AWS here) with a
+    bucket; yields the fsspec options every process needs to reach it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    creds = {"aws_access_key_id": "dloserve", "aws_secret_access_key": "dloserve"}
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds)
+    s3.create_bucket(Bucket="results")
+    yield {"bucket": "results", "storage_options": {
+        "endpoint_url": endpoint, "key": creds["aws_access_key_id"], "secret": creds["aws_secret_access_key"],
+        "client_kwargs": {"region_name": "us-east-1"}}}
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -79,6 +79,19 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return _error(exc.status_code, str(exc.detail), None, code=f"http_{exc.status_code}", headers=headers)
 
 
+@app.middleware("http")
+async def _answered_by(request: Request, call_next: Any) -> Response:
+    """Every answer names the DP group (replica) that gave it: which replica served a read
+    is visible to operators and to the multi-node tests. (The replica's id is its DP group's
+    id; asked from Serve here because the class's globals travel pickled by value.)"""
+    response = await call_next(request)
+    try:
+        response.headers["x-dloserve-dp-group"] = serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside a replica (plain FastAPI test client)
+        pass
+    return response
+
+
 class TooLarge(Exception):
     """The body is over the limit (413)."""
 
@@ -112,7 +125,8 @@ async def read_capped(request: Request, cap: int) -> bytes:
 class VideoIngress:
     def __init__(self, config: dict[str, Any]) -> None:
         self.svc = VideoService(
-            ServiceConfig(**config), placement_group=ray.util.get_current_placement_group()
+            ServiceConfig(**config), placement_group=ray.util.get_current_placement_group(),
+            dp_group=serve.get_replica_context().replica_id.unique_id,
         )
         if not self.svc.cfg.api_key_hashes:
             log.warning("no API key configured: every client can read and delete every job")
@@ -197,11 +211,23 @@ class VideoIngress:
             err = final.get("error") or {}
             return _error(500, err.get("message", "generation failed"), None, kind="server_error",
                           code=err.get("code", "generation_failed"), headers=headers)
-        path = self.svc.store.content_path(vid)
-        if path is None:
-            return _error(404, f"video {vid} has no content (expired or deleted)", "video_id",
-                          code="not_found", headers=headers)
-        return FileResponse(path, media_type="video/mp4", filename=f"{vid}.mp4", headers=headers)
+        gone = f"video {vid} has no content (expired or deleted)"
+        return self._video(vid, headers) or _error(404, gone, "video_id", code="not_found", headers=headers)
+
+    def _video(self, vid: str, headers: dict[str, str] | None = None) -> Response | None:
+        """The MP4 from the results storage, whichever replica stored it; None if it is gone.
+
+        A local folder is sent as a file (ranges, sendfile); any other URL is streamed."""
+        storage = self.svc.storage
+        path = storage.video_path(vid)
+        if path is not None:
+            return FileResponse(path, media_type="video/mp4", filename=f"{vid}.mp4", headers=headers)
+        if storage.local_path is not None or not storage.has_video(vid):
+            return None
+        name = f"{vid}.mp4"
+        head = {**(headers or {}), "content-length": str(storage.size(name)),
+                "content-disposition": f'attachment; filename="{name}"'}
+        return StreamingResponse(storage.chunks(name), media_type="video/mp4", headers=head)
 
     @app.get("/v1/videos", response_model=VideoList, responses=_AUTH)
     def list_videos(
@@ -244,10 +270,10 @@ class VideoIngress:
         rec = self.svc.get(video_id, owner)
         if rec is None:
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
-        path = self.svc.store.content_path(video_id)
-        if rec["status"] != "completed" or path is None:
+        if rec["status"] != "completed":
             return _error(409, f"video {video_id} is {rec['status']}", "video_id", code="not_ready")
-        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+        return self._video(video_id) or _error(
+            404, f"video {video_id} has no content (expired or deleted)", "video_id", code="not_found")
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted,
                 responses={**_BY_ID, 409: {**_ERR, "description": "being generated"}})
@@ -303,8 +329,8 @@ def build_app(args: dict[str, Any]) -> Any:
 
 
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
-           blocking: bool = False) -> DeploymentHandle:
+           blocking: bool = False, proxy_location: str = "EveryNode") -> DeploymentHandle:
     """Start Serve's HTTP proxy on host:port and run the app (used by the CLI and tests)."""
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     return serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/",
                      blocking=blocking)

@@ -12,6 +12,7 @@ started.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -59,8 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fixed part of each request's deadline")
     p.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,
                    help="deadline = base + this x forwards x (pixels*frames / 832*480*81)")
-    p.add_argument("--results-dir", default=None,
-                   help="job store folder (default ~/.cache/dloserve/results/port-PORT; locked)")
+    p.add_argument("--results-url", "--results-dir", dest="results_url", default=None,
+                   help="folder or fsspec URL (s3://bucket/prefix) for job records and MP4s, seen "
+                        "by every replica (default ~/.cache/dloserve/results/port-PORT; locked)")
+    p.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON",
+                   help='fsspec options for --results-url, e.g. \'{"endpoint_url": "http://minio:9000"}\' '
+                        "(credentials: the usual environment, e.g. AWS_ACCESS_KEY_ID)")
+    p.add_argument("--group-timeout-s", type=float, default=30.0,
+                   help="a replica (DP group) silent this long is lost: its jobs fail with a reason")
     p.add_argument("--retention-s", type=float, default=86400.0, help="keep finished jobs this long")
     p.add_argument("--max-jobs", type=int, default=1000, help="keep at most this many jobs")
     p.add_argument("--api-key", action="append", default=None,
@@ -78,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     from service.api.service import ServiceConfig
 
-    extra: dict[str, Any] = {"results_dir": args.results_dir or _default_results_dir(args.port)}
+    extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
+                             "storage_options": args.storage_options}
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
@@ -113,9 +121,11 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     )
 
 
-def _default_results_dir(port: int) -> str:
-    """One folder per instance: an instance is its port on this machine."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "dloserve", "results", f"port-{port}")
+def results_url(args: argparse.Namespace) -> str:
+    """The flag's URL (a relative folder made absolute: replicas run elsewhere), or one folder
+    per instance: an instance is its port on this machine."""
+    url = args.results_url or os.path.join("~", ".cache", "dloserve", "results", f"port-{args.port}")
+    return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
 def api_key_hashes(args: argparse.Namespace) -> list[str]:
@@ -214,10 +224,19 @@ def _run(args: argparse.Namespace) -> int:
               "download and delete every job", file=sys.stderr, flush=True)
     from service.api.store import StoreLocked, lock_folder
 
+    url = results_url(args)
     try:
-        lock_folder(Path(args.results_dir or _default_results_dir(args.port))).close()
+        if "://" not in url and not args.address:  # joined: the cluster's store may hold it
+            lock_folder(Path(url)).close()
+        else:
+            from service.api.results import open_storage
+
+            open_storage(url, args.storage_options)  # unreachable or no driver: say so now
     except StoreLocked as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"dloserve serve: --results-url: {e}", file=sys.stderr)
         return 2
     if not port_free(args.host, args.port):
         holder = port_holder(args.port)
@@ -240,6 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     cfg = config_from_args(args, gpus)
+    _store_url["url"] = cfg.results_url
     print(f"deploying {cfg.model} DP{cfg.dp_size} "
           f"[{'DLO ' + ('allgather' if cfg.use_allgather else 'rank-local') if cfg.offload else 'resident'}"
           f", {cfg.scheduler}, {'cuda' if gpus else 'cpu'}] ...", flush=True)
@@ -331,6 +351,7 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
             try:
                 _drain(drain_s)
                 serve.delete("dloserve")
+                _stop_store()
                 if not joined:
                     serve.shutdown()
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
@@ -342,6 +363,17 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
         if _own_cluster["started"]:
             kill_tree(sorted(set(ours) | set(descendants(os.getpid()))), grace_s=5.0)
         watchdog.cancel()
+
+
+_store_url: dict[str, str] = {}
+
+
+def _stop_store() -> None:
+    """The app is gone: its job store (a detached actor) goes too; records stay in storage."""
+    from service.api.jobs import stop_store
+
+    if "url" in _store_url:
+        stop_store(_store_url["url"])
 
 
 def _drain(timeout_s: float) -> None:

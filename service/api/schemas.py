@@ -132,6 +132,8 @@ class Video(BaseModel):
     guidance_scale: float
     dp_rank: int | None = None
     wave: int | None = None
+    dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
+    node_id: str | None = Field(None, description="the Ray node of that DP group")
 
 
 class VideoList(BaseModel):

@@ -12,6 +12,7 @@ import hmac
 import logging
 import os
 import secrets
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -19,8 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.api.jobs import JobStoreClient, connect_store
+from service.api.results import open_storage
 from service.api.schemas import BodyError, Video, validate_create
-from service.api.store import JobStore
 from service.engine.group import Engine, EngineSpec, Outcome
 from service.engine.metrics import metrics
 from service.models.adapter import load_adapter
@@ -53,7 +55,12 @@ class ServiceConfig(BaseModel):
     num_replicas: int = 1
     max_wait_ms: float = 50.0
     queue_size: int = 64
-    results_dir: str = str(Path.home() / ".cache" / "dloserve" / "results")
+    results_url: str = Field(str(Path.home() / ".cache" / "dloserve" / "results"),
+                             description="folder or fsspec URL (s3://...) for job records and MP4s")
+    storage_options: dict[str, Any] = Field(default_factory=dict,
+                                            description="fsspec options for results_url (endpoint, ...)")
+    group_timeout_s: float = Field(30.0, gt=0, description="a DP group silent this long is lost: "
+                                   "its jobs fail")
     retention_s: float = 86400.0
     max_jobs: int = 1000
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
@@ -86,19 +93,22 @@ class ServiceConfig(BaseModel):
 class VideoService:
     """One DP group, its dispatcher and the job store; the Sink the dispatcher reports to."""
 
-    def __init__(self, cfg: ServiceConfig, placement_group: Any = None) -> None:
+    def __init__(self, cfg: ServiceConfig, placement_group: Any = None, dp_group: str | None = None) -> None:
+        import ray
+
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
         self.adapter = load_adapter(self.model_dir)  # config files only, no weights
         self.limits = Limits(**cfg.limits)
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
-        self.store = JobStore(
-            os.path.expanduser(cfg.results_dir), ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
-            exclusive=cfg.num_replicas == 1,
+        self.dp_group = dp_group or uuid.uuid4().hex[:12]
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
+        self.store: JobStoreClient = connect_store(
+            self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
+            group_timeout_s=cfg.group_timeout_s,
         )
-        if cfg.num_replicas == 1:
-            self._fail_orphans()
         self.engine = Engine(cfg.engine_spec(self.model_dir), pg=placement_group)
         self.dispatcher = Dispatcher(
             self.engine, self, scheduler=cfg.scheduler, max_wait_s=cfg.max_wait_ms / 1000.0,
@@ -106,16 +116,19 @@ class VideoService:
         )
         self.started_at = time.time()
         self._draining: str | None = None
+        self._closed = threading.Event()
         self.dispatcher.start()
+        threading.Thread(target=self._heartbeat, name="dloserve-heartbeat", daemon=True).start()
 
-    def _fail_orphans(self) -> None:
-        """Jobs a previous process left queued/in progress will never run: end them.
-
-        Only safe when this replica is the folder's only writer (num_replicas == 1).
-        """
-        n = self.store.fail_unfinished("interrupted", "the service restarted before this job ended")
-        if n:
-            log.warning("marked %d unfinished jobs from a previous run as failed", n)
+    def _heartbeat(self) -> None:
+        """Tell the store this DP group lives (or its jobs fail); drop queued jobs that were
+        deleted through another replica."""
+        while not self._closed.wait(1.0):
+            try:
+                for job_id in self.store.heartbeat(self.dp_group, self.node_id):
+                    self.dispatcher.cancel(job_id)
+            except Exception as e:  # noqa: BLE001 - the store restarting: try again next beat
+                log.warning("heartbeat to the job store failed: %s", e)
 
     # -- requests ----------------------------------------------------------------------
     def create(self, fields: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
@@ -150,6 +163,8 @@ class VideoService:
             "num_inference_steps": req.num_inference_steps,
             "guidance_scale": req.guidance_scale,
             "owner": owner,  # who may see it (the API key's id); never in the video object
+            "dp_group": self.dp_group,  # the replica whose DP group runs it, and its node
+            "node_id": self.node_id,
         }
         self.store.put(rec)
         accepted = dict(rec)  # the job as accepted; the dispatcher may move it on at once
@@ -174,22 +189,15 @@ class VideoService:
             return "missing"
         if rec["status"] == "in_progress":
             return "running"
-        if rec["status"] == "queued" and not self.dispatcher.cancel(job_id):
-            return "running"  # a rank took it just now
+        if (rec["status"] == "queued" and rec.get("dp_group") == self.dp_group
+                and not self.dispatcher.cancel(job_id)):
+            return "running"  # a rank took it just now (another group's: the store tells it)
         self.store.delete(job_id)
         return "deleted"
 
     def list(self, after: str | None, limit: int, order: str, owner: str | None = None,
              ) -> tuple[list[dict], bool]:
-        recs = self.store.list()
-        if self.cfg.api_key_hashes:
-            recs = [r for r in recs if r.get("owner") == owner]
-        if order == "desc":
-            recs.reverse()
-        if after:
-            ids = [r["id"] for r in recs]
-            recs = recs[ids.index(after) + 1 :] if after in ids else []
-        return recs[:limit], len(recs) > limit
+        return self.store.page(owner, bool(self.cfg.api_key_hashes), after, limit, order)
 
     def owner_of(self, authorization: str | None) -> str | None:
         """The caller's owner id from ``Authorization: Bearer KEY``; AuthError if keys are on
@@ -222,6 +230,9 @@ class VideoService:
             "waves_run": self.dispatcher.assignments,
             "model": self.model_name,
             "model_dir": self.model_dir,
+            "dp_group": self.dp_group,
+            "node_id": self.node_id,
+            "results_url": self.storage.url,
         }
 
     def health_problem(self) -> str | None:
@@ -263,6 +274,7 @@ class VideoService:
         return [r for r in hist if all(self.get(i, owner) for i in r.get("ids", []))]
 
     def close(self) -> None:
+        self._closed.set()
         self.dispatcher.stop()
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
@@ -270,18 +282,24 @@ class VideoService:
         self.store.update(ticket.id, status="in_progress", wave=info["wave"], dp_rank=info["rank"])
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        self.store.update(ticket_id, progress=min(99, int(100 * step / max(1, total))))
+        self.store.update(ticket_id, persist=False, progress=min(99, int(100 * step / max(1, total))))
 
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
         if outcome.ok:
-            self.store.finish(
-                ticket.id, outcome.mp4, status="completed", progress=100, dp_rank=outcome.dp_rank
-            )
+            assert outcome.mp4 is not None
+            self.storage.write_video(ticket.id, outcome.mp4)  # the video lands before the status
+            ended = self.store.finish(ticket.id, status="completed", progress=100, dp_rank=outcome.dp_rank)
             status = "completed"
         else:
             err = {"code": "generation_failed", "message": outcome.error or "unknown error"}
-            self.store.finish(ticket.id, None, status="failed", error=err)
+            ended = self.store.finish(ticket.id, status="failed", error=err)
             status = "failed"
+        if not ended:  # deleted meanwhile, or already failed (this group was declared lost)
+            log.warning("job %s ended (%s) after its record was deleted or failed; output dropped",
+                        ticket.id, status)
+            if outcome.ok:
+                self.storage.remove(f"{ticket.id}.mp4")
+            return
         metrics()["requests"].inc(1, tags={"status": status})
         created = (self.store.get(ticket.id) or {}).get("created_at")
         if created:

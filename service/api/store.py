@@ -1,20 +1,24 @@
-"""Bounded job store: one JSON record and one MP4 per job in a local folder.
+"""The job table: every job's record, its retention, and who (which DP group) holds it.
 
-Records are written through to disk (atomic rename) so a restarted replica, another
-replica on the same node, or a shared mount (NFS, a bucket through a FUSE driver) sees
-the same jobs. To keep results elsewhere, point ``root`` at such a mount or subclass
-``JobStore`` and override ``_write_blob``/``open_content``/``_drop``. Retention: finished
-jobs expire after ``ttl_s`` and only the newest ``max_jobs`` are kept.
+One process owns a table (the job-store actor in ``service.api.jobs``): it is the single
+writer for its storage URL, so create/get/list/delete and progress read the same from any
+replica on any node. Records are written through to the storage (``ResultStorage``) on
+every state change, so the actor's restart (or a new cluster on the same URL) reloads them;
+progress alone stays in memory (one write per denoising step would be wasteful on S3).
+
+Retention: finished jobs expire after ``ttl_s`` and only the newest ``max_jobs`` are kept.
+A final record is final: a late update from a group that was declared dead cannot revive it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from service.api.results import ResultStorage, safe_id
 
 FINAL = ("completed", "failed")
 
@@ -37,115 +41,104 @@ def lock_folder(root: Path) -> Any:
         holder = f.read().strip() or "another process"
         f.close()
         raise StoreLocked(f"results folder {root} is in use by {holder}; give this instance its own "
-                          "with --results-dir") from None
+                          "with --results-url") from None
     f.truncate(0)
     f.write(f"pid {os.getpid()}")
     f.flush()
     return f
 
 
-class JobStore:
-    """Thread-safe: the HTTP handlers read while the dispatcher thread writes.
+class JobTable:
+    """Thread-safe records over a ResultStorage; ``exclusive`` locks a local folder."""
 
-    ``exclusive`` locks the folder for this process: one instance never changes another
-    live instance's jobs (replicas that share a folder on purpose pass False).
-    """
-
-    def __init__(self, root: str | os.PathLike, ttl_s: float = 86400.0, max_jobs: int = 1000,
-                 exclusive: bool = False):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._lock_file = lock_folder(self.root) if exclusive else None
+    def __init__(self, storage: ResultStorage, ttl_s: float = 86400.0, max_jobs: int = 1000,
+                 exclusive: bool = False) -> None:
+        self.storage = storage
         self.ttl_s = ttl_s
         self.max_jobs = max_jobs
-        self._jobs: dict[str, dict[str, Any]] = {}
+        self._lock_file = (lock_folder(storage.local_path)
+                           if exclusive and storage.local_path is not None else None)
         self._lock = threading.RLock()
-        for f in self.root.glob("*.json"):  # adopt what a previous process left
-            try:
-                rec = json.loads(f.read_text())
-                self._jobs[rec["id"]] = rec
-            except (OSError, ValueError, KeyError):
-                continue
+        self._jobs: dict[str, dict[str, Any]] = {r["id"]: r for r in storage.read_records()}
 
     def put(self, rec: dict[str, Any]) -> None:
         with self._lock:
-            self._jobs[rec["id"]] = rec
-            self._flush(rec)
+            self._jobs[rec["id"]] = dict(rec)
+            self.storage.write_record(rec)
             self._prune()
 
     def get(self, job_id: str) -> dict[str, Any] | None:
         with self._lock:
             rec = self._jobs.get(job_id)
-            if rec is None:
-                rec = self._load(job_id)
             return dict(rec) if rec else None
 
-    def update(self, job_id: str, **fields: Any) -> dict[str, Any] | None:
+    def update(self, job_id: str, persist: bool = True, **fields: Any) -> dict[str, Any] | None:
+        """Change a live job; a final one is left as it is (and returned as it is)."""
         with self._lock:
             rec = self._jobs.get(job_id)
             if rec is None:
                 return None
-            rec.update(fields)
-            self._flush(rec)
+            if rec.get("status") not in FINAL:
+                rec.update(fields)
+                if persist:
+                    self.storage.write_record(rec)
             return dict(rec)
 
-    def finish(self, job_id: str, mp4: bytes | None, **fields: Any) -> None:
-        """Store the output (if any) and the final state; the MP4 lands before the status."""
-        if mp4 is not None:
-            self._write_blob(job_id, mp4)
-        fields.setdefault("completed_at", int(time.time()))
-        fields["expires_at"] = int(fields["completed_at"] + self.ttl_s)
-        self.update(job_id, **fields)
+    def finish(self, job_id: str, **fields: Any) -> bool:
+        """End a job (its video, if any, is already stored); False if it had ended already."""
         with self._lock:
+            rec = self._jobs.get(job_id)
+            if rec is None or rec.get("status") in FINAL:
+                return False
+            fields.setdefault("completed_at", int(time.time()))
+            fields["expires_at"] = int(fields["completed_at"] + self.ttl_s)
+            rec.update(fields)
+            self.storage.write_record(rec)
             self._prune()
+            return True
+
+    def fail(self, ids: list[str], code: str, message: str) -> int:
+        """Fail these jobs if still live; returns how many were."""
+        return sum(self.finish(i, status="failed", error={"code": code, "message": message}) for i in ids)
+
+    def unfinished(self, dp_group: str | None = None) -> list[str]:
+        with self._lock:
+            return [r["id"] for r in self._jobs.values() if r.get("status") not in FINAL
+                    and (dp_group is None or r.get("dp_group") == dp_group)]
+
+    def live_groups(self) -> set[str]:
+        """DP groups that hold unfinished jobs."""
+        with self._lock:
+            return {str(r.get("dp_group")) for r in self._jobs.values() if r.get("status") not in FINAL}
 
     def fail_unfinished(self, code: str, message: str) -> int:
-        """End every queued/in-progress job as failed (after a restart); returns how many."""
-        with self._lock:
-            ids = [r["id"] for r in self._jobs.values() if r.get("status") not in FINAL]
-        for job_id in ids:
-            self.finish(job_id, None, status="failed", error={"code": code, "message": message})
-        return len(ids)
+        return self.fail(self.unfinished(), code, message)
 
     def delete(self, job_id: str) -> bool:
+        if not safe_id(job_id):
+            return False
         with self._lock:
-            found = self._jobs.pop(job_id, None) is not None or self._path(job_id).exists()
-            self._drop(job_id)
+            found = self._jobs.pop(job_id, None) is not None
+            self.storage.drop(job_id)
             return found
 
     def list(self) -> list[dict[str, Any]]:
         with self._lock:
-            return sorted((dict(r) for r in self._jobs.values()), key=lambda r: r["created_at"])
+            return sorted((dict(r) for r in self._jobs.values()), key=lambda r: (r["created_at"], r["id"]))
 
-    def content_path(self, job_id: str) -> Path | None:
-        p = self.root / f"{job_id}.mp4"
-        return p if p.is_file() else None
-
-    # -- storage -----------------------------------------------------------------------
-    def _path(self, job_id: str) -> Path:
-        return self.root / f"{job_id}.json"
-
-    def _flush(self, rec: dict[str, Any]) -> None:
-        tmp = self.root / f".{rec['id']}.json.tmp"
-        tmp.write_text(json.dumps(rec))
-        os.replace(tmp, self._path(rec["id"]))
-
-    def _load(self, job_id: str) -> dict[str, Any] | None:
-        if not job_id.replace("_", "").replace("-", "").isalnum():
-            return None  # never build paths from arbitrary input
-        try:
-            return json.loads(self._path(job_id).read_text())
-        except (OSError, ValueError):
-            return None
-
-    def _write_blob(self, job_id: str, data: bytes) -> None:
-        tmp = self.root / f".{job_id}.mp4.tmp"
-        tmp.write_bytes(data)
-        os.replace(tmp, self.root / f"{job_id}.mp4")
-
-    def _drop(self, job_id: str) -> None:
-        for p in (self._path(job_id), self.root / f"{job_id}.mp4"):
-            p.unlink(missing_ok=True)
+    def page(self, owner: str | None, by_owner: bool, after: str | None, limit: int,
+             order: str) -> tuple[list[dict[str, Any]], bool]:
+        """One page of jobs (OpenAI's ``after``/``limit``/``order``), the caller's only when
+        ``by_owner``; the flag says whether more follow."""
+        recs = self.list()
+        if by_owner:
+            recs = [r for r in recs if r.get("owner") == owner]
+        if order == "desc":
+            recs.reverse()
+        if after:
+            ids = [r["id"] for r in recs]
+            recs = recs[ids.index(after) + 1 :] if after in ids else []
+        return recs[:limit], len(recs) > limit
 
     def _prune(self) -> None:
         now = time.time()
@@ -157,4 +150,4 @@ class JobStore:
         excess = max(0, len(self._jobs) - len(expired) - self.max_jobs)
         for r in expired + [r for r in done if r not in expired][:excess]:
             self._jobs.pop(r["id"], None)
-            self._drop(r["id"])
+            self.storage.drop(r["id"])

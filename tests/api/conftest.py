@@ -39,7 +39,7 @@ def app_url(ray_cluster: dict, demo_model: str, tmp_path_factory: pytest.TempPat
         cpus_per_rank=0.5,
         gpus_per_rank=GPUS_PER_RANK,
         queue_size=QUEUE_SIZE,
-        results_dir=str(tmp_path_factory.mktemp("results")),
+        results_url=str(tmp_path_factory.mktemp("results")),
         pg_timeout_s=60,
         deadline={"base_s": 60, "per_forward_s": 1.0},
     )

@@ -16,7 +16,6 @@ import httpx
 import pytest
 import ray
 
-from service.api.store import JobStore, StoreLocked
 from tests.api.conftest import wait_final, wait_ready
 
 KEY_A, KEY_B = "sk-test-alice-0123456789", "sk-test-bob-9876543210"
@@ -31,7 +30,7 @@ def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactor
 
     cfg = ServiceConfig(
         model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
-        results_dir=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
+        results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
         api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
     )
     serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")
@@ -120,15 +119,6 @@ def test_a_rank_that_dies_while_idle_is_replaced_before_the_next_request(app_url
     assert wait_final(app_url, vid)["status"] == "completed"
 
 
-def test_a_results_folder_has_one_live_owner(tmp_path: Path) -> None:
-    first = JobStore(tmp_path, exclusive=True)
-    with pytest.raises(StoreLocked) as e:
-        JobStore(tmp_path, exclusive=True)
-    assert f"pid {__import__('os').getpid()}" in str(e.value)
-    JobStore(tmp_path)  # replicas that share a folder on purpose do not lock
-    del first
-
-
 def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, demo_model: str,
                                                           tmp_path: Path) -> None:
     """A truncated checkpoint: every rank fails to load; requests fail naming the file, and the
@@ -142,7 +132,7 @@ def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, dem
     weights = next((model / "transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     svc = VideoService(ServiceConfig(model=str(model), dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
-                                     results_dir=str(tmp_path / "r"), unhealthy_after_s=1.0))
+                                     results_url=str(tmp_path / "r"), unhealthy_after_s=1.0))
     try:
         rec = svc.create({"prompt": "never"})
         end = time.monotonic() + 120

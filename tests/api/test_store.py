@@ -1,51 +1,86 @@
-"""The job store's retention and persistence, on a temp folder (fast)."""
+"""The job table's retention, persistence and final-state rule, on a temp folder (fast)."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from service.api.store import JobStore
+import pytest
+
+from service.api.results import ResultStorage
+from service.api.store import JobTable, StoreLocked
 
 
-def rec(i: int, status: str = "queued") -> dict:
-    return {"id": f"video_{i}", "status": status, "created_at": 1000 + i}
+def rec(i: int, status: str = "queued", group: str = "g1") -> dict:
+    return {"id": f"video_{i}", "status": status, "created_at": 1000 + i, "dp_group": group}
+
+
+def table(path: Path, **kw) -> JobTable:  # noqa: ANN003
+    return JobTable(ResultStorage(str(path)), **kw)
+
+
+def finish_with_video(t: JobTable, i: int, at: int) -> None:
+    t.storage.write_video(f"video_{i}", b"mp4-%d" % i)
+    assert t.finish(f"video_{i}", status="completed", completed_at=at)
 
 
 def test_keeps_the_newest_max_jobs_finished_and_never_drops_live_ones(tmp_path: Path) -> None:
-    s = JobStore(tmp_path, max_jobs=3)
+    s = table(tmp_path, max_jobs=3)
     for i in range(5):
         s.put(rec(i))
     for i in range(5):
-        s.finish(f"video_{i}", b"mp4-%d" % i, status="completed", completed_at=int(time.time()) + i)
+        finish_with_video(s, i, int(time.time()) + i)
     assert [r["id"] for r in s.list()] == ["video_2", "video_3", "video_4"]
     assert not (tmp_path / "video_0.mp4").exists() and (tmp_path / "video_4.mp4").read_bytes() == b"mp4-4"
-    live = JobStore(tmp_path / "live", max_jobs=1)
+    live = table(tmp_path / "live", max_jobs=1)
     for i in range(3):
         live.put(rec(i))  # queued jobs are never pruned
     assert len(live.list()) == 3
 
 
-def test_ttl_expiry_and_reload_from_disk(tmp_path: Path) -> None:
-    s = JobStore(tmp_path, ttl_s=0.0)
+def test_ttl_expiry_and_reload_from_storage(tmp_path: Path) -> None:
+    s = table(tmp_path, ttl_s=0.0)
     s.put(rec(1))
-    s.finish("video_1", b"x", status="completed", completed_at=int(time.time()) - 5)
+    finish_with_video(s, 1, int(time.time()) - 5)
     s.put(rec(2))  # any write prunes
-    assert s.get("video_1") is None and s.content_path("video_1") is None
+    assert s.get("video_1") is None and s.storage.video_path("video_1") is None
     s.update("video_2", status="in_progress", progress=50)
-    again = JobStore(tmp_path)
+    s.update("video_2", persist=False, progress=60)  # progress alone stays in memory
+    again = table(tmp_path)
     assert again.get("video_2")["progress"] == 50
-    assert again.get("../../etc/passwd") is None
+    assert again.get("../../etc/passwd") is None and not again.delete("../../etc/passwd")
     assert again.delete("video_2") and again.get("video_2") is None
 
 
-def test_restart_fails_jobs_left_unfinished(tmp_path: Path) -> None:
-    s = JobStore(tmp_path)
+def test_a_final_record_stays_final_and_groups_fail_alone(tmp_path: Path) -> None:
+    s = table(tmp_path)
     s.put(rec(1))
     s.put(rec(2, "in_progress"))
-    s.put(rec(3))
-    s.finish("video_3", b"x", status="completed")
-    after = JobStore(tmp_path)  # a new process on the same folder
-    assert after.fail_unfinished("interrupted", "restarted") == 2
-    assert [after.get(f"video_{i}")["status"] for i in (1, 2, 3)] == ["failed", "failed", "completed"]
-    assert after.get("video_1")["error"]["code"] == "interrupted"
+    s.put(rec(3, group="g2"))
+    assert s.live_groups() == {"g1", "g2"} and sorted(s.unfinished("g1")) == ["video_1", "video_2"]
+    assert s.fail(s.unfinished("g1"), "dp_group_lost", "gone") == 2
+    assert s.get("video_1")["error"]["code"] == "dp_group_lost" and s.get("video_3")["status"] == "queued"
+    # the lost group answers late: neither its update nor its finish revives the job
+    assert s.update("video_2", status="in_progress", progress=90)["status"] == "failed"
+    assert not s.finish("video_2", status="completed")
+    assert table(tmp_path).get("video_2")["status"] == "failed"
+
+
+def test_pages_by_owner(tmp_path: Path) -> None:
+    s = table(tmp_path)
+    for i in range(5):
+        s.put({**rec(i), "owner": "a" if i % 2 else "b"})
+    page, more = s.page("b", True, None, 2, "asc")
+    assert [r["id"] for r in page] == ["video_0", "video_2"] and more
+    page, more = s.page("b", True, "video_2", 2, "asc")
+    assert [r["id"] for r in page] == ["video_4"] and not more
+    newest_first = [f"video_{i}" for i in range(4, -1, -1)]
+    assert [r["id"] for r in s.page(None, False, None, 10, "desc")[0]] == newest_first
+
+
+def test_a_results_folder_has_one_live_owner(tmp_path: Path) -> None:
+    first = table(tmp_path, exclusive=True)
+    with pytest.raises(StoreLocked) as e:
+        table(tmp_path, exclusive=True)
+    assert f"pid {__import__('os').getpid()}" in str(e.value)
+    del first

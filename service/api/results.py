@@ -1,0 +1,135 @@
+"""Where job records and MP4s live: a storage URL read and written through fsspec.
+
+A plain path or ``file://`` URL is a local folder (the default); any other fsspec URL
+(``s3://bucket/prefix``, ``gs://...``, a shared mount) works the same way, so every
+replica on every node reads the same bytes. Credentials and endpoints come from
+``storage_options`` or fsspec's own configuration (e.g. ``FSSPEC_S3_ENDPOINT_URL``).
+
+Layout under the URL: ``<id>.json`` (a job record) and ``<id>.mp4`` (its video).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+CHUNK = 1 << 20
+
+
+def safe_id(job_id: str) -> bool:
+    """Ids become object names: never build one from arbitrary input."""
+    return 0 < len(job_id) <= 64 and job_id.replace("_", "").replace("-", "").isalnum()
+
+
+class ResultStorage:
+    """Atomic-enough writes (temp name, then move on local disks; object stores put whole
+    objects), reads by id, deletes that tolerate a missing file."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url
+        self.fs, root = url_to_fs(os.path.expanduser(url), **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.local_path: Path | None = Path(root) if self.is_local else None
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    @property
+    def is_local(self) -> bool:
+        return "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def put_bytes(self, name: str, data: bytes) -> None:
+        if self.is_local:
+            tmp = self._path(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+            self.fs.pipe_file(tmp, data)
+            self.fs.mv(tmp, self._path(name))
+        else:
+            self.fs.pipe_file(self._path(name), data)
+
+    def get_bytes(self, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(name))
+        except (FileNotFoundError, OSError):
+            return None
+
+    def exists(self, name: str) -> bool:
+        return bool(self.fs.exists(self._path(name)))
+
+    def size(self, name: str) -> int:
+        return int(self.fs.size(self._path(name)))
+
+    def remove(self, name: str) -> None:
+        try:
+            self.fs.rm_file(self._path(name))
+        except FileNotFoundError:
+            pass
+
+    def names(self, suffix: str) -> list[str]:
+        try:
+            found = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for p in found:
+            name = str(p).rstrip("/").rsplit("/", 1)[-1]
+            if name.endswith(suffix) and not name.startswith("."):
+                out.append(name)
+        return out
+
+    def chunks(self, name: str) -> Iterator[bytes]:
+        """The object in 1 MiB pieces (for a streaming HTTP response)."""
+        with self.fs.open(self._path(name), "rb") as f:
+            while True:
+                b = f.read(CHUNK)
+                if not b:
+                    return
+                yield b
+
+    # -- job records and videos --------------------------------------------------------
+    def write_record(self, rec: dict[str, Any]) -> None:
+        self.put_bytes(f"{rec['id']}.json", json.dumps(rec).encode())
+
+    def read_records(self) -> list[dict[str, Any]]:
+        recs = []
+        for name in self.names(".json"):
+            data = self.get_bytes(name)
+            try:
+                rec = json.loads(data or b"")
+                if isinstance(rec, dict) and "id" in rec:
+                    recs.append(rec)
+            except ValueError:
+                continue  # a torn write from a killed process: the job is unknown
+        return recs
+
+    def write_video(self, job_id: str, mp4: bytes) -> None:
+        self.put_bytes(f"{job_id}.mp4", mp4)
+
+    def video_path(self, job_id: str) -> Path | None:
+        """The local file, when the storage is a local folder and the video exists."""
+        if self.local_path is None or not safe_id(job_id):
+            return None
+        p = self.local_path / f"{job_id}.mp4"
+        return p if p.is_file() else None
+
+    def has_video(self, job_id: str) -> bool:
+        return safe_id(job_id) and self.exists(f"{job_id}.mp4")
+
+    def drop(self, job_id: str) -> None:
+        if safe_id(job_id):
+            self.remove(f"{job_id}.json")
+            self.remove(f"{job_id}.mp4")
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> ResultStorage:
+    """A ResultStorage; raises ValueError naming the URL when fsspec cannot reach it."""
+    try:
+        return ResultStorage(url, storage_options)
+    except (ImportError, ValueError, OSError) as e:
+        raise ValueError(f"results URL {url!r}: {e}") from e
