@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup setup-system test soak deploy-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch clean
+.PHONY: setup setup-system test soak multinode deploy-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ test:
 
 soak:
 	mkdir -p out && SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
+
+# Two Ray nodes on this machine: batch job, two replicas, one job store, a node removed.
+multinode:
+	$(BIN)/python -m pytest -q -m multinode -s tests/api/test_multinode.py
 
 # Live Prometheus against a running service, then the CPU image built and run (podman).
 deploy-check:

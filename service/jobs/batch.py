@@ -102,6 +102,8 @@ class ManifestSink:
             "id": ticket.id,
             "request": dataclasses.asdict(req),
             "wave": info.get("wave"),
+            "group": info.get("group"),
+            "node_id": info.get("node_id"),
             "finished_at": time.time(),
         }
         if outcome.ok:
@@ -126,12 +128,41 @@ class ManifestSink:
                 self.all_done.set()
 
 
+class GroupSink:
+    """One DP group's view of the shared sink: stamps which group (and node) ran an item."""
+
+    def __init__(self, sink: ManifestSink, index: int) -> None:
+        self.sink, self.index = sink, index
+        self.engine: Any = None
+
+    def _stamp(self, info: dict[str, Any]) -> dict[str, Any]:
+        import ray
+
+        node = None
+        pg = getattr(self.engine, "pg", None)
+        if pg is not None:
+            nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+            node = nodes.get(0)
+        return {**info, "group": self.index, "node_id": node}
+
+    def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
+        self.sink.on_start(ticket, self._stamp(info))
+
+    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
+        pass
+
+    def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
+        self.sink.on_finish(ticket, outcome, self._stamp(info))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m service.jobs.batch", description=__doc__.split("\n")[0])
     p.add_argument("--prompts", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--model", default=None, help="diffusers pipeline dir (default: demo model)")
     p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--num-groups", type=int, default=1,
+                   help="DP groups (each its own placement group; on a cluster, a node each)")
     p.add_argument("--no-offload", action="store_true", help="resident transformer on every rank")
     p.add_argument("--dlo-no-use-allgather", action="store_true")
     p.add_argument("--cpus-per-rank", type=float, default=1.0)
@@ -144,6 +175,23 @@ def parser() -> argparse.ArgumentParser:
                    help="continuous: a freed rank starts the next item at once; waves: N of one key")
     p.add_argument("--encoders-per-rank", type=int, default=1, help="MP4 encoder processes per rank")
     return p
+
+
+def feed(groups: list[Any], todo: list[tuple[str, GenerationRequest]], done: threading.Event,
+         ahead: int) -> None:
+    """Hand items to whichever group has room (``ahead`` queued beyond what it runs), so a
+    faster or less loaded group takes more; with one group everything is queued at once."""
+    if len(groups) == 1:
+        for item_id, req in todo:  # all queued before the loop runs (waves: full waves form)
+            groups[0].submit(item_id, req.compat_key(), req)
+        return
+    items = list(todo)
+    while items and not done.is_set():
+        for d in sorted(groups, key=lambda d: d.depth + d.held):
+            if items and d.depth < ahead:
+                item_id, req = items.pop(0)
+                d.submit(item_id, req.compat_key(), req)
+        time.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{args.prompts}: item {item_id}: {e}") from None
     except (OSError, ValueError, ModelError) as e:
         print(f"batch: error: {e}", file=sys.stderr)
+        return 2
+    if args.num_groups < 1 or args.data_parallel_size < 1:
+        print("batch: error: --num-groups and --data-parallel-size must be >= 1", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     done = finished(args.out)
@@ -195,16 +246,22 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
     sink = ManifestSink(args.out, len(todo), bar)
-    disp = Dispatcher(Engine(spec), sink, scheduler=args.scheduler, max_wait_s=0.0, max_queue=len(todo),
-                      deadlines=DeadlinePolicy(base_s=args.wave_deadline_base_s))
-    for item_id, req in todo:  # all queued before the loop starts (waves: full waves form)
-        disp.submit(item_id, req.compat_key(), req)
-    disp.start()
+    groups = []
+    for i in range(args.num_groups):
+        gsink, engine = GroupSink(sink, i), Engine(spec)
+        gsink.engine = engine
+        deadlines = DeadlinePolicy(base_s=args.wave_deadline_base_s)
+        groups.append(Dispatcher(engine, gsink, scheduler=args.scheduler, max_wait_s=0.0,
+                                 max_queue=len(todo), deadlines=deadlines))
+    for d in groups:
+        d.start()
     try:
+        feed(groups, todo, sink.all_done, ahead=max(1, args.data_parallel_size))
         sink.all_done.wait()
     finally:
         bar.close()
-        disp.stop()
+        for d in groups:
+            d.stop()
     print(f"batch: {len(todo) - sink.failed} completed, {sink.failed} failed in "
           f"{time.monotonic() - t0:.1f} s; manifest {args.out / 'manifest.jsonl'}", flush=True)
     return 1 if sink.failed else 0

@@ -1,0 +1,237 @@
+"""Two Ray nodes on this machine (``ray.cluster_utils.Cluster``: two raylets, one CPU
+each, so each node holds exactly one DP group), two replicas of the service, one job store,
+results in an S3 bucket.
+
+In file order: the batch job submitted with ``ray job submit`` runs two DP groups (one per
+node); then the service with ``num_replicas=2``: requests land on both replicas (the video
+object and the ``x-dloserve-dp-group`` header say which), every job reads, lists, downloads
+and deletes the same through either replica, and the bytes equal ``dloserve generate``;
+last, the worker node is removed under load: exactly the jobs its replica held fail with a
+reason, the rest complete, nothing is lost, and the surviving replica keeps serving.
+
+Run with ``make multinode`` (its own process: this module starts its own cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api.conftest import wait_ready
+from tests.api.test_bytes import FIELDS, generate_cli
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.multinode
+APP = "dloserve-multinode"
+SLOW = {**FIELDS, "num_inference_steps": 24}  # long enough to be in flight when the node goes
+KEY_A, KEY_B = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    # One proxy (the head's) for the test's one URL; by default a proxy prefers replicas on its
+    # own node, so the worker's replica would never be asked (a load balancer in front of
+    # every node's proxy spreads requests in production).
+    os.environ["RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING"] = "0"
+    dash = free_port()
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dash,
+    })
+    worker = c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False)
+    try:
+        yield {"cluster": c, "worker": worker, "dashboard": f"http://127.0.0.1:{dash}",
+               "head_id": c.head_node.node_id, "worker_id": worker.node_id}
+    finally:
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            c.shutdown()
+
+
+def test_batch_job_runs_two_dp_groups_on_two_nodes(cluster: dict, demo_model: str, tmp_path: Path) -> None:
+    import ray
+
+    assert ray.available_resources().get("CPU", 0) >= 2, "run this before the service takes the nodes"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"b{i}", "prompt": FIELDS["prompt"], "width": 96,
+                                           "height": 64, "num_frames": 9, "num_inference_steps": 3,
+                                           "seed": 0}) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    cmd = ["ray", "job", "submit", "--address", cluster["dashboard"], "--", sys.executable, "-m",
+           "service.jobs.batch", "--prompts", str(prompts), "--out", str(out), "--model", demo_model,
+           "--num-groups", "2", "--cpus-per-rank", "1", "--encoders-per-rank", "0"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    entries = [json.loads(ln) for ln in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(e["id"] for e in entries) == [f"b{i}" for i in range(6)]
+    assert all(e["status"] == "completed" for e in entries), entries
+    assert {e["node_id"] for e in entries} == {cluster["head_id"], cluster["worker_id"]}, entries
+    want = generate_cli(demo_model, tmp_path / "cli.mp4")
+    assert all((out / e["file"]).read_bytes() == want for e in entries)
+
+
+@pytest.fixture(scope="module")
+def served(cluster: dict, demo_model: str, s3_server: dict) -> Iterator[str]:
+    """Results in an S3 bucket (moto's S3 server here): no replica shares a folder with another."""
+    from ray import serve
+
+    from service.api.app import deploy
+    from service.api.service import ServiceConfig
+
+    keys = [hashlib.sha256(k.encode()).hexdigest() for k in ("key-a", "key-b")]
+    cfg = ServiceConfig(model=demo_model, api_key_hashes=keys, dp_size=1, cpus_per_rank=1, num_replicas=2,
+                        results_url=f"s3://{s3_server['bucket']}/multinode",
+                        storage_options=s3_server["storage_options"], group_timeout_s=5,
+                        pg_timeout_s=60, deadline={"base_s": 120, "per_forward_s": 1.0})
+    port = free_port()
+    deploy(cfg, "127.0.0.1", port, name=APP, proxy_location="HeadOnly")
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, 300)
+    end = time.monotonic() + 300
+    while running_replicas() < 2:  # /readyz answers once the first replica is up
+        assert time.monotonic() < end, serve.status()
+        time.sleep(0.5)
+    wait_ready(url, 300)
+    yield url
+    serve.delete(APP)
+
+
+def running_replicas() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    if app is None:
+        return 0
+    return sum(d.replica_states.get("RUNNING", 0) for d in app.deployments.values())
+
+
+def get(url: str, path: str) -> httpx.Response:
+    """A read that retries while the proxy still routes to a replica that just died."""
+    for _ in range(50):
+        try:
+            r = httpx.get(f"{url}{path}", timeout=30, headers=KEY_A)
+            if r.status_code < 500:
+                return r
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"GET {path}: no answer below 500")
+
+
+def by_each_replica(url: str, path: str, groups: set[str], key: dict = KEY_A) -> dict[str, httpx.Response]:
+    """The same GET until every replica in ``groups`` has answered it once."""
+    seen: dict[str, httpx.Response] = {}
+    for _ in range(200):
+        r = httpx.get(f"{url}{path}", timeout=30, headers=key)
+        g = r.headers.get("x-dloserve-dp-group")
+        assert g in groups, (r.status_code, r.headers, r.text[:300])
+        seen.setdefault(g, r)
+        if set(seen) == groups:
+            return seen
+    raise AssertionError(f"{path}: answered only by {set(seen)} of {groups}")
+
+
+def wait_all_final(url: str, ids: list[str], timeout: float = 300) -> dict[str, dict]:
+    end, final = time.monotonic() + timeout, {}
+    while time.monotonic() < end and len(final) < len(ids):
+        for vid in ids:
+            if vid not in final:
+                v = get(url, f"/v1/videos/{vid}").json()
+                if v["status"] in ("completed", "failed"):
+                    final[vid] = v
+        time.sleep(0.2)
+    assert len(final) == len(ids), f"not final after {timeout}s: {set(ids) - set(final)}"
+    return final
+
+
+def test_jobs_are_the_same_through_every_replica(served: str, cluster: dict, demo_model: str,
+                                                 tmp_path: Path) -> None:
+    url = served
+    ids = []
+    for _ in range(8):
+        r = httpx.post(f"{url}/v1/videos", json=FIELDS, timeout=30, headers=KEY_A)
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+    final = wait_all_final(url, ids)
+    assert all(v["status"] == "completed" for v in final.values()), final
+    groups = {v["dp_group"] for v in final.values()}
+    assert len(groups) == 2, f"all requests ran on one replica: {groups}"
+    assert {v["node_id"] for v in final.values()} == {cluster["head_id"], cluster["worker_id"]}
+    want = generate_cli(demo_model, tmp_path / "cli.mp4")
+    for vid in ids:
+        reads = by_each_replica(url, f"/v1/videos/{vid}", groups)
+        assert len({json.dumps(r.json(), sort_keys=True) for r in reads.values()}) == 1
+        for r in by_each_replica(url, f"/v1/videos/{vid}/content", groups).values():
+            assert r.status_code == 200 and r.content == want, vid
+    for r in by_each_replica(url, "/v1/videos?limit=100&order=asc", groups).values():
+        assert set(ids) <= {v["id"] for v in r.json()["data"]}
+    # another key sees none of them, through any replica
+    for r in by_each_replica(url, f"/v1/videos/{ids[0]}", groups, key=KEY_B).values():
+        assert r.status_code == 404
+    for r in by_each_replica(url, "/v1/videos?limit=100", groups, key=KEY_B).values():
+        assert not set(ids) & {v["id"] for v in r.json()["data"]}
+    # delete through one replica; every replica then answers 404
+    for vid in ids[:4]:
+        assert httpx.delete(f"{url}/v1/videos/{vid}", timeout=30, headers=KEY_B).status_code == 404
+        assert httpx.delete(f"{url}/v1/videos/{vid}", timeout=30, headers=KEY_A).status_code == 200
+        for r in by_each_replica(url, f"/v1/videos/{vid}", groups).values():
+            assert r.status_code == 404
+
+
+def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, cluster: dict) -> None:
+    url = served
+    ids = []
+    for _ in range(8):
+        r = httpx.post(f"{url}/v1/videos", json=SLOW, timeout=30, headers=KEY_A)
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+    # wait until the worker node's group is generating, then take the node away
+    end = time.monotonic() + 120
+    while True:
+        recs = [get(url, f"/v1/videos/{vid}").json() for vid in ids]
+        lost = {v["dp_group"] for v in recs if v["node_id"] == cluster["worker_id"]}
+        if any(v["status"] == "in_progress" and v["node_id"] == cluster["worker_id"] for v in recs):
+            break
+        assert time.monotonic() < end, recs
+        time.sleep(0.2)
+    assert len(lost) == 1
+    done_before = {v["id"] for v in recs if v["status"] == "completed"}
+    cluster["cluster"].remove_node(cluster["worker"], allow_graceful=False)
+    final = wait_all_final(url, ids)
+    for vid, v in final.items():
+        if v["dp_group"] in lost and vid not in done_before:
+            assert v["status"] == "failed" and v["error"]["code"] == "dp_group_lost", v
+            assert cluster["worker_id"] in v["error"]["message"], v
+        else:
+            assert v["status"] == "completed", v
+    failed = [v for v in final.values() if v["status"] == "failed"]
+    assert failed, "the lost node held no unfinished job"
+    # the surviving replica keeps serving
+    for _ in range(50):
+        r = httpx.post(f"{url}/v1/videos", json=FIELDS, timeout=30, headers=KEY_A)
+        if r.status_code == 202:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 202, r.text
+    after = wait_all_final(url, [r.json()["id"]])
+    assert next(iter(after.values()))["status"] == "completed"
+    print(f"\nmulti-node: {len(ids)} jobs, node {cluster['worker_id'][:8]} removed, "
+          f"{len(failed)} failed (its group), {len(ids) - len(failed)} completed, lost 0")
