@@ -23,6 +23,7 @@ def ray_cluster() -> Iterator[dict]:
     import ray
 
     ray.init(
+        address="local",  # a cluster of our own, never one another process started here
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

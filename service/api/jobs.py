@@ -67,6 +67,11 @@ class JobStoreActor:
     def finish(self, job_id: str, fields: dict[str, Any]) -> bool:
         return self.table.finish(job_id, **fields)
 
+    def progress(self, updates: dict[str, int]) -> None:
+        """Several jobs' progress at once (kept in memory: not worth a write each)."""
+        for job_id, pct in updates.items():
+            self.table.update(job_id, persist=False, progress=pct)
+
     def delete(self, job_id: str) -> bool:
         rec = self.table.get(job_id)
         if rec and rec.get("status") == "queued" and rec.get("dp_group"):
@@ -115,7 +120,11 @@ class JobStoreActor:
                    "its replica or node is gone) before this job ended; submit it again")
             n = self.table.fail(ids, "dp_group_lost", why)
             if n:
+                from service.engine.metrics import metrics
+
                 log.warning("DP group %s on node %s lost: failed %d jobs", g, node, n)
+                metrics()["groups_lost"].inc(1, tags={"node": node[:12]})
+                metrics()["requests"].inc(n, tags={"status": "failed"})  # its replica cannot count them
                 self.groups_lost.append({"dp_group": g, "node_id": node, "failed": n, "at": time.time()})
             failed += n
         return failed
@@ -143,6 +152,9 @@ class JobStoreClient:
 
     def finish(self, job_id: str, **fields: Any) -> bool:
         return self._call("finish", job_id, fields)
+
+    def progress(self, updates: dict[str, int]) -> None:
+        self._call("progress", updates)
 
     def delete(self, job_id: str) -> bool:
         return self._call("delete", job_id)

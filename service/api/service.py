@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,16 +118,28 @@ class VideoService:
         self.started_at = time.time()
         self._draining: str | None = None
         self._closed = threading.Event()
+        self._progress: dict[str, int] = {}  # latest per job, sent by the heartbeat thread
+        self._progress_lock = threading.Lock()
+        # Storing a video (an upload, with S3) and its final record happen off the dispatcher
+        # thread, which must get back to scheduling at once.
+        self._finisher = ThreadPoolExecutor(2, thread_name_prefix="dloserve-finish")
         self.dispatcher.start()
         threading.Thread(target=self._heartbeat, name="dloserve-heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
         """Tell the store this DP group lives (or its jobs fail); drop queued jobs that were
         deleted through another replica."""
-        while not self._closed.wait(1.0):
+        last = 0.0
+        while not self._closed.wait(0.25):
             try:
-                for job_id in self.store.heartbeat(self.dp_group, self.node_id):
-                    self.dispatcher.cancel(job_id)
+                with self._progress_lock:
+                    progress, self._progress = self._progress, {}
+                if progress:
+                    self.store.progress(progress)
+                if time.monotonic() - last >= 1.0:
+                    for job_id in self.store.heartbeat(self.dp_group, self.node_id):
+                        self.dispatcher.cancel(job_id)
+                    last = time.monotonic()
             except Exception as e:  # noqa: BLE001 - the store restarting: try again next beat
                 log.warning("heartbeat to the job store failed: %s", e)
 
@@ -265,6 +278,7 @@ class VideoService:
             time.sleep(0.1)
         left = self.dispatcher.held
         self.dispatcher.stop()
+        self._finisher.shutdown(wait=True)  # every outcome stored before the app goes
         return {"queued_failed": queued, "running_failed": left, "seconds": round(time.monotonic() - t0, 1)}
 
     def waves(self, owner: str | None = None) -> list[dict[str, Any]]:
@@ -276,15 +290,36 @@ class VideoService:
     def close(self) -> None:
         self._closed.set()
         self.dispatcher.stop()
+        self._finisher.shutdown(wait=True)
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
         self.store.update(ticket.id, status="in_progress", wave=info["wave"], dp_rank=info["rank"])
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        self.store.update(ticket_id, persist=False, progress=min(99, int(100 * step / max(1, total))))
+        with self._progress_lock:
+            self._progress[ticket_id] = min(99, int(100 * step / max(1, total)))
 
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
+        try:
+            self._finisher.submit(self._finish, ticket, outcome)
+        except RuntimeError:  # shut down (after a drain): store it here
+            self._finish(ticket, outcome)
+
+    def _finish(self, ticket: Ticket, outcome: Outcome) -> None:
+        try:
+            self._store_outcome(ticket, outcome)
+        except Exception:  # noqa: BLE001 - logged; the job's group heartbeat keeps it live
+            log.exception("could not store the outcome of %s", ticket.id)
+            err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
+            try:
+                self.store.finish(ticket.id, status="failed", error=err)
+            except Exception:  # noqa: BLE001 - the store is unreachable too
+                log.exception("could not fail %s", ticket.id)
+
+    def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
+        with self._progress_lock:
+            self._progress.pop(ticket.id, None)
         if outcome.ok:
             assert outcome.mp4 is not None
             self.storage.write_video(ticket.id, outcome.mp4)  # the video lands before the status

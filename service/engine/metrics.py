@@ -65,6 +65,10 @@ def metrics() -> dict[str, Any]:
             "dloserve_group_rebuilds_total", "DP group teardown+rebuilds", ("group", "reason")
         ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
+        "groups_lost": Counter(
+            "dloserve_dp_groups_lost_total", "Replicas (DP groups) that stopped heartbeating with jobs held",
+            ("node",)
+        ),
     }
 
 

@@ -196,7 +196,8 @@ def test_jobs_are_the_same_through_every_replica(served: str, cluster: dict, dem
             assert r.status_code == 404
 
 
-def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, cluster: dict) -> None:
+def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, cluster: dict,
+                                                                  s3_server: dict) -> None:
     url = served
     ids = []
     for _ in range(8):
@@ -224,6 +225,14 @@ def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, c
             assert v["status"] == "completed", v
     failed = [v for v in final.values() if v["status"] == "failed"]
     assert failed, "the lost node held no unfinished job"
+    import ray
+
+    from service.api.jobs import NAMESPACE, store_name
+
+    store = ray.get_actor(store_name(f"s3://{s3_server['bucket']}/multinode"), namespace=NAMESPACE)
+    lost_report = ray.get(store.status.remote())["groups_lost"]
+    assert [(g["dp_group"], g["node_id"], g["failed"]) for g in lost_report] == \
+        [(next(iter(lost)), cluster["worker_id"], len(failed))], lost_report
     # the surviving replica keeps serving
     for _ in range(50):
         r = httpx.post(f"{url}/v1/videos", json=FIELDS, timeout=30, headers=KEY_A)
