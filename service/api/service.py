@@ -45,6 +45,7 @@ class ServiceConfig(BaseModel):
     model: str | None = Field(None, description="diffusers pipeline dir; None = demo model")
     model_name: str | None = None
     dp_size: int = Field(1, ge=1)
+    sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
     offload: bool = True
     use_allgather: bool = True
     cpus_per_rank: float = 1.0
@@ -80,6 +81,7 @@ class ServiceConfig(BaseModel):
             strategy=self.strategy,
             pg_timeout_s=self.pg_timeout_s,
             encoders_per_rank=self.encoders_per_rank,
+            sp_size=self.sp_size,
         )
 
 
@@ -90,7 +92,7 @@ class VideoService:
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
-        self.adapter = load_adapter(self.model_dir)  # config files only, no weights
+        self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
         self.limits = Limits(**cfg.limits)
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.store = JobStore(
