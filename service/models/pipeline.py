@@ -94,6 +94,11 @@ class PipelineRunner:
         module = adapter.build_transformer()
         ckpt = adapter.transformer_checkpoint()
         handle = None
+        if cfg.enabled and sequence_parallel > 1 and group is not None:
+            # The block gathers get a communicator of their own: NCCL runs one communicator's
+            # work in issue order on one stream, so sharing the attention all-to-alls' (the
+            # mesh reuses the world's) would queue them behind the next block's prefetch.
+            group = dist.new_group(ranks=dist.get_process_group_ranks(group))
         if cfg.enabled:
             handle = enable_layerwise_offload(
                 module,
