@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,13 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
         runner = PipelineRunner.load(model, "cpu", offload=cfg, group=dist.group.WORLD,
                                      sequence_parallel=world)
         seen: list[int] = []
-        hook = runner.transformer.blocks[0].register_forward_hook(
-            lambda _m, _a, out_, seen=seen: seen.append(out_.shape[1]))
-        worker = RankWorker(runner, rank, world, control, sequence_parallel=True, lead=rank == 0)
+        hooks = [runner.transformer.blocks[0].register_forward_hook(
+            lambda _m, _a, out_, seen=seen: seen.append(out_.shape[1]))]
+        if name == "dlo" and rank == 1:  # a slow text encoder here: rank 0 reaches its forward first
+            hooks.append(runner.adapter._parts["text_encoder"].register_forward_pre_hook(
+                lambda *_: time.sleep(0.3)))
+        worker = RankWorker(runner, rank, world, control, head_wait_s=0.05, sequence_parallel=True,
+                            lead=rank == 0)
         try:
             res = run_one(worker, "r", REQ)
             assert res is not None and res["error"] is None, res
@@ -47,12 +52,14 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
                 "sha": sha(res["mp4"]) if res["mp4"] is not None else None,
                 "tokens_in_block0": sorted(set(seen)),
                 "forwards": worker.forwards, "idle_ticks": worker.idle_ticks,
+                "null_ticks": worker.null_ticks,
                 "stats": runner.offload_stats(),
             }
             if runner.handle is not None:
                 results["block_bytes"] = [lay.total_bytes for lay in runner.handle.layouts]
         finally:
-            hook.remove()
+            for h in hooks:
+                h.remove()
             worker.close()
             runner.close()
     Path(out, f"{rank}.json").write_text(json.dumps(results))
@@ -62,12 +69,15 @@ def test_sp2_dlo_equals_sp2_resident_and_one_rank(demo_model: str, resident, tmp
     from service.offload.spawn import run_ranks
 
     reference = sha(resident.generate(REQ))
-    run_ranks(_sp_rank, 2, demo_model, str(tmp_path), timeout=None)
+    run_ranks(_sp_rank, 2, demo_model, str(tmp_path), timeout=240)  # a broken lock-step hangs: fail
     ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     lead, other = ranks
     assert lead["dlo"]["sha"] == lead["resident"]["sha"], "SP2 with DLO != SP2 resident"
     assert lead["dlo"]["sha"] == reference, "SP2 != one resident rank"
     assert other["dlo"]["sha"] is None and other["resident"]["sha"] is None  # the lead reports
+    # While rank 1 still encoded text, rank 0 waited at its forward (null ticks) rather than
+    # running it beside an idle replay: an all-to-all has no replay.
+    assert lead["dlo"]["null_ticks"] > 0
     for r in ranks:
         for name in ("dlo", "resident"):
             assert r[name]["tokens_in_block0"] == [4], (name, r[name])  # 8 tokens, split 2 ways
