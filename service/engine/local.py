@@ -96,7 +96,7 @@ def _generate_rank(rank: int, world: int, model_dir: str, req: GenerationRequest
     runner = PipelineRunner.load(model_dir, rank_device(device, rank), offload=offload, group=group,
                                  progress=progress and rank == 0, sequence_parallel=sp)
     worker = RankWorker(runner, rank, world, control_group(world), sequence_parallel=sp > 1,
-                        lead=rank == 0)
+                        lead=sp == 1 or rank == 0)
     try:
         mine = rank == 0 or sp > 1  # SP: every rank runs the request; DP: rank 0, others replay
         res = run_one(worker, "request" if mine else None, req if mine else None,

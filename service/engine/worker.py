@@ -94,7 +94,8 @@ class DPWorker:
         sp = self.spec.sp_size > 1
         self.worker = RankWorker(self.runner, self.rank, self.spec.world, control,
                                  Encoder(self.spec.encoders if not sp or self.rank == 0 else 0),
-                                 on_report=self._report_offload, sequence_parallel=sp, lead=self.rank == 0)
+                                 on_report=self._report_offload, sequence_parallel=sp,
+                                 lead=not sp or self.rank == 0)  # DP: every rank reports its own
         self._report_memory()
         return {"rank": self.rank, "pid": os.getpid(), "load_s": time.monotonic() - t0}
 
