@@ -273,7 +273,9 @@ class RankGroup:
         except RayActorError as e:
             raise GroupFailure(f"rank {self.first_bundle + actor} died: {_short(e)}") from e
         except RayTaskError as e:
-            if kind == "assign":  # refused by the rank (it re-validates): that request only
+            # Refused by the rank (it re-validates): that request only. In an SP group the
+            # other actors may hold it already and would wait for this one: the group fails.
+            if kind == "assign" and self.sp == 1:
                 return [{"kind": "refused", "rank": rank, "error": _short(e)}]
             raise GroupFailure(f"rank {self.first_bundle + actor} failed: {_short(e)}") from e
         except RayError as e:  # object lost, node died, worker crashed, OOM
