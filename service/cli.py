@@ -7,7 +7,8 @@
 ``generate`` without ``--model`` uses the tiny demo model, written to the cache folder
 ($DLOSERVE_CACHE or ~/.cache/dloserve) on first use. With ``--data-parallel-size N > 1``
 it starts N local processes (gloo on CPU, NCCL on GPU); rank 0 runs the request and the
-others idle-replay the gathers. No Ray is needed for it.
+others idle-replay the gathers. With ``--sequence-parallel-size S`` the S processes all run
+the request, each on 1/S of its tokens. No Ray is needed for it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer dtype (auto: checkpoint's)")
     p.add_argument("--data-parallel-size", type=int, default=1, help="local ranks (processes)")
+    p.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
+                   help="split the request's tokens across S local ranks (Ulysses); DLO gathers over them")
     p.add_argument(
         "--enable-distributed-layerwise-offload",
         action="store_true",
@@ -96,12 +99,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from service.models.demo import ensure_demo_model
     from service.models.pipeline import OffloadConfig
     from service.models.request import GenerationRequest
+    from service.models.sequence import check_flags
 
     n = args.data_parallel_size
     if n < 1:
         return _fail("--data-parallel-size must be >= 1")
     if args.dlo_no_use_allgather and not args.enable_distributed_layerwise_offload:
         return _fail("--dlo-no-use-allgather needs --enable-distributed-layerwise-offload")
+    sp = args.sequence_parallel_size
+    err = check_flags(sp, args.dlo_no_use_allgather)
+    if err:
+        return _fail(err)
+    if sp > 1 and n > 1:
+        return _fail("--sequence-parallel-size with --data-parallel-size: generate runs one request on "
+                     "one SP group; D SP groups are for 'dloserve serve' and the batch job")
     if args.device == "cuda" and not torch.cuda.is_available():
         return _fail("--device cuda: no CUDA device is available")
     req = GenerationRequest(
@@ -118,7 +129,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     req.check()  # model-independent checks first: no demo model is written for a bad request
     model = args.model or str(ensure_demo_model())
-    load_adapter(model).validate(req)  # reject bad input before any process starts
+    load_adapter(model, sequence_parallel=sp).validate(req)  # bad input: refused before any process
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     offload = OffloadConfig(
         enabled=args.enable_distributed_layerwise_offload,
@@ -127,12 +138,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     generate_local(
-        model, req, args.out, world=n, device=args.device, offload=offload, progress=not args.quiet
+        model, req, args.out, world=max(n, sp), device=args.device, offload=offload,
+        progress=not args.quiet, sequence_parallel=sp,
     )
     size = os.path.getsize(args.out)
     print(
         f"wrote {args.out} ({size} bytes, {req.num_frames} frames {req.width}x{req.height}) "
-        f"in {time.perf_counter() - t0:.1f} s [{offload.strategy}, DP{n}, {args.device}]"
+        f"in {time.perf_counter() - t0:.1f} s [{offload.strategy}, {f'SP{sp}' if sp > 1 else f'DP{n}'}, "
+        f"{args.device}]"
     )
     return 0
 

@@ -55,6 +55,18 @@ def test_bad_request_fails_before_work(tmp_path: Path, demo_model: str) -> None:
     assert r.returncode == 2 and "model_index.json" in r.stderr
 
 
+def test_sequence_parallel_refuses_before_any_process(tmp_path: Path, demo_model: str) -> None:
+    """48x48x9 on the demo model is 3 x 3 x 3 = 27 tokens: not two equal halves."""
+    out = tmp_path / "x.mp4"
+    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--height", "48", "--width", "48",
+                 "--num-frames", "9", "--sequence-parallel-size", "2",
+                 "--enable-distributed-layerwise-offload", "--out", str(out))
+    assert r.returncode == 2 and "num_frames: " in r.stderr and "27 tokens" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+    r = dloserve("generate", "--prompt", "a cat", "--usp", "2", "--data-parallel-size", "2")
+    assert r.returncode == 2 and "one SP group" in r.stderr
+
+
 def test_demo_model_command(tmp_path: Path) -> None:
     r = dloserve("demo-model", str(tmp_path / "m"), "--preset", "tiny", "--layers", "2")
     assert r.returncode == 0, r.stderr[-3000:]

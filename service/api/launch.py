@@ -27,6 +27,8 @@ import httpx
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="diffusers pipeline dir (default: demo)")
     p.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks per group (N)")
+    p.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
+                   help="ranks per request (S, Ulysses); with --data-parallel-size D: D groups of S")
     p.add_argument("--enable-distributed-layerwise-offload", action="store_true",
                    help="stream transformer blocks from host memory (DLO)")
     p.add_argument("--dlo-no-use-allgather", action="store_true",
@@ -90,6 +92,7 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
+        sp_size=args.sequence_parallel_size,
         offload=args.enable_distributed_layerwise_offload,
         use_allgather=not args.dlo_no_use_allgather,
         cpus_per_rank=args.cpus_per_rank,
@@ -184,6 +187,12 @@ def run(args: argparse.Namespace) -> int:
         print("dloserve serve: --dlo-no-use-allgather needs "
               "--enable-distributed-layerwise-offload", file=sys.stderr)
         return 2
+    from service.models.sequence import check_flags
+
+    err = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather)
+    if err:
+        print(f"dloserve serve: {err}", file=sys.stderr)
+        return 2
     # Signals stop the service from the very first moment, not only once it is ready.
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     _install_handlers()
@@ -210,7 +219,7 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         args.model = resolve_model(args.model)  # the demo is written once, here
-        load_adapter(args.model)
+        load_adapter(args.model, args.sequence_parallel_size)
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
@@ -260,7 +269,7 @@ def _run(args: argparse.Namespace) -> int:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     cfg = config_from_args(args, gpus)
     _store_url["url"] = cfg.results_url
-    print(f"deploying {cfg.model} DP{cfg.dp_size} "
+    print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "
           f"[{'DLO ' + ('allgather' if cfg.use_allgather else 'rank-local') if cfg.offload else 'resident'}"
           f", {cfg.scheduler}, {'cuda' if gpus else 'cpu'}] ...", flush=True)
     deploy(cfg, args.host, args.port)

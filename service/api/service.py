@@ -48,6 +48,7 @@ class ServiceConfig(BaseModel):
     model: str | None = Field(None, description="diffusers pipeline dir; None = demo model")
     model_name: str | None = None
     dp_size: int = Field(1, ge=1)
+    sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
     offload: bool = True
     use_allgather: bool = True
     cpus_per_rank: float = 1.0
@@ -88,6 +89,7 @@ class ServiceConfig(BaseModel):
             strategy=self.strategy,
             pg_timeout_s=self.pg_timeout_s,
             encoders_per_rank=self.encoders_per_rank,
+            sp_size=self.sp_size,
         )
 
 
@@ -100,7 +102,7 @@ class VideoService:
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
-        self.adapter = load_adapter(self.model_dir)  # config files only, no weights
+        self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
         self.limits = Limits(**cfg.limits)
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.dp_group = dp_group or uuid.uuid4().hex[:12]

@@ -2,7 +2,9 @@
 
 A ``RankGroup`` is N actors that tick together: an AllGather DP group (N ranks, one
 torch.distributed group), or a single rank that makes no collectives (a rank-local or
-resident rank: each one is its own group, so one that dies takes only itself down). An
+resident rank: each one is its own group, so one that dies takes only itself down), or a
+sequence-parallel group: S actors that are one rank to the scheduler (``size`` 1), all
+running the same request; D of them serve D requests at once, independently. An
 ``Engine`` is the set of groups behind one queue and owns their placement group.
 
 Lifecycle of a group: start (actors, rendezvous, load) -> ready -> ... -> on a dead rank, a
@@ -60,13 +62,14 @@ class EngineSpec:
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     setup_timeout_s: float = 900.0
     encoders_per_rank: int = 1
+    sp_size: int = 1  # sequence parallel: each of the dp_size groups is S actors
 
     def bundles(self) -> list[dict[str, float]]:
-        """One bundle per rank; a Serve replica with 0 CPUs rides in bundle 0."""
+        """One bundle per actor (D x S); a Serve replica with 0 CPUs rides in bundle 0."""
         b: dict[str, float] = {"CPU": self.cpus_per_rank}
         if self.gpus_per_rank:
             b["GPU"] = self.gpus_per_rank
-        return [dict(b) for _ in range(self.dp_size)]
+        return [dict(b) for _ in range(self.dp_size * self.sp_size)]
 
     @property
     def device(self) -> str:
@@ -78,7 +81,10 @@ class EngineSpec:
         return self.offload and self.use_allgather and self.dp_size > 1
 
     def group_layout(self) -> list[tuple[int, int]]:
-        """(first bundle, size) of each group: one AllGather group, or N single ranks."""
+        """(first bundle, size) of each group: one AllGather group, N single ranks, or D SP
+        groups (each one scheduler rank over S bundles)."""
+        if self.sp_size > 1:
+            return [(d * self.sp_size, 1) for d in range(self.dp_size)]
         if self.collective:
             return [(0, self.dp_size)]
         return [(r, 1) for r in range(self.dp_size)]
@@ -122,6 +128,15 @@ class RankGroup:
     _serving: int = 0  # serve calls in flight
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def sp(self) -> int:
+        return self.spec.sp_size
+
+    @property
+    def world(self) -> int:
+        """Actors (processes) in the group: ``size`` scheduler ranks of ``sp`` actors each."""
+        return self.size * self.sp
+
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         """Create actors in the placement group, rendezvous, load; raises on failure."""
@@ -130,7 +145,7 @@ class RankGroup:
         self._gauge(0)
         wspec = WorkerSpec(
             model_dir=self.spec.model_dir,
-            world=self.size,
+            world=self.world,
             device=self.spec.device,
             offload=self.spec.offload,
             use_allgather=self.spec.use_allgather,
@@ -138,10 +153,11 @@ class RankGroup:
             group_id=self.group_id,
             rank_offset=self.first_bundle,
             encoders=self.spec.encoders_per_rank,
+            sp_size=self.sp,
         )
         actors: list[Any] = []
         try:
-            for r in range(self.size):
+            for r in range(self.world):
                 strat = PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=self.first_bundle + r)
                 actors.append(
@@ -168,7 +184,7 @@ class RankGroup:
         with self._lock:
             self._refs = {}
             self._serving = 0
-            for r in range(self.size):
+            for r in range(self.world):
                 self._poll(r)
         self.state = GroupState.READY
         self._gauge(1)
@@ -221,15 +237,17 @@ class RankGroup:
         return self._serving > 0
 
     def assign(self, rank: int, job_id: str, req: Any) -> None:
+        """Give ``req`` to scheduler rank ``rank`` (all S actors of it, in an SP group)."""
         with self._lock:
-            self._refs[self.actors[rank].assign.remote(job_id, req)] = ("assign", rank)
+            for a in range(rank * self.sp, (rank + 1) * self.sp):
+                self._refs[self.actors[a].assign.remote(job_id, req)] = ("assign", a)
 
     def serve(self) -> None:
         """Start one round of ticks on every rank (they return together when all are idle)."""
         with self._lock:
             for r, a in enumerate(self.actors):
                 self._refs[a.serve.remote()] = ("serve", r)
-            self._serving = self.size
+            self._serving = self.world
 
     def refs(self) -> list[Any]:
         with self._lock:
@@ -239,25 +257,38 @@ class RankGroup:
         return ref in self._refs
 
     def take(self, ref: Any) -> list[dict[str, Any]]:
-        """Events from a finished call; GroupFailure if a rank died or its loop failed."""
+        """Events from a finished call; GroupFailure if a rank died or its loop failed.
+
+        Actor ``a`` is scheduler rank ``a // sp``. In an SP group the lead actor speaks for
+        the rank; a request that fails on any actor fails the group (the attention
+        all-to-alls of the others are out of step and cannot be replayed).
+        """
         with self._lock:
             if ref not in self._refs:  # from before a fail() or rebuild: nothing to say
                 return []
-            kind, rank = self._refs.pop(ref)
+            kind, actor = self._refs.pop(ref)
+        rank = actor // self.sp
         try:
             result = ray.get(ref, timeout=30)
         except RayActorError as e:
-            raise GroupFailure(f"rank {self.first_bundle + rank} died: {_short(e)}") from e
+            raise GroupFailure(f"rank {self.first_bundle + actor} died: {_short(e)}") from e
         except RayTaskError as e:
-            if kind == "assign":  # refused by the rank (it re-validates): that request only
+            # Refused by the rank (it re-validates): that request only. In an SP group the
+            # other actors may hold it already and would wait for this one: the group fails.
+            if kind == "assign" and self.sp == 1:
                 return [{"kind": "refused", "rank": rank, "error": _short(e)}]
-            raise GroupFailure(f"rank {self.first_bundle + rank} failed: {_short(e)}") from e
+            raise GroupFailure(f"rank {self.first_bundle + actor} failed: {_short(e)}") from e
         except RayError as e:  # object lost, node died, worker crashed, OOM
-            raise GroupFailure(f"rank {self.first_bundle + rank} lost: {_short(e)}") from e
+            raise GroupFailure(f"rank {self.first_bundle + actor} lost: {_short(e)}") from e
         if kind == "events":
             with self._lock:
-                self._poll(rank)
-            return list(result)
+                self._poll(actor)
+            if self.sp == 1:
+                return list(result)
+            for e in result:
+                if e["kind"] == "finished" and e.get("error"):
+                    raise GroupFailure(f"rank {self.first_bundle + actor} failed: {e['error']}")
+            return [{**e, "rank": rank} for e in result if actor % self.sp == 0]
         if kind == "serve":
             with self._lock:
                 self._serving -= 1
@@ -313,7 +344,7 @@ class Engine:
         """Reuse the Serve replica's placement group when it has our bundles, else make one."""
         if self.pg is None:
             current = ray.util.get_current_placement_group()
-            if current is not None and len(current.bundle_specs) >= self.spec.dp_size:
+            if current is not None and len(current.bundle_specs) >= len(self.spec.bundles()):
                 self.pg = current
             else:
                 self.pg = placement_group(self.spec.bundles(), strategy=self.spec.strategy)
@@ -372,6 +403,7 @@ class Engine:
         return {
             "state": state,
             "dp_size": self.spec.dp_size,
+            "sp_size": self.spec.sp_size,
             "groups": [g.status() for g in self.groups],
             "generation": sum(g.generation for g in self.groups),
             "rebuilds": sum(g.rebuilds for g in self.groups),

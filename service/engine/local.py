@@ -1,7 +1,9 @@
 """N local ranks without Ray: spawned processes in one process group, each a RankWorker.
 
 ``dloserve generate --data-parallel-size N`` runs here: rank 0 takes the request, every
-rank ticks (the others replay its gathers), rank 0 writes the MP4. The same per-rank
+rank ticks (the others replay its gathers), rank 0 writes the MP4. With
+``--sequence-parallel-size S`` the S processes are one SP group: all of them take the
+request and run it on 1/S of its tokens each; rank 0 writes the MP4. The same per-rank
 loop the Ray workers run, driven from a plain process instead of an actor.
 """
 
@@ -71,31 +73,39 @@ def generate_local(
     device: str = "cpu",
     offload: OffloadConfig | None = None,
     progress: bool = False,
+    sequence_parallel: int = 1,
 ) -> None:
-    """Generate ``req`` with ``world`` local ranks and write the MP4 to ``out`` (rank 0)."""
+    """Generate ``req`` with ``world`` local ranks and write the MP4 to ``out`` (rank 0).
+
+    ``sequence_parallel`` > 1 must equal ``world``: one SP group runs the request.
+    """
+    if sequence_parallel > 1 and world != sequence_parallel:
+        raise ValueError(f"one request runs on one SP group: world {world} != SP {sequence_parallel}")
     if world == 1:
-        _generate_rank(0, 1, str(model_dir), req, str(out), device, offload, progress)
+        _generate_rank(0, 1, str(model_dir), req, str(out), device, offload, progress, 1)
         return
     backend = "nccl" if device == "cuda" else "gloo"
     run_ranks(_generate_rank, world, str(model_dir), req, str(out), device, offload, progress,
-              timeout=None, backend=backend, pg_timeout=GROUP_TIMEOUT)
+              sequence_parallel, timeout=None, backend=backend, pg_timeout=GROUP_TIMEOUT)
 
 
 def _generate_rank(rank: int, world: int, model_dir: str, req: GenerationRequest, out: str,
-                   device: str, offload: OffloadConfig | None, progress: bool) -> None:
+                   device: str, offload: OffloadConfig | None, progress: bool, sp: int) -> None:
     offloaded = offload is not None and offload.enabled
     group = dist.group.WORLD if offloaded and world > 1 else None
     runner = PipelineRunner.load(model_dir, rank_device(device, rank), offload=offload, group=group,
-                                 progress=progress and rank == 0)
-    worker = RankWorker(runner, rank, world, control_group(world))
+                                 progress=progress and rank == 0, sequence_parallel=sp)
+    worker = RankWorker(runner, rank, world, control_group(world), sequence_parallel=sp > 1,
+                        lead=sp == 1 or rank == 0)
     try:
-        mine = rank == 0
+        mine = rank == 0 or sp > 1  # SP: every rank runs the request; DP: rank 0, others replay
         res = run_one(worker, "request" if mine else None, req if mine else None,
-                      _bar(req, progress) if mine else None)
+                      _bar(req, progress) if rank == 0 else None)
         if res is not None:
             if res["error"]:
                 raise RuntimeError(res["error"])
-            _write(out, res["mp4"])
+            if rank == 0:
+                _write(out, res["mp4"])
     finally:
         worker.close()
         runner.close()

@@ -13,6 +13,11 @@ forward waiting, and does anyone have work at all. No forward waiting but work s
 with work ends ``serve``. So a rank whose request ends starts the next one at the next
 forward boundary, and requests of any size, step count or CFG setting share a group.
 
+Sequence parallel (``sequence_parallel=True``): the group is one SP group and every rank
+holds the same request, each running all its forwards on 1/S of the tokens. Attention
+all-to-alls cannot be replayed idle, so a tick runs only when *every* rank is at the gate
+(otherwise it is a null tick), and only the lead rank encodes and reports the MP4.
+
 Threads of a rank:
 - the pipeline thread takes requests from the inbox one at a time: text encoding (HEAD),
   forwards through the gate, VAE decode (TAIL), then hands the uint8 frames to the MP4
@@ -76,11 +81,14 @@ class RankWorker:
         head_wait_s: float = 1.0,
         on_report: Callable[[], None] | None = None,
         report_every_s: float = 5.0,
+        sequence_parallel: bool = False,
+        lead: bool = True,
     ) -> None:
         if world > 1 and control is None:
             raise ValueError("a group of several ranks needs a control group")
         self.runner = runner
         self.rank, self.world, self.control = rank, world, control
+        self.sequence_parallel, self.lead = sequence_parallel, lead
         self.encoder = encoder or Encoder(0)
         self.head_wait_s = head_wait_s
         # Offload counters are read on the tick thread, between forwards: no fill is being
@@ -161,7 +169,9 @@ class RankWorker:
             if self.on_report is not None and time.monotonic() - self._reported > self.report_every_s:
                 self._report()
             at_gate, busy = self._local_flags()
-            any_gate, any_busy = self._agree(at_gate, busy)
+            any_gate, any_busy, all_gate = self._agree(at_gate, busy)
+            if self.sequence_parallel and any_gate and not all_gate:
+                any_gate = False  # SP: all ranks run a forward together, or none does
             if any_gate:
                 self.ticks += 1
                 if at_gate:
@@ -213,14 +223,15 @@ class RankWorker:
         except Exception:  # noqa: BLE001 - metrics never stop the group
             pass
 
-    def _agree(self, at_gate: bool, busy: bool) -> tuple[bool, bool]:
+    def _agree(self, at_gate: bool, busy: bool) -> tuple[bool, bool, bool]:
+        """(anyone at the gate, anyone busy, everyone at the gate), in one all-reduce."""
         if self.control is None:
-            return at_gate, busy
+            return at_gate, busy, at_gate
         t0 = time.perf_counter()
-        flags = torch.tensor([int(at_gate), int(busy)], dtype=torch.int32)
+        flags = torch.tensor([int(at_gate), int(busy), int(not at_gate)], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
         self.agree_s += time.perf_counter() - t0
-        return bool(flags[0]), bool(flags[1])
+        return bool(flags[0]), bool(flags[1]), not bool(flags[2])
 
     def _open_gate(self) -> None:
         with self._cv:
@@ -293,7 +304,7 @@ class RankWorker:
             self._phase = Phase.IDLE
             self._cv.notify_all()
         gpu_s = time.monotonic() - t0
-        if frames is None:
+        if frames is None or not self.lead:  # SP: the lead rank alone encodes and reports
             self._finish(job, None, error, gpu_s, t0)
             return
         self.encoder.submit(frames, job.req.fps,

@@ -32,6 +32,7 @@ class WorkerSpec:
     group_id: str = "g0"
     rank_offset: int = 0  # this group's first rank among the replica's ranks (metrics tags)
     encoders: int = 1  # MP4 encoder processes beside the rank (0: inline)
+    sp_size: int = 1  # > 1: the group's ranks are one SP group (world == sp_size)
 
 
 def free_port() -> int:
@@ -88,10 +89,13 @@ class DPWorker:
         offload = OffloadConfig(enabled=self.spec.offload, use_allgather=self.spec.use_allgather)
         self.runner = PipelineRunner.load(
             self.spec.model_dir, device=device, offload=offload,
-            group=self.pg if self.spec.offload else None,
+            group=self.pg if self.spec.offload else None, sequence_parallel=self.spec.sp_size,
         )
+        sp = self.spec.sp_size > 1
         self.worker = RankWorker(self.runner, self.rank, self.spec.world, control,
-                                 Encoder(self.spec.encoders), on_report=self._report_offload)
+                                 Encoder(self.spec.encoders if not sp or self.rank == 0 else 0),
+                                 on_report=self._report_offload, sequence_parallel=sp,
+                                 lead=not sp or self.rank == 0)  # DP: every rank reports its own
         self._report_memory()
         return {"rank": self.rank, "pid": os.getpid(), "load_s": time.monotonic() - t0}
 

@@ -160,7 +160,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--model", default=None, help="diffusers pipeline dir (default: demo model)")
-    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1, help="D: requests at once per group")
+    p.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
+                   help="S ranks per request (Ulysses); D x S ranks in all")
     p.add_argument("--num-groups", type=int, default=1,
                    help="DP groups (each its own placement group; on a cluster, a node each)")
     p.add_argument("--no-offload", action="store_true", help="resident transformer on every rank")
@@ -203,8 +205,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         items = read_prompts(args.prompts)
+        from service.models.sequence import check_flags
+
+        err = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather)
+        if err:
+            raise ValueError(err)
         model = resolve_model(args.model)
-        adapter = load_adapter(model)
+        adapter = load_adapter(model, args.sequence_parallel_size)
         for item_id, req in items:
             try:
                 adapter.validate(req)
@@ -242,6 +249,7 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
         model_dir=model, dp_size=args.data_parallel_size, offload=not args.no_offload,
         use_allgather=not args.dlo_no_use_allgather, cpus_per_rank=args.cpus_per_rank,
         gpus_per_rank=gpus, strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
+        sp_size=args.sequence_parallel_size,
     )
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)

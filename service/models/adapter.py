@@ -40,6 +40,7 @@ class ModelAdapter(ABC):
     block_attrs: ClassVar[tuple[str, ...]]
     components: ClassVar[tuple[str, ...]]  # folders that must exist next to model_index.json
     extra_args: ClassVar[frozenset[str]] = frozenset()
+    sequence_parallel: int = 1  # ranks one request's tokens are split across (SP group size)
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         self.model_dir = model_dir
@@ -83,6 +84,12 @@ class ModelAdapter(ABC):
         if not files:
             raise ModelError(f"{folder}: no safetensors weights for the transformer")
         return folder  # one oddly named file (the checkpoint loader errors on several)
+
+    def set_sequence_parallel(self, degree: int) -> None:
+        """Serve each request across ``degree`` ranks; ModelError if this family cannot."""
+        if degree != 1:
+            raise ModelError(f"--sequence-parallel-size {degree}: not supported for {self.family} "
+                             "(only Wan T2V has sequence parallelism)")
 
     # -- requests --------------------------------------------------------------------------
 
@@ -173,8 +180,12 @@ def families() -> dict[str, type[ModelAdapter]]:
     return {name: cls for cls in (WanAdapter, FluxAdapter) for name in cls.pipeline_classes}
 
 
-def load_adapter(model_dir: str | Path) -> ModelAdapter:
-    """The adapter for a pipeline directory; ModelError naming the path if unsupported."""
+def load_adapter(model_dir: str | Path, sequence_parallel: int = 1) -> ModelAdapter:
+    """The adapter for a pipeline directory; ModelError naming the path if unsupported.
+
+    ``sequence_parallel`` > 1 also checks that the model can be split that many ways and
+    makes ``validate`` refuse requests whose tokens do not split evenly.
+    """
     path, index = read_index(model_dir)
     known = families()
     name = index["_class_name"]
@@ -182,4 +193,7 @@ def load_adapter(model_dir: str | Path) -> ModelAdapter:
         raise ModelError(
             f"{path / 'model_index.json'}: unknown model family {name!r}; supported: {sorted(known)}"
         )
-    return known[name](path, index)
+    adapter = known[name](path, index)
+    if sequence_parallel != 1:
+        adapter.set_sequence_parallel(sequence_parallel)
+    return adapter

@@ -10,7 +10,9 @@ one host-to-device copy each per request; that is not done yet.
 Every rank of a DP group loads the same runner; for each transformer forward of the group
 a rank either runs one of its own request's forwards or ``idle_forwards(1)``-replays the
 gathers, so all ranks make the same collective calls in the same order (service.engine.rank
-decides which, forward by forward).
+decides which, forward by forward). With ``sequence_parallel`` S > 1 the S ranks of the
+world are one SP group: all of them run every forward of the same request, each on 1/S of
+its tokens (``sequence.py``), and the offload gathers each block over the same S ranks.
 """
 
 from __future__ import annotations
@@ -77,18 +79,26 @@ class PipelineRunner:
         offload: OffloadConfig | None = None,
         group: dist.ProcessGroup | None = None,
         progress: bool = False,
+        sequence_parallel: int = 1,
     ) -> PipelineRunner:
         """Load ``model_dir``; ``offload`` None or disabled means a fully resident transformer.
 
         With offload enabled every rank of ``group`` must call this (it shards the blocks).
+        ``sequence_parallel`` S > 1: the torch.distributed world is one SP group of S ranks
+        (pass it as ``group`` too, so the offload shards over the same ranks).
         """
         t0 = time.perf_counter()
         dev = torch.device(device)
         cfg = offload or OffloadConfig(enabled=False)
-        adapter = load_adapter(model_dir)
+        adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
         ckpt = adapter.transformer_checkpoint()
         handle = None
+        if cfg.enabled and sequence_parallel > 1 and group is not None:
+            # The block gathers get a communicator of their own: NCCL runs one communicator's
+            # work in issue order on one stream, so sharing the attention all-to-alls' (the
+            # mesh reuses the world's) would queue them behind the next block's prefetch.
+            group = dist.new_group(ranks=dist.get_process_group_ranks(group))
         if cfg.enabled:
             handle = enable_layerwise_offload(
                 module,
@@ -103,6 +113,15 @@ class PipelineRunner:
             )
         else:
             load_resident(module, ckpt, dev, dtype=cfg.dtype, keep_fp32=adapter.keep_fp32)
+        if sequence_parallel > 1:
+            from .sequence import enable_sequence_parallel
+
+            try:
+                enable_sequence_parallel(module, sequence_parallel)
+            except BaseException:
+                if handle is not None:
+                    handle.close()
+                raise
         adapter.load_components(dev)
         return cls(adapter, module, handle, dev, cfg, time.perf_counter() - t0)
 
@@ -151,6 +170,7 @@ class PipelineRunner:
             "model_dir": str(self.adapter.model_dir),
             "device": str(self.device),
             "strategy": self.offload.strategy,
+            "sequence_parallel": self.adapter.sequence_parallel,
             "dtype": str(self.offload.dtype) if self.offload.dtype else None,
             "load_s": round(self.load_s, 3),
         }

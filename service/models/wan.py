@@ -18,6 +18,7 @@ from torch import nn
 
 from .adapter import ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .request import GenerationRequest, RequestError
+from .sequence import SequenceParallelError, check_heads, split_hint
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default: part of the key via ``extra``
 
@@ -45,6 +46,18 @@ class WanAdapter(ModelAdapter):
         self.scheduler_config = _read_json(sched) if sched.is_file() else {}
         self._parts: dict[str, Any] = {}
 
+    def set_sequence_parallel(self, degree: int) -> None:
+        try:
+            check_heads(int(self.transformer_config.get("num_attention_heads", 40)), degree)
+        except SequenceParallelError as e:
+            raise ModelError(f"{self.model_dir}: {e}") from None
+        self.sequence_parallel = degree
+
+    def tokens(self, req: GenerationRequest) -> tuple[int, int, int]:
+        """(latent frames, patch rows, patch cols): the transformer's token grid for ``req``."""
+        mh, mw = self.multiple
+        return (req.num_frames - 1) // self.temporal + 1, req.height // mh, req.width // mw
+
     def validate(self, req: GenerationRequest) -> None:
         super().validate(req)
         mh, mw = self.multiple
@@ -62,6 +75,10 @@ class WanAdapter(ModelAdapter):
         msl = req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= 512:
             raise RequestError("extra.max_sequence_length", f"must be an integer in [1, 512], got {msl!r}")
+        if self.sequence_parallel > 1:  # after the size rules: the grid is whole by now
+            why = split_hint(self.tokens(req), self.sequence_parallel)
+            if why:
+                raise RequestError("num_frames", why)
 
     def load_components(self, device: torch.device) -> None:
         self._parts = {

@@ -59,3 +59,17 @@ def test_bad_prompt_file_is_rejected_before_any_worker(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "service.jobs.batch", "--prompts", str(bad),
                         "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "colour" in r.stderr
+
+
+def test_unsplittable_item_is_rejected_before_ray(tmp_path: Path, demo_model: str, capsys) -> None:  # noqa: ANN001
+    """--sequence-parallel-size 2: a 27-token item (48x48x9) fails the file, naming it and the field."""
+    from service.jobs.batch import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "ok", "prompt": "a", "height": 48, "width": 48}\n'
+                       '{"id": "odd", "prompt": "b", "height": 48, "width": 48, "num_frames": 9}\n')
+    out = tmp_path / "o"
+    assert main(["--prompts", str(prompts), "--out", str(out), "--model", demo_model,
+                 "--sequence-parallel-size", "2"]) == 2
+    assert "item odd: num_frames: " in capsys.readouterr().err
+    assert not out.exists()  # nothing started, not even the output folder

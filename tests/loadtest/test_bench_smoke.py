@@ -37,3 +37,12 @@ def test_offload_bench_cpu_smoke(tmp_path: Path) -> None:
         assert w["median_ms"] > 0
         assert strategies[name]["offload_stats"]["forwards"] == 3  # warm-up + 2 timed
     assert report["machine"]["torch"] == __import__("torch").__version__
+
+
+def test_sp_bench_cpu_smoke(tmp_path: Path) -> None:
+    """One SP2 DLO run on gloo (the GPU run adds dp1 and sp2-resident to compare with)."""
+    report = _run("bench_sp.py", ["--device", "cpu", "--preset", "tiny", "--layers", "3", "--tokens", "64",
+                                  "--reps", "1", "--gen", "none", "--runs", "sp2-dlo"], tmp_path)
+    ranks = report["runs"]["sp2-dlo"]["ranks"]
+    assert len(ranks) == 2 and ranks[0]["workloads"]["64"]["sha256"] == ranks[1]["workloads"]["64"]["sha256"]
+    assert ranks[0]["host_shard_bytes"] > 0 and report["summary"][0]["ms_per_forward"] > 0
