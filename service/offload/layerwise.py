@@ -72,9 +72,12 @@ class LayerwiseOffload:
         )
         world = self.group.world if use_allgather else 1
         slot_bytes = max((self.layouts[i].padded_bytes(world) for i in self._streamed), default=0)
+        self._slot_bytes, self._free_slots = slot_bytes, opts.free_slots
+        if opts.free_slots and self.host.collective:
+            raise ValueError("free_slots needs a module whose fills are not collectives")
         try:
-            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(2)] \
-                if self._streamed else []
+            self.slots = [torch.empty(0 if opts.free_slots else slot_bytes, dtype=torch.uint8, device=dev)
+                          for _ in range(2)] if self._streamed else []
         except BaseException:  # e.g. device OOM: do not leave the host arena pinned
             self.host.close()
             self.device.close()
@@ -280,6 +283,9 @@ class LayerwiseOffload:
 
     def _begin_forward(self, module: nn.Module, args: object) -> None:
         self._entered = 0
+        if self._free_slots and self._streamed and not self.slots[0].numel():
+            self.slots[:] = [torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device.device)
+                             for _ in range(2)]
         if not self._streamed:  # nothing streamed: no ring to count forwards
             self._stats.forwards += 1
 
@@ -291,6 +297,9 @@ class LayerwiseOffload:
         others waiting in block 4's gather. After this the ring is back at block 0.
         """
         n = len(self._streamed)
+        if self._free_slots and not self._closed and self._streamed:
+            self.ring.reset()  # the prefetch of block 0 is dropped with the slots
+            self.slots[:] = [torch.empty(0, dtype=torch.uint8, device=self.device.device) for _ in range(2)]
         if self._closed or not self.host.collective or self._entered == n:
             return
         for i in range(self._entered, n):

@@ -17,6 +17,9 @@ class Placement:
     exact anywhere and a 256k-token table need not take device memory.
     ``pagecache``: rank-local on CUDA: None tries DMA from the registered page cache and
     falls back to the pack thread (logging why), True requires it, False packs.
+    ``free_slots``: allocate the two slots at each forward's start and free them at its
+    end (no collectives only): for a module run once per request (a text encoder), so its
+    slots do not sit beside the transformer's for the whole request.
     """
 
     resident_blocks: int | None = None
@@ -25,6 +28,7 @@ class Placement:
     tied: dict[str, str] = field(default_factory=dict)
     host_modules: tuple[str, ...] = ()
     pagecache: bool | None = None
+    free_slots: bool = False
 
 
 @dataclass

@@ -250,6 +250,11 @@ class Ring:
             self.device.release(self.current.slot)
             self.current = None
 
+    def reset(self) -> None:
+        """Drain, then restart at block 0 in slot 0 (a ring whose slots are freed between uses)."""
+        self.drain()
+        self.next_block = self.next_slot = 0
+
     def drain(self) -> None:
         """Wait for the fill in flight (all ranks have issued the same one)."""
         if self.pending is not None:
