@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream transformer blocks from host memory (DLO)")
     p.add_argument("--dlo-no-use-allgather", action="store_true",
                    help="rank-local DLO: every rank keeps whole blocks, no AllGather")
+    from service.models.options import add_offload_arguments
+
+    add_offload_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
@@ -77,8 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     from service.api.service import ServiceConfig
+    from service.models.options import offload_options
 
     extra: dict[str, Any] = {"results_dir": args.results_dir or _default_results_dir(args.port)}
+    extra["offload_options"] = offload_options(args, args.enable_distributed_layerwise_offload)
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
@@ -173,6 +178,12 @@ def run(args: argparse.Namespace) -> int:
     if args.dlo_no_use_allgather and not args.enable_distributed_layerwise_offload:
         print("dloserve serve: --dlo-no-use-allgather needs "
               "--enable-distributed-layerwise-offload", file=sys.stderr)
+        return 2
+    from service.models.options import check_serving_options
+
+    problem = check_serving_options(args, args.enable_distributed_layerwise_offload)
+    if problem:
+        print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
     # Signals stop the service from the very first moment, not only once it is ready.
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

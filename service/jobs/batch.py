@@ -134,6 +134,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--no-offload", action="store_true", help="resident transformer on every rank")
     p.add_argument("--dlo-no-use-allgather", action="store_true")
+    from service.models.options import add_offload_arguments
+
+    add_offload_arguments(p)
     p.add_argument("--cpus-per-rank", type=float, default=1.0)
     p.add_argument("--gpus-per-rank", type=float, default=None, help="default: 1 if GPUs exist")
     p.add_argument("--placement-strategy", default="STRICT_PACK")
@@ -155,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         items = read_prompts(args.prompts)
+        from service.models.options import check_serving_options
+
+        problem = check_serving_options(args, not args.no_offload, "conflicts with --no-offload")
+        if problem:
+            raise ValueError(problem)
         model = resolve_model(args.model)
         adapter = load_adapter(model)
         for item_id, req in items:
@@ -180,6 +188,7 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     from tqdm import tqdm
 
     from service.engine.group import Engine, EngineSpec
+    from service.models.options import offload_options
     from service.router.dispatcher import Dispatcher
     from service.router.policy import DeadlinePolicy
 
@@ -190,6 +199,7 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     spec = EngineSpec(
         model_dir=model, dp_size=args.data_parallel_size, offload=not args.no_offload,
         use_allgather=not args.dlo_no_use_allgather, cpus_per_rank=args.cpus_per_rank,
+        offload_options=offload_options(args, not args.no_offload),
         gpus_per_rank=gpus, strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
     )
     t0 = time.monotonic()
