@@ -205,7 +205,8 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
     sink = ManifestSink(args.out, len(todo), bar)
-    disp = Dispatcher(Engine(spec), sink, scheduler=args.scheduler, max_wait_s=0.0, max_queue=len(todo),
+    engine = Engine(spec)
+    disp = Dispatcher(engine, sink, scheduler=args.scheduler, max_wait_s=0.0, max_queue=len(todo),
                       deadlines=DeadlinePolicy(base_s=args.wave_deadline_base_s))
     for item_id, req in todo:  # all queued before the loop starts (waves: full waves form)
         disp.submit(item_id, req.compat_key(), req)
@@ -215,6 +216,9 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     finally:
         bar.close()
         disp.stop()
+    if engine.mode_choice:
+        print(f"batch: --dlo-mode auto chose {engine.mode_choice['mode']}: {engine.mode_choice['reason']}",
+              flush=True)
     print(f"batch: {len(todo) - sink.failed} completed, {sink.failed} failed in "
           f"{time.monotonic() - t0:.1f} s; manifest {args.out / 'manifest.jsonl'}", flush=True)
     return 1 if sink.failed else 0
