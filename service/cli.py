@@ -1,6 +1,6 @@
 """``dloserve``: the command line.
 
-    dloserve demo-model PATH [--preset tiny|small|wan14b-shape] [--layers N]
+    dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan14b-umt5xxl] [--layers N]
     dloserve generate --prompt TEXT [--model PATH] [--out out.mp4] [DLO flags]
     dloserve serve ...            (delegates to service.api.launch)
 
