@@ -314,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     parts = {"resident": part_resident, "ranklocal": part_ranklocal, "pipeline": part_pipeline}
     for name in args.parts.split(","):
+        if name == "pipeline" and args.pipeline_model is None and args.preset == "wan14b-umt5xxl":
+            args.pipeline_model = args.model  # one model for all parts: its transformer is wan14b-shape's
         if name == "pipeline" and args.pipeline_model is None and args.device == "cuda":
             args.pipeline_model = str(tmp / f"dloserve-bench-wan14b-umt5xxl-L{args.layers}")
             if not (Path(args.pipeline_model) / "model_index.json").is_file():
