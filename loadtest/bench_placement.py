@@ -178,9 +178,14 @@ def _ranklocal_worker(rank: int, world: int, model: str, kind: str, mode: str, t
         w.update(median_ms=med, sha256=digest, stall_ms_per_forward=(st.stall_s - st0.stall_s) / fwd * 1e3,
                  h2d_gb_per_s=(st.h2d_bytes - st0.h2d_bytes) / fwd / (med / 1000) / 1e9)
         out["workloads"][str(n)] = w
+    if group is not None:
+        dist.barrier()  # every rank still maps the files while PSS is read (shared pages split)
     st = h.stats()
+    pss = host_memory()["pss_bytes"]
+    if group is not None:
+        dist.barrier()
     out.update(source=st.rank_local_source, source_reason=st.source_reason, pinned_bytes=st.host_pinned_bytes,
-               registered_bytes=st.host_registered_bytes, pss_bytes=host_memory()["pss_bytes"],
+               registered_bytes=st.host_registered_bytes, pss_bytes=pss,
                checkpoint_bytes=h.ckpt.nbytes, device_peak_bytes=st.device_peak_bytes)
     h.close()
     return out

@@ -7,7 +7,10 @@ registered page cache, or the pack thread) would make compute wait. When compute
 the fill either way, rank-local wins: no lock-step, no gather kernels sharing the GPU.
 That cost is ``lockstep_margin`` (0.03: AllGather DP2 reached 0.96 of ideal and
 rank-local 0.99 at 32,760 tokens, loadtest/results/h200x2-2026-11-30.json). At N=1 both
-fill a whole block over one link; rank-local then wins ties (it pins no private copy).
+fill a whole block over one link; rank-local then wins when its fill is within
+``SAME_LINK`` (5%) of the pinned one, as DMA from the registered page cache is (13.3 vs
+12.9 ms per 703 MB block, and 152.1 vs 153.6 ms per forward, in
+loadtest/results/h200x2-placement-2026-11-30-ranklocal.json): it pins no private copy.
 
 The decision (``choose_mode``) is pure arithmetic on ``ProbeTimings`` so it is tested
 with injected timings; the measuring (``probe``) runs a few real forwards.
@@ -27,6 +30,7 @@ from .comm import all_gather
 from .layerwise import LayerwiseOffload
 
 LOCKSTEP_MARGIN = 0.03
+SAME_LINK = 0.05  # at N=1, fills this close are one PCIe link measured twice
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN) -> Mo
     rl_fill = t.block_bytes / t.ranklocal_bps
     ag = max(t.compute_s, ag_fill) * (1 + (lockstep_margin if t.world > 1 else 0.0))
     rl = max(t.compute_s, rl_fill)
+    if t.world == 1 and rl_fill <= ag_fill * (1 + SAME_LINK):
+        rl = min(rl, ag)  # one rank, both over the same link: no private pinned copy wins
     ms = 1e3
     facts = (f"per block: compute {t.compute_s * ms:.2f} ms, AllGather fill {ag_fill * ms:.2f} ms "
              f"(N={t.world}), rank-local fill {rl_fill * ms:.2f} ms ({t.ranklocal_source})")
@@ -156,10 +162,22 @@ def block_compute_s(blocks: list[torch.nn.Module], forward: Callable[[], None], 
 
 
 def h2d_bps(nbytes: int, device: torch.device) -> float:
-    """Pinned host -> device bytes/s (on CPU: a host memcpy)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    """Pinned host -> device bytes/s (on CPU: a host memcpy).
+
+    Pinned with cudaHostRegister and unpinned after: torch's caching host allocator would
+    keep a power-of-two block (1 GiB for a 703 MB block) pinned for the process's life.
+    """
+    src = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return _rate(nbytes, lambda: dst.copy_(src, non_blocking=True), device)
+    cuda = device.type == "cuda"
+    if cuda and int(torch.cuda.cudart().cudaHostRegister(src.data_ptr(), nbytes, 0)) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed")
+    try:
+        return _rate(nbytes, lambda: dst.copy_(src, non_blocking=True), device)
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.cudart().cudaHostUnregister(src.data_ptr())
 
 
 def gather_bps(nbytes: int, group: dist.ProcessGroup, device: torch.device) -> float:
