@@ -128,6 +128,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         options = offload_options(args, args.enable_distributed_layerwise_offload)
     except ValueError as e:
         return _fail(str(e))
+    from service.models.options import probe_problem
+
+    problem = probe_problem(load_adapter(model), options, args.device)
+    if problem:
+        return _fail(problem)
     options.setdefault("probe_shape", [req.height, req.width, req.num_frames])
     offload = OffloadConfig.from_options(
         args.enable_distributed_layerwise_offload, not args.dlo_no_use_allgather, options, dtype

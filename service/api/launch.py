@@ -211,7 +211,13 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         args.model = resolve_model(args.model)  # the demo is written once, here
-        load_adapter(args.model)
+        from service.models.options import offload_options, probe_problem
+
+        problem = probe_problem(load_adapter(args.model),
+                                offload_options(args, args.enable_distributed_layerwise_offload),
+                                "cpu" if args.gpus_per_rank == 0 else "cuda")
+        if problem:
+            raise ModelError(problem)
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2

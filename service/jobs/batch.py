@@ -158,13 +158,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         items = read_prompts(args.prompts)
-        from service.models.options import check_serving_options
+        from service.models.options import check_serving_options, offload_options
 
         problem = check_serving_options(args, not args.no_offload, "conflicts with --no-offload")
         if problem:
             raise ValueError(problem)
         model = resolve_model(args.model)
         adapter = load_adapter(model)
+        from service.models.options import probe_problem
+
+        problem = probe_problem(adapter, offload_options(args, not args.no_offload),
+                                "cuda" if args.gpus_per_rank != 0 else "cpu")
+        if problem:
+            raise ValueError(problem)
         for item_id, req in items:
             try:
                 adapter.validate(req)

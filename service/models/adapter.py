@@ -42,6 +42,7 @@ class ModelAdapter(ABC):
     extra_args: ClassVar[frozenset[str]] = frozenset()
     # text encoders whose block lists can stream (components option "text_encoder")
     text_encoder_blocks: ClassVar[dict[str, tuple[str, ...]]] = {}
+    can_probe: ClassVar[bool] = False  # has probe_inputs (--dlo-mode auto, a memory budget on CUDA)
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         self.model_dir = model_dir

@@ -81,6 +81,15 @@ def check_serving_options(args: argparse.Namespace, enabled: bool,
     return None
 
 
+def probe_problem(adapter: Any, options: dict[str, Any], device: str) -> str | None:
+    """Why this model cannot run the load-time probe these options need, or None."""
+    needs = options.get("mode") == "auto" or ("device_memory_gb" in options and device == "cuda")
+    if needs and not adapter.can_probe:
+        flag = "--dlo-mode auto" if options.get("mode") == "auto" else "--dlo-device-memory-gb"
+        return f"{flag} needs a load-time probe, which {adapter.family} does not have yet (Wan does)"
+    return None
+
+
 def parse_probe_size(value: str) -> list[int]:
     """``"832x480x81"`` -> [height, width, frames]."""
     m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", value)

@@ -31,6 +31,7 @@ class WanAdapter(ModelAdapter):
     components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     extra_args = frozenset({"max_sequence_length"})
     text_encoder_blocks = {"text_encoder": ("encoder.block",)}  # UMT5
+    can_probe = True
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         super().__init__(model_dir, index)

@@ -67,6 +67,8 @@ class HostBlocks:
             self._shard_all(progress)
             return
         if not device.is_cuda:
+            if pagecache:
+                raise RuntimeError("page-cache DMA was required but the device is not CUDA")
             self.source_reason = "CPU device: the pack thread writes the slot directly"
             return
         if pagecache is not False:

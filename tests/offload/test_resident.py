@@ -104,3 +104,13 @@ def test_budget_is_respected(ckpt: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="device_memory_budget"):
         enable_layerwise_offload(empty_model(depth=DEPTH), ckpt, device="cpu",
                                  placement=Placement(device_memory_budget=base + block))
+
+
+def test_pagecache_required_without_cuda_is_refused(ckpt: str) -> None:
+    with pytest.raises(RuntimeError, match="page-cache DMA was required but the device is not CUDA"):
+        enable_layerwise_offload(empty_model(depth=DEPTH), ckpt, device="cpu", use_allgather=False,
+                                 placement=Placement(pagecache=True))
+    model = empty_model(depth=DEPTH)
+    h = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=False)  # None: packs, says why
+    assert h.stats().rank_local_source == "pack" and "CPU device" in h.stats().source_reason
+    h.close()
