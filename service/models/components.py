@@ -22,22 +22,9 @@ from torch import nn
 from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload
 from service.offload.checkpoint import Checkpoint
 
-COMPONENTS = ("dit", "text_encoder", "vae")
+from .options import COMPONENTS, parse_components
 
-
-def parse_components(value: str | tuple[str, ...] | list[str] | None, flag: str = "--dlo-components"
-                     ) -> tuple[str, ...]:
-    """``"dit,text_encoder,vae"`` -> a checked tuple; ValueError naming ``flag``."""
-    if value is None:
-        return ("dit",)
-    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
-    bad = sorted(set(items) - set(COMPONENTS))
-    if bad or not items:
-        raise ValueError(f"{flag}: unknown component(s) {bad or items}; choose from {list(COMPONENTS)}")
-    if "dit" not in items:
-        raise ValueError(f"{flag}: must include 'dit' (the transformer is what offload streams first)")
-    return tuple(c for c in COMPONENTS if c in items)
-
+__all__ = ["COMPONENTS", "from_pretrained_dtype", "load_streamed_text_encoder", "parse_components"]
 
 def from_pretrained_dtype(cls: type, config: Any, ckpt: Checkpoint) -> tuple[torch.dtype, tuple[str, ...]]:
     """The main dtype and fp32-kept modules ``cls.from_pretrained(folder)`` would use.

@@ -2,7 +2,8 @@
 
 One place adds them and one checks them, so the three CLIs cannot drift; the result is
 a plain dict (it travels in the Serve config and to Ray actors) that
-``OffloadConfig.from_options`` turns back into a config.
+``OffloadConfig.from_options`` turns back into a config. No torch here: the CLIs import
+this to build their parsers.
 """
 
 from __future__ import annotations
@@ -11,9 +12,23 @@ import argparse
 import re
 from typing import Any
 
-from .components import COMPONENTS, parse_components
-
 MODES = ("auto", "allgather", "rank-local")
+COMPONENTS = ("dit", "text_encoder", "vae")
+
+
+def parse_components(value: str | tuple[str, ...] | list[str] | None, flag: str = "--dlo-components"
+                     ) -> tuple[str, ...]:
+    """``"dit,text_encoder,vae"`` -> a checked tuple; ValueError naming ``flag``."""
+    if value is None:
+        return ("dit",)
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    bad = sorted(set(items) - set(COMPONENTS))
+    if bad or not items:
+        raise ValueError(f"{flag}: unknown component(s) {bad or items}; choose from {list(COMPONENTS)}")
+    if "dit" not in items:
+        raise ValueError(f"{flag}: must include 'dit' (the transformer is what offload streams first)")
+    return tuple(c for c in COMPONENTS if c in items)
+
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
