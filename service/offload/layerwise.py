@@ -199,9 +199,9 @@ class LayerwiseOffload:
             else:
                 for e in lay.entries:
                     set_tensor(blk, e.name, placeholder(torch.empty(0, dtype=e.dtype), dev))
+        self._host_hooks = []
         for name in opts.host_modules:
             sub = module.get_submodule(name)
-            self._host_hooks = getattr(self, "_host_hooks", [])
             self._host_hooks.append(sub.register_forward_pre_hook(_to_host))
             self._host_hooks.append(sub.register_forward_hook(_back_to(dev)))
         return placed
@@ -213,7 +213,7 @@ class LayerwiseOffload:
             i: {e.name: placeholder(torch.empty(0, dtype=e.dtype), dev) for e in self.layouts[i].entries}
             for i in self._streamed
         }
-        self._hooks = list(getattr(self, "_host_hooks", []))
+        self._hooks = list(self._host_hooks)
         self._entered = 0  # streamed blocks entered in the module forward now running
         # Around the whole module: a forward that raises midway still makes every gather of
         # a forward, so the other ranks' collectives stay in step (see _finish_forward).
