@@ -206,6 +206,7 @@ def part_ranklocal(args: argparse.Namespace) -> dict:
                 runs[name] = {"world": world, "mode": mode, "error": str(e)[-2000:]}
             print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
+    ref = runs.get("dp1-allgather", {}).get("ranks", [{}])[0].get("workloads", {})
     for name, run in runs.items():
         if "error" in run:
             continue
@@ -218,6 +219,8 @@ def part_ranklocal(args: argparse.Namespace) -> dict:
                          "registered_gb_per_rank": r0["registered_bytes"] / 1e9,
                          "pss_sum_gb": sum(r["pss_bytes"] for r in run["ranks"]) / 1e9,
                          "checkpoint_gb": r0["checkpoint_bytes"] / 1e9,
+                         "bitwise_equal_dp1_allgather": all(  # every rank ran the same input
+                             w["sha256"] == ref.get(str(n), {}).get("sha256") for w in ws),
                          "auto": ws[0].get("auto")})
     picks = []
     for world in (1, 2):
