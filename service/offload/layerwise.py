@@ -60,6 +60,8 @@ class LayerwiseOffload:
         self._plan(find_blocks(module, block_attrs), dtype, tuple(keep_fp32), opts, use_allgather)
         resident = self._place(dev, opts)
         self._streamed = [i for i in range(len(self.layouts)) if i not in self.plan.resident]
+        if opts.free_slots and use_allgather and self.group.world > 1 and self._streamed:
+            raise ValueError("free_slots needs a module whose fills are not collectives")
         self.host = HostBlocks(
             self.ckpt,
             [self.layouts[i] for i in self._streamed],
@@ -73,8 +75,6 @@ class LayerwiseOffload:
         world = self.group.world if use_allgather else 1
         slot_bytes = max((self.layouts[i].padded_bytes(world) for i in self._streamed), default=0)
         self._slot_bytes, self._free_slots = slot_bytes, opts.free_slots
-        if opts.free_slots and self.host.collective:
-            raise ValueError("free_slots needs a module whose fills are not collectives")
         try:
             self.slots = [torch.empty(0 if opts.free_slots else slot_bytes, dtype=torch.uint8, device=dev)
                           for _ in range(2)] if self._streamed else []
