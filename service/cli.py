@@ -1,6 +1,6 @@
 """``dloserve``: the command line.
 
-    dloserve demo-model PATH [--preset tiny|small|wan14b-shape] [--layers N]
+    dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan14b-umt5xxl] [--layers N]
     dloserve generate --prompt TEXT [--model PATH] [--out out.mp4] [DLO flags]
     dloserve serve ...            (delegates to service.api.launch)
 
@@ -64,6 +64,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="rank-local offload: each rank streams whole blocks, no sharding",
     )
+    from service.models.options import add_offload_arguments
+
+    add_offload_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -97,6 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from service.engine.local import generate_local
     from service.models.adapter import load_adapter
     from service.models.demo import ensure_demo_model
+    from service.models.options import offload_options
     from service.models.pipeline import OffloadConfig
     from service.models.request import GenerationRequest
     from service.models.sequence import check_flags
@@ -131,10 +135,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = args.model or str(ensure_demo_model())
     load_adapter(model, sequence_parallel=sp).validate(req)  # bad input: refused before any process
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    offload = OffloadConfig(
-        enabled=args.enable_distributed_layerwise_offload,
-        use_allgather=not args.dlo_no_use_allgather,
-        dtype=dtype,
+    try:
+        options = offload_options(args, args.enable_distributed_layerwise_offload)
+    except ValueError as e:
+        return _fail(str(e))
+    from service.models.options import probe_problem, sequence_parallel_problem
+
+    problem = sequence_parallel_problem(options, sp) or \
+        probe_problem(load_adapter(model), options, args.device)
+    if problem:
+        return _fail(problem)
+    options.setdefault("probe_shape", [req.height, req.width, req.num_frames])
+    offload = OffloadConfig.from_options(
+        args.enable_distributed_layerwise_offload, not args.dlo_no_use_allgather, options, dtype
     )
     t0 = time.perf_counter()
     generate_local(

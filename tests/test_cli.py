@@ -65,6 +65,10 @@ def test_sequence_parallel_refuses_before_any_process(tmp_path: Path, demo_model
     assert not out.exists()
     r = dloserve("generate", "--prompt", "a cat", "--usp", "2", "--data-parallel-size", "2")
     assert r.returncode == 2 and "one SP group" in r.stderr
+    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--usp", "2",
+                 "--enable-distributed-layerwise-offload", "--dlo-resident-layers", "1", "--out", str(out))
+    assert r.returncode == 2 and "--dlo-resident-layers: not yet with --sequence-parallel-size" in r.stderr
+    assert not out.exists()
 
 
 def test_demo_model_command(tmp_path: Path) -> None:

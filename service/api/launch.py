@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stream transformer blocks from host memory (DLO)")
     p.add_argument("--dlo-no-use-allgather", action="store_true",
                    help="rank-local DLO: every rank keeps whole blocks, no AllGather")
+    from service.models.options import add_offload_arguments
+
+    add_offload_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
@@ -86,9 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     from service.api.service import ServiceConfig
+    from service.models.options import offload_options
 
     extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
                              "storage_options": args.storage_options}
+    extra["offload_options"] = offload_options(args, args.enable_distributed_layerwise_offload)
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
@@ -193,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     if err:
         print(f"dloserve serve: {err}", file=sys.stderr)
         return 2
+    from service.models.options import check_serving_options
+
+    problem = check_serving_options(args, args.enable_distributed_layerwise_offload)
+    if problem:
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
     # Signals stop the service from the very first moment, not only once it is ready.
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     _install_handlers()
@@ -219,7 +230,13 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         args.model = resolve_model(args.model)  # the demo is written once, here
-        load_adapter(args.model, args.sequence_parallel_size)
+        from service.models.options import offload_options, probe_problem
+
+        problem = probe_problem(load_adapter(args.model, args.sequence_parallel_size),
+                                offload_options(args, args.enable_distributed_layerwise_offload),
+                                "cpu" if args.gpus_per_rank == 0 else "cuda")
+        if problem:
+            raise ModelError(problem)
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2

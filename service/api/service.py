@@ -51,6 +51,9 @@ class ServiceConfig(BaseModel):
     sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
     offload: bool = True
     use_allgather: bool = True
+    offload_options: dict[str, Any] = Field(
+        default_factory=dict, description="--dlo-mode, resident layers, memory budget, components "
+                                          "(service.models.options)")
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
@@ -84,6 +87,7 @@ class ServiceConfig(BaseModel):
             dp_size=self.dp_size,
             offload=self.offload,
             use_allgather=self.use_allgather,
+            offload_options=self.offload_options,
             cpus_per_rank=self.cpus_per_rank,
             gpus_per_rank=self.gpus_per_rank,
             strategy=self.strategy,

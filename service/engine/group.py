@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -32,7 +32,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from service.engine.metrics import metrics
-from service.engine.worker import DPWorkerActor, WorkerSpec
+from service.engine.worker import DPWorkerActor, ProbeTask, WorkerSpec
 
 log = logging.getLogger("dloserve.engine")
 NAMESPACE = "dloserve"
@@ -56,6 +56,7 @@ class EngineSpec:
     dp_size: int = 1
     offload: bool = True
     use_allgather: bool = True
+    offload_options: dict[str, Any] = field(default_factory=dict, hash=False)  # models.options
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
@@ -149,6 +150,7 @@ class RankGroup:
             device=self.spec.device,
             offload=self.spec.offload,
             use_allgather=self.spec.use_allgather,
+            offload_options=self.spec.offload_options,
             pg_timeout_s=self.spec.pg_timeout_s,
             group_id=self.group_id,
             rank_offset=self.first_bundle,
@@ -334,6 +336,7 @@ class Engine:
     spec: EngineSpec
     pg: PlacementGroup | None = None
     groups: list[RankGroup] = field(default_factory=list)
+    mode_choice: dict[str, Any] | None = None  # --dlo-mode auto: what the probe chose and why
     _own_pg: bool = False
 
     def __post_init__(self) -> None:
@@ -362,6 +365,12 @@ class Engine:
                 g.state, g.last_error = GroupState.FAILED, f"placement failed: {_short(e)}"
             self._drop_pg()
             raise RuntimeError(f"placement failed: {_short(e)}") from e
+        try:
+            self._resolve_mode()
+        except Exception as e:  # noqa: BLE001
+            for g in self.groups:
+                g.state, g.last_error = GroupState.FAILED, f"--dlo-mode auto probe failed: {_short(e)}"
+            raise RuntimeError(f"--dlo-mode auto probe failed: {_short(e)}") from e
         errors: list[str] = []
 
         def one(g: RankGroup) -> None:
@@ -377,6 +386,25 @@ class Engine:
             t.join()
         if len(errors) == len(self.groups):
             raise RuntimeError(errors[0])
+
+    def _resolve_mode(self) -> None:
+        """``--dlo-mode auto``: probe on bundle 0, then lay the groups out for the chosen mode
+        (one AllGather group of N, or N rank-local ranks that each serve their own queue)."""
+        opts = self.spec.offload_options
+        if not self.spec.offload or opts.get("mode") != "auto" or self.mode_choice is not None:
+            return
+        strat = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
+        ref = ProbeTask.options(num_cpus=self.spec.cpus_per_rank, num_gpus=self.spec.gpus_per_rank,
+                                scheduling_strategy=strat).remote(
+            self.spec.model_dir, self.spec.device, self.spec.dp_size, opts)
+        choice = ray.get(ref, timeout=self.spec.setup_timeout_s)
+        log.info("--dlo-mode auto chose %s: %s", choice["mode"], choice["reason"])
+        self.mode_choice = choice
+        self.spec = replace(self.spec, use_allgather=choice["mode"] == "allgather",
+                            offload_options={**opts, "mode": choice["mode"]})
+        self.groups = [RankGroup(self.spec, first, size) for first, size in self.spec.group_layout()]
+        for g in self.groups:
+            g.pg = self.pg
 
     def close(self) -> None:
         for g in self.groups:
@@ -409,6 +437,9 @@ class Engine:
             "rebuilds": sum(g.rebuilds for g in self.groups),
             "last_error": errors[0] if errors else None,
             "namespace": NAMESPACE,
+            "offload_mode": self.mode_choice or {
+                "mode": ("allgather" if self.spec.use_allgather else "rank_local") if self.spec.offload
+                else "resident", "reason": "set by flags"},
             "workers": [w for g in self.groups for w in g.status()["workers"]],
         }
 

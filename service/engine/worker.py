@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +28,7 @@ class WorkerSpec:
     device: str = "cpu"  # "cpu" or "cuda"
     offload: bool = True
     use_allgather: bool = True
+    offload_options: dict[str, Any] = field(default_factory=dict, hash=False)  # models.options
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear the group down first
     group_id: str = "g0"
     rank_offset: int = 0  # this group's first rank among the replica's ranks (metrics tags)
@@ -86,7 +87,8 @@ class DPWorker:
             )
             self.pg = dist.group.WORLD
             control = dist.new_group(backend="gloo")
-        offload = OffloadConfig(enabled=self.spec.offload, use_allgather=self.spec.use_allgather)
+        offload = OffloadConfig.from_options(self.spec.offload, self.spec.use_allgather,
+                                             self.spec.offload_options)
         self.runner = PipelineRunner.load(
             self.spec.model_dir, device=device, offload=offload,
             group=self.pg if self.spec.offload else None, sequence_parallel=self.spec.sp_size,
@@ -182,3 +184,31 @@ class DPWorker:
 
 
 DPWorkerActor = ray.remote(max_concurrency=4)(DPWorker)
+
+
+def probe_mode(model_dir: str, device: str, world: int, options: dict[str, Any]) -> dict[str, Any]:
+    """``--dlo-mode auto`` before the groups form: probe on one rank's resources, choose for N.
+
+    One rank cannot time an AllGather, so the choice counts the gather as free (it runs
+    on a side stream; 1.4 ms of a 703 MB block on NVLink) and says so in its reason.
+    """
+    from dataclasses import replace
+
+    import torch
+
+    from service.models.adapter import load_adapter
+    from service.models.pipeline import OffloadConfig, probe_transformer
+    from service.offload.auto import choose_mode
+
+    if device == "cuda":
+        torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this bundle's GPU
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    cfg = OffloadConfig.from_options(True, True, options)
+    timings = replace(probe_transformer(load_adapter(model_dir), dev, cfg, None), world=world)
+    choice = choose_mode(timings).as_dict()
+    if world > 1:
+        choice["reason"] += "; AllGather time not measured before the group forms (taken as free)"
+    return choice
+
+
+ProbeTask = ray.remote(max_retries=0)(probe_mode)

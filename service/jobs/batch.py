@@ -167,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
                    help="DP groups (each its own placement group; on a cluster, a node each)")
     p.add_argument("--no-offload", action="store_true", help="resident transformer on every rank")
     p.add_argument("--dlo-no-use-allgather", action="store_true")
+    from service.models.options import add_offload_arguments
+
+    add_offload_arguments(p)
     p.add_argument("--cpus-per-rank", type=float, default=1.0)
     p.add_argument("--gpus-per-rank", type=float, default=None, help="default: 1 if GPUs exist")
     p.add_argument("--placement-strategy", default="STRICT_PACK")
@@ -205,13 +208,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         items = read_prompts(args.prompts)
+        from service.models.options import check_serving_options, offload_options, probe_problem
         from service.models.sequence import check_flags
 
-        err = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather)
-        if err:
-            raise ValueError(err)
+        problem = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather) or \
+            check_serving_options(args, not args.no_offload, "conflicts with --no-offload")
+        if problem:
+            raise ValueError(problem)
         model = resolve_model(args.model)
         adapter = load_adapter(model, args.sequence_parallel_size)
+        problem = probe_problem(adapter, offload_options(args, not args.no_offload),
+                                "cuda" if args.gpus_per_rank != 0 else "cpu")
+        if problem:
+            raise ValueError(problem)
         for item_id, req in items:
             try:
                 adapter.validate(req)
@@ -238,6 +247,7 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     from tqdm import tqdm
 
     from service.engine.group import Engine, EngineSpec
+    from service.models.options import offload_options
     from service.router.dispatcher import Dispatcher
     from service.router.policy import DeadlinePolicy
 
@@ -248,6 +258,7 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
     spec = EngineSpec(
         model_dir=model, dp_size=args.data_parallel_size, offload=not args.no_offload,
         use_allgather=not args.dlo_no_use_allgather, cpus_per_rank=args.cpus_per_rank,
+        offload_options=offload_options(args, not args.no_offload),
         gpus_per_rank=gpus, strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
         sp_size=args.sequence_parallel_size,
     )
@@ -270,6 +281,10 @@ def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationR
         bar.close()
         for d in groups:
             d.stop()
+    for d in groups:
+        if d.engine.mode_choice:
+            choice = d.engine.mode_choice
+            print(f"batch: --dlo-mode auto chose {choice['mode']}: {choice['reason']}", flush=True)
     print(f"batch: {len(todo) - sink.failed} completed, {sink.failed} failed in "
           f"{time.monotonic() - t0:.1f} s; manifest {args.out / 'manifest.jsonl'}", flush=True)
     return 1 if sink.failed else 0

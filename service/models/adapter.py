@@ -41,10 +41,15 @@ class ModelAdapter(ABC):
     components: ClassVar[tuple[str, ...]]  # folders that must exist next to model_index.json
     extra_args: ClassVar[frozenset[str]] = frozenset()
     sequence_parallel: int = 1  # ranks one request's tokens are split across (SP group size)
+    # text encoders whose block lists can stream (components option "text_encoder")
+    text_encoder_blocks: ClassVar[dict[str, tuple[str, ...]]] = {}
+    can_probe: ClassVar[bool] = False  # has probe_inputs (--dlo-mode auto, a memory budget on CUDA)
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         self.model_dir = model_dir
         self.index = index
+        self.streamed: dict[str, Any] = {}  # component -> LayerwiseOffload handle
+        self.staged: dict[str, Any] = {}  # component -> StagedModule
         for name in self.components:
             folder = model_dir / name
             if not folder.is_dir():
@@ -112,8 +117,54 @@ class ModelAdapter(ABC):
         return req.forwards()
 
     @abstractmethod
-    def load_components(self, device: torch.device) -> None:
-        """Load everything but the transformer, resident on ``device``."""
+    def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
+        """Load everything but the transformer: resident on ``device``, or streamed/staged
+        where ``components`` says so (see ``load_part``)."""
+
+    def load_part(self, name: str, device: torch.device, components: tuple[str, ...]) -> Any:
+        """One model component: streamed (a text encoder), staged (the VAE) or resident."""
+        from .components import load_streamed_text_encoder
+
+        if name in self.text_encoder_blocks and "text_encoder" in components:
+            module, handle = load_streamed_text_encoder(
+                self.component_class(name), self.model_dir / name, device, self.text_encoder_blocks[name])
+            self.streamed[name] = handle
+            return module
+        if name == "vae" and "vae" in components:
+            from service.offload.staged import StagedModule
+
+            vae = self.load_component(name).eval()
+            self.staged[name] = StagedModule(vae, device)
+            return vae
+        return self.load_component(name, device)
+
+    def step_callback(self, on_step: StepCallback | None, steps: int) -> StepCallback:
+        """``on_step`` plus staging: staged modules go to the device after the last step."""
+
+        def callback(done: int, total: int) -> None:
+            if done == steps:
+                for s in self.staged.values():
+                    s.stage_in()
+            if on_step is not None:
+                on_step(done, total)
+
+        return callback
+
+    def unstage(self) -> None:
+        """After a request (also one that failed): staged modules back to host memory."""
+        for s in self.staged.values():
+            s.stage_out()
+
+    def component_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {n: h.stats(sync=False).as_dict() for n, h in self.streamed.items()}
+        out.update({n: {"staged_bytes": s.nbytes} for n, s in self.staged.items()})
+        return out
+
+    def probe_inputs(self, transformer: nn.Module, height: int, width: int, frames: int,
+                     device: torch.device) -> dict[str, Any]:
+        """Keyword inputs of one transformer forward at this size, for the load-time probe."""
+        raise NotImplementedError(f"{self.family}: no probe inputs (--dlo-mode auto and "
+                                  "--dlo-device-memory-gb on CUDA need them)")
 
     @abstractmethod
     def run(
@@ -121,8 +172,12 @@ class ModelAdapter(ABC):
     ) -> np.ndarray:
         """Run one request end to end; uint8 frames [T, H, W, 3]."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most adapters hold nothing else
-        """Drop the resident components."""
+    def close(self) -> None:
+        """Drop the components (and free what their offload handles hold)."""
+        for h in self.streamed.values():
+            h.close()
+        self.streamed.clear()
+        self.staged.clear()
 
     # -- helpers -----------------------------------------------------------------------
 

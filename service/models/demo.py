@@ -9,7 +9,10 @@ flow-matching config. ``tiny``/``small`` are saved by ``WanPipeline.save_pretrai
 ``wan14b-shape`` has the real Wan2.1-14B transformer (dim 5120 = 40 x 128, ffn 13824,
 text_dim 4096) with ``layers`` blocks in bf16 (``_keep_in_fp32_modules`` in fp32): 703 MB
 per block, so it is written block by block as a sharded checkpoint with an index, never
-holding more than one block in memory.
+holding more than one block in memory. ``wan14b-umt5xxl`` adds the real UMT5-XXL text
+encoder shapes of Wan2.1 (24 layers, d_model 4096, d_ff 10240, 64 heads, vocabulary
+256,384: 11.4 GB in bf16), written the same way, so the text encoder's device memory can
+be measured beside the transformer.
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GPU benchmarks: Wan2.1-14B block shapes, other components small.
     "wan14b-shape": dict(heads=40, head_dim=128, ffn=13824, text_dim=4096, freq_dim=256, layers=12,
                          vae_base=16, te_layers=1, dtype=torch.bfloat16),
+    "wan14b-umt5xxl": dict(heads=40, head_dim=128, ffn=13824, text_dim=4096, freq_dim=256, layers=12,
+                           vae_base=16, te_layers=1, dtype=torch.bfloat16, umt5xxl=True),
 }
+# Wan2.1's text encoder (google/umt5-xxl's encoder), as its diffusers config gives it.
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True)
 FORMAT_VERSION = 1
 WORDS = ("a the of and in on with red blue green fox cat dog bird running flying snow sea "
          "forest city night sky light slow motion close up camera video of").split()
@@ -86,8 +95,12 @@ def _small_parts(p: dict[str, Any], vocab_size: int) -> dict[str, Any]:
 
 
 def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int | None = None,
-                     seed: int = 0, progress: bool = False) -> Path:
-    """Write a complete Wan T2V pipeline directory at ``path`` (new or empty folder)."""
+                     seed: int = 0, progress: bool = False, init_device: str = "cpu") -> Path:
+    """Write a complete Wan T2V pipeline directory at ``path`` (new or empty folder).
+
+    ``init_device`` draws the streamed (bf16) presets' random weights there ("cuda" for
+    benchmarks: same distribution, other numbers than a CPU draw).
+    """
     from diffusers import WanPipeline, WanTransformer3DModel
 
     if preset not in PRESETS:
@@ -112,12 +125,14 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
         pipe.save_pretrained(out)
     if streamed:
         _write_streamed_transformer(
-            out / "transformer", _transformer_config(p, n_layers), p["dtype"], seed, progress
+            out / "transformer", _transformer_config(p, n_layers), p["dtype"], seed, progress, init_device
         )
         index_file = out / "model_index.json"
         index = json.loads(index_file.read_text())
         index["transformer"] = ["diffusers", "WanTransformer3DModel"]
         index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    if p.get("umt5xxl"):
+        _write_streamed_text_encoder(out / "text_encoder", p["dtype"], seed, progress, init_device)
     (out / "dloserve_demo.json").write_text(json.dumps(
         {"preset": preset, "layers": n_layers, "seed": seed, "format": FORMAT_VERSION}, indent=2) + "\n")
     return out
@@ -125,20 +140,21 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
 
 def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Seeded values in a sane range: fan-in scaled weights, unit norms, zero biases."""
+    dev = gen.device  # a CUDA generator writes a 14B-shaped model many times faster
     if name.endswith("scale_shift_table"):
-        return (torch.randn(shape, generator=gen) / shape[-1] ** 0.5).to(dtype)
+        return (torch.randn(shape, generator=gen, device=dev) / shape[-1] ** 0.5).to("cpu", dtype)
     if len(shape) >= 2:
         fan_in = 1
         for s in shape[1:]:
             fan_in *= s
-        return (torch.randn(shape, generator=gen) / fan_in**0.5).to(dtype)
+        return (torch.randn(shape, generator=gen, device=dev) / fan_in**0.5).to("cpu", dtype)
     if name.endswith("bias"):
         return torch.zeros(shape, dtype=dtype)
     return torch.ones(shape, dtype=dtype)
 
 
 def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: torch.dtype,
-                                seed: int, progress: bool = False) -> None:
+                                seed: int, progress: bool = False, init_device: str = "cpu") -> None:
     """Save config + sharded safetensors one block at a time (diffusers' sharded layout)."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
@@ -155,7 +171,7 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
     for name, t in meta.state_dict().items():
         group = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "_rest"
         groups.setdefault(group, []).append((name, tuple(t.shape)))
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(init_device).manual_seed(seed)
     order = ["_rest"] + [g for g in groups if g != "_rest"]
     # Pack consecutive groups into shards of about SHARD_BYTES.
     shards: list[list[str]] = [[]]
@@ -183,6 +199,41 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_streamed_text_encoder(folder: Path, dtype: torch.dtype, seed: int, progress: bool,
+                                 init_device: str = "cpu") -> None:
+    """Replace ``folder`` with a UMT5-XXL-shaped encoder, one block per shard (bf16)."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    shutil.rmtree(folder)
+    folder.mkdir()
+    config = UMT5Config(**UMT5_XXL, dtype=dtype)
+    config.save_pretrained(folder)
+    with init_empty_weights():
+        meta = UMT5EncoderModel(config)
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, t in meta.state_dict().items():
+        if name == "encoder.embed_tokens.weight":
+            continue  # tied to shared.weight, stored once (as save_pretrained does)
+        group = ".".join(name.split(".")[:3]) if name.startswith("encoder.block.") else "_rest"
+        groups.setdefault(group, []).append((name, tuple(t.shape)))
+    gen = torch.Generator(init_device).manual_seed(seed + 1)
+    weight_map: dict[str, str] = {}
+    total = 0
+    names = list(groups)
+    for i, g in enumerate(tqdm(names, desc="writing text encoder shards", disable=not progress)):
+        fname = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        tensors = {n: _init(n, s, dtype, gen) for n, s in groups[g]}
+        for n, t in tensors.items():
+            weight_map[n] = fname
+            total += t.numel() * t.element_size()
+        save_file(tensors, folder / fname, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -31,6 +31,7 @@ class FluxAdapter(ModelAdapter):
         "transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler"
     )
     extra_args = frozenset({"max_sequence_length"})
+    text_encoder_blocks = {"text_encoder_2": ("encoder.block",)}  # T5-XXL; CLIP stays resident
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         super().__init__(model_dir, index)
@@ -61,9 +62,10 @@ class FluxAdapter(ModelAdapter):
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= 512:
             raise RequestError("extra.max_sequence_length", f"must be an integer in [1, 512], got {msl!r}")
 
-    def load_components(self, device: torch.device) -> None:
+    def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         self._parts = {
-            name: self.load_component(name, device if name.startswith(("text_encoder", "vae")) else None)
+            name: self.load_part(name, device, components) if name.startswith(("text_encoder", "vae"))
+            else self.load_component(name)
             for name in ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "vae", "scheduler")
         }
 
@@ -77,23 +79,28 @@ class FluxAdapter(ModelAdapter):
         pipe = FluxPipeline(transformer=transformer, scheduler=type(base).from_config(base.config), **parts)
         pipe.set_progress_bar_config(disable=True)
 
+        step = self.step_callback(on_step, req.num_inference_steps)
+
         def callback(_pipe: Any, i: int, _t: Any, _kwargs: dict) -> dict:
-            if on_step is not None:
-                on_step(i + 1, req.num_inference_steps)
+            step(i + 1, req.num_inference_steps)
             return {}
 
-        out = pipe(
-            prompt=req.prompt,
-            height=req.height,
-            width=req.width,
-            num_inference_steps=req.num_inference_steps,
-            guidance_scale=req.guidance_scale,
-            generator=torch.Generator("cpu").manual_seed(req.seed),
-            output_type="pt",
-            callback_on_step_end=callback,
-            max_sequence_length=req.extra.get("max_sequence_length", 512),
-        )
-        return frames_to_uint8(out.images)  # [1, C, H, W] -> uint8 [1, H, W, 3]: one frame
+        try:
+            out = pipe(
+                prompt=req.prompt,
+                height=req.height,
+                width=req.width,
+                num_inference_steps=req.num_inference_steps,
+                guidance_scale=req.guidance_scale,
+                generator=torch.Generator("cpu").manual_seed(req.seed),
+                output_type="pt",
+                callback_on_step_end=callback,
+                max_sequence_length=req.extra.get("max_sequence_length", 512),
+            )
+            return frames_to_uint8(out.images)  # [1, C, H, W] -> uint8 [1, H, W, 3]: one frame
+        finally:
+            self.unstage()
 
     def close(self) -> None:
+        super().close()
         self._parts.clear()

@@ -31,6 +31,8 @@ class WanAdapter(ModelAdapter):
     block_attrs = ("blocks",)
     components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     extra_args = frozenset({"max_sequence_length"})
+    text_encoder_blocks = {"text_encoder": ("encoder.block",)}  # UMT5
+    can_probe = True
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         super().__init__(model_dir, index)
@@ -80,12 +82,29 @@ class WanAdapter(ModelAdapter):
             if why:
                 raise RequestError("num_frames", why)
 
-    def load_components(self, device: torch.device) -> None:
+    def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         self._parts = {
             "tokenizer": self.load_component("tokenizer"),
-            "text_encoder": self.load_component("text_encoder", device),
-            "vae": self.load_component("vae", device),
+            "text_encoder": self.load_part("text_encoder", device, components),
+            "vae": self.load_part("vae", device, components),
             "scheduler": self.load_component("scheduler"),
+        }
+
+    def probe_inputs(self, transformer: nn.Module, height: int, width: int, frames: int,
+                     device: torch.device) -> dict[str, Any]:
+        """Transformer inputs of one forward at this size (random: only the shapes matter)."""
+        cfg = self.transformer_config
+        dtype = transformer.patch_embedding.weight.dtype
+        spatial = self.multiple[0] // int(cfg.get("patch_size", [1, 2, 2])[1])
+        g = torch.Generator().manual_seed(0)
+        lat = (1, int(cfg.get("in_channels", 16)), (frames - 1) // self.temporal + 1,
+               height // spatial, width // spatial)
+        text = (1, DEFAULT_MAX_SEQUENCE_LENGTH, int(cfg.get("text_dim", 4096)))
+        return {
+            "hidden_states": torch.randn(lat, generator=g).to(device, dtype),
+            "timestep": torch.tensor([500], device=device),
+            "encoder_hidden_states": torch.randn(text, generator=g).to(device, dtype),
+            "return_dict": False,
         }
 
     def _scheduler(self, req: GenerationRequest) -> Any:
@@ -110,30 +129,34 @@ class WanAdapter(ModelAdapter):
         })
         pipe.set_progress_bar_config(disable=True)
         steps = req.num_inference_steps
+        step = self.step_callback(on_step, steps)
 
         def callback(_pipe: Any, i: int, _t: Any, _kwargs: dict) -> dict:
-            if on_step is not None:
-                on_step(i + 1, steps)
+            step(i + 1, steps)
             return {}
 
         # Latents from a CPU generator: the same numbers on every rank and device.
         generator = torch.Generator("cpu").manual_seed(req.seed)
-        out = pipe(
-            prompt=req.prompt,
-            negative_prompt=req.negative_prompt,
-            height=req.height,
-            width=req.width,
-            num_frames=req.num_frames,
-            num_inference_steps=steps,
-            guidance_scale=req.guidance_scale,
-            generator=generator,
-            output_type="pt",  # stays on the device: uint8 there, 4x fewer bytes to copy
-            callback_on_step_end=callback,
-            max_sequence_length=req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
-        )
-        return frames_to_uint8(out.frames[0])  # [T, C, H, W] -> uint8 [T, H, W, 3]
+        try:
+            out = pipe(
+                prompt=req.prompt,
+                negative_prompt=req.negative_prompt,
+                height=req.height,
+                width=req.width,
+                num_frames=req.num_frames,
+                num_inference_steps=steps,
+                guidance_scale=req.guidance_scale,
+                generator=generator,
+                output_type="pt",  # stays on the device: uint8 there, 4x fewer bytes to copy
+                callback_on_step_end=callback,
+                max_sequence_length=req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
+            )
+            return frames_to_uint8(out.frames[0])  # [T, C, H, W] -> uint8 [T, H, W, 3]
+        finally:
+            self.unstage()
 
     def close(self) -> None:
+        super().close()
         self._parts.clear()
 
 

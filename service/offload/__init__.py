@@ -5,7 +5,14 @@
 """
 
 from .checkpoint import Checkpoint, CheckpointError
-from .layerwise import LayerwiseOffload, OffloadStats, enable_layerwise_offload, find_blocks, load_resident
+from .layerwise import (
+    LayerwiseOffload,
+    OffloadStats,
+    Placement,
+    enable_layerwise_offload,
+    find_blocks,
+    load_resident,
+)
 from .layout import ALIGN, BlockLayout, TensorEntry, plan_block
 
 __all__ = [
@@ -15,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "LayerwiseOffload",
     "OffloadStats",
+    "Placement",
     "TensorEntry",
     "enable_layerwise_offload",
     "find_blocks",

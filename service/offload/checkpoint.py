@@ -201,6 +201,16 @@ class Checkpoint:
         rec = self.records[key]
         return self._files[rec.file].view(rec)
 
+    def raw(self, key: str) -> torch.Tensor:
+        """The tensor's bytes in the mapping (uint8, zero-copy, read-only, any alignment)."""
+        rec = self.records[key]
+        return self._files[rec.file].bytes[rec.begin : rec.end]
+
+    def mapped_bytes(self, keys: Iterable[str]) -> list[torch.Tensor]:
+        """The whole mapping (uint8) of every file holding one of ``keys``: what DMA registers."""
+        files = sorted({self.records[k].file for k in keys})
+        return [self._files[f].bytes for f in files if self._files[f].bytes.numel()]
+
     def release(self, keys: Iterable[str]) -> None:
         """Unmap the pages behind ``keys`` from this process (they stay in page cache)."""
         for key in keys:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA >= 11.1)
+
 # torch 2.13 renamed all_gather_into_tensor; the GPU image still has 2.11.
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -92,6 +94,20 @@ class Device:
                 raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes failed ({rc})")
         return t
 
+    def register_readonly(self, t: torch.Tensor) -> str | None:
+        """Register a read-only file mapping for DMA (the copy engine reads the page cache).
+
+        None on success, else why not (no CUDA, or the driver refused: an old kernel or
+        driver without cudaHostRegisterReadOnly support, a locked-memory limit, ...).
+        """
+        if not self.is_cuda:
+            return "not a CUDA device"
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), HOST_REGISTER_READ_ONLY)
+        if int(rc) != 0:
+            _clear_last_cuda_error()  # or a later kernel-launch check reports this one
+            return f"cudaHostRegister(read-only) of {t.numel()} bytes failed: {rc}"
+        return None
+
     def unpin(self, t: torch.Tensor) -> None:
         if self.is_cuda and t.numel():
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
@@ -129,6 +145,17 @@ class Device:
         assert work is not None
         work.get_future().add_done_callback(lambda _: self._add_gather(time.perf_counter() - t0))
         return Pending(block, slot, work.wait)
+
+    def copy_in(self, block: int, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Pending:
+        """Fill a slot by DMA from registered host memory, one copy per (dst, src) pair (CUDA)."""
+        side = self._side
+        assert side is not None
+        with torch.cuda.stream(side):
+            side.wait_event(self._free[slot])
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            self._ready[slot].record(side)
+        return Pending(block, slot, self._cuda_wait(slot, block))
 
     def _add_gather(self, seconds: float) -> None:
         with self._lock:
@@ -215,6 +242,19 @@ class Device:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _clear_last_cuda_error() -> None:
+    """``cudaGetLastError`` of the CUDA runtime torch loaded (torch does not expose it)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 def _fold(

@@ -7,115 +7,34 @@ placeholders that a forward pre-hook points at a device slot for the block's for
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, serving_dtype
+from .checkpoint import Checkpoint, serving_dtype
 from .comm import Device, Group
 from .layout import BlockLayout, plan_block
+from .modules import _back_to, _expected, _place_non_persistent, _to_host, find_blocks, load_resident
+from .options import OffloadStats, Placement
+from .plan import plan_resident
 from .runtime import HostBlocks, Ring, placeholder, set_tensor
 
-
-@dataclass
-class OffloadStats:
-    """Counters of one offloaded module (per rank). Times in seconds, sizes in bytes."""
-
-    mode: str
-    rank: int
-    world_size: int
-    blocks: int
-    forwards: int = 0
-    idle_forwards: int = 0
-    stall_s: float = 0.0  # time compute waited for weights, all forwards (CUDA: from events)
-    last_forward_stall_s: float = 0.0  # CPU only; on CUDA events finish after the forward
-    h2d_bytes: int = 0
-    last_forward_h2d_bytes: int = 0
-    gathered_bytes: int = 0
-    last_forward_gathered_bytes: int = 0
-    gather_s: float = 0.0  # time inside AllGathers (on a side stream/thread: overlaps compute)
-    host_shard_bytes: int = 0
-    host_pinned_bytes: int = 0
-    device_slot_bytes: int = 0
-    device_resident_bytes: int = 0
-    device_peak_bytes: int = 0
-    largest_block_bytes: int = 0
-    block_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def find_blocks(module: nn.Module, block_attrs: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
-    """The blocks to stream, in run order, as (state_dict prefix, module)."""
-    if block_attrs:
-        lists = []
-        for attr in block_attrs:
-            try:
-                ml = module.get_submodule(attr)
-            except AttributeError as e:
-                raise ValueError(f"block_attrs: module has no submodule {attr!r}") from e
-            if not isinstance(ml, nn.ModuleList):
-                raise ValueError(f"block_attrs: {attr!r} is {type(ml).__name__}, not a ModuleList")
-            lists.append((attr, ml))
-    else:
-        candidates = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and n]
-        if not candidates:
-            raise ValueError("module has no ModuleList of blocks; pass block_attrs")
-
-        def size(m: nn.Module) -> int:
-            return sum(p.numel() for p in m.parameters())
-
-        lists = [max(candidates, key=lambda nm: size(nm[1]))]
-    return [(f"{attr}.{i}.", blk) for attr, ml in lists for i, blk in enumerate(ml)]
-
-
-def _expected(module: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict(keep_vars=True).items()}
-
-
-def _place_non_persistent(module: nn.Module, dev: torch.device, persistent: Iterable[str]) -> None:
-    keep = set(persistent)
-    for name, buf in list(module.named_buffers()):
-        if name in keep or buf is None:
-            continue
-        if buf.is_meta:
-            raise CheckpointError(
-                f"buffer {name!r} is not saved in checkpoints and is still on the meta device: "
-                "build the module with accelerate.init_empty_weights() so buffers stay real"
-            )
-        set_tensor(module, name, buf.to(dev))
-
-
-def load_resident(
-    module: nn.Module,
-    checkpoint: str | os.PathLike,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    keep_fp32: Iterable[str] = (),
-) -> nn.Module:
-    """Load the whole checkpoint onto ``device`` (the fully resident reference).
-
-    On CPU in the checkpoint's dtype the tensors stay zero-copy mmap views.
-    """
-    dev = torch.device(device)
-    ckpt = Checkpoint(checkpoint)
-    expected = _expected(module)
-    ckpt.validate(expected)
-    keep = tuple(keep_fp32)
-    for key, rec in ckpt.records.items():
-        set_tensor(module, key, ckpt.view(key).to(dev, serving_dtype(key, rec.dtype, dtype, keep)))
-    _place_non_persistent(module, dev, expected)
-    return module
+__all__ = ["LayerwiseOffload", "OffloadStats", "Placement", "enable_layerwise_offload", "find_blocks",
+           "load_resident"]
 
 
 class LayerwiseOffload:
-    """What ``enable_layerwise_offload`` returns: idle replay, stats, close."""
+    """What ``enable_layerwise_offload`` returns: idle replay, stats, close.
+
+    Set-up runs in named phases: plan (layouts, resident set), place (device-resident
+    tensors, host-kept modules, placeholders), host (shards or page cache, slots), hooks.
+    """
 
     def __init__(
         self,
@@ -128,98 +47,188 @@ class LayerwiseOffload:
         dtype: torch.dtype | None,
         keep_fp32: Iterable[str],
         progress: Callable[[int, int], None] | None,
+        options: Placement | None = None,
     ) -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        opts = options or Placement()
         self.module = module
         self.group = Group.of(group)
         self.device = Device(dev, self.group)
-        blocks = find_blocks(module, block_attrs)
         self.ckpt = Checkpoint(checkpoint)
-        expected = _expected(module)
-        self.ckpt.validate(expected)
-        keep = tuple(keep_fp32)
-
-        def dtype_of(key: str) -> torch.dtype:
-            return serving_dtype(key, self.ckpt.records[key].dtype, dtype, keep)
-
-        # Blocks: plan one flat layout each (same on every rank: state_dict order).
-        layouts: list[BlockLayout] = []
-        block_keys: list[dict[str, str]] = []
-        in_block: set[str] = set()
-        for i, (prefix, _) in enumerate(blocks):
-            keys = {k[len(prefix) :]: k for k in expected if k.startswith(prefix)}
-            if not keys:
-                raise ValueError(f"block {prefix!r} has no parameters to offload")
-            layouts.append(
-                plan_block(i, prefix, ((n, dtype_of(k), self.ckpt.records[k].shape) for n, k in keys.items()))
-            )
-            block_keys.append(keys)
-            in_block.update(keys.values())
-        self.layouts = layouts
-
-        # Non-block tensors: resident on the device.
-        resident = 0
-        for key in expected:
-            if key not in in_block:
-                t = self.ckpt.view(key).to(dev, dtype_of(key))
-                set_tensor(module, key, t)
-                resident += t.numel() * t.element_size()
-        _place_non_persistent(module, dev, expected)
-        for key in in_block:
-            set_tensor(module, key, placeholder(torch.empty(0, dtype=dtype_of(key)), dev))
-
+        self._plan(find_blocks(module, block_attrs), dtype, tuple(keep_fp32), opts, use_allgather)
+        resident = self._place(dev, opts)
+        self._streamed = [i for i in range(len(self.layouts)) if i not in self.plan.resident]
+        if opts.free_slots and use_allgather and self.group.world > 1 and self._streamed:
+            raise ValueError("free_slots needs a module whose fills are not collectives")
         self.host = HostBlocks(
-            self.ckpt, layouts, block_keys, self.group, self.device, use_allgather, progress
+            self.ckpt,
+            [self.layouts[i] for i in self._streamed],
+            [self._block_keys[i] for i in self._streamed],
+            self.group,
+            self.device,
+            use_allgather,
+            progress,
+            pagecache=opts.pagecache,
         )
         world = self.group.world if use_allgather else 1
-        slot_bytes = max(lay.padded_bytes(world) for lay in layouts)
+        slot_bytes = max((self.layouts[i].padded_bytes(world) for i in self._streamed), default=0)
+        self._slot_bytes, self._free_slots = slot_bytes, opts.free_slots
         try:
-            self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=dev) for _ in range(2)]
+            self.slots = [torch.empty(0 if opts.free_slots else slot_bytes, dtype=torch.uint8, device=dev)
+                          for _ in range(2)] if self._streamed else []
         except BaseException:  # e.g. device OOM: do not leave the host arena pinned
             self.host.close()
             self.device.close()
             raise
         self.ring = Ring(self.host, self.device, self.slots, self._count_fill)
-        self._blocks = [blk for _, blk in blocks]
-        self._placeholders = [
-            {e.name: placeholder(torch.empty(0, dtype=e.dtype), dev) for e in lay.entries}
-            for lay in layouts
-        ]
-        self._hooks = []
-        self._entered = 0  # blocks entered in the module forward now running
-        # Around the whole module: a forward that raises midway still makes every gather of
-        # a forward, so the other ranks' collectives stay in step (see _finish_forward).
-        self._hooks.append(module.register_forward_pre_hook(self._begin_forward))
-        self._hooks.append(module.register_forward_hook(self._finish_forward, always_call=True))
-        for i, blk in enumerate(self._blocks):
-            self._hooks.append(blk.register_forward_pre_hook(self._pre_hook(i)))
-            # always_call: a block that raises still gives its slot back
-            self._hooks.append(blk.register_forward_hook(self._post_hook(i), always_call=True))
-
+        self._register_hooks()
         by_dtype: dict[str, int] = {}
-        for lay in layouts:
+        for lay in self.layouts:
             for dt, n in lay.dtype_bytes.items():
                 by_dtype[str(dt)] = max(by_dtype.get(str(dt), 0), n)
         self._stats = OffloadStats(
             mode="allgather" if use_allgather else "rank_local",
             rank=self.group.rank,
             world_size=self.group.world,
-            blocks=len(layouts),
+            blocks=len(self.layouts),
+            resident_blocks=len(self.plan.resident),
+            rank_local_source=self.host.source,
+            source_reason=self.host.source_reason,
             host_shard_bytes=self.host.shard_bytes,
             host_pinned_bytes=self.host.pinned_bytes,
-            device_slot_bytes=2 * slot_bytes,
+            host_registered_bytes=self.host.registered_bytes,
+            device_slot_bytes=2 * slot_bytes if self._streamed else 0,
             device_resident_bytes=resident,
-            largest_block_bytes=max(lay.total_bytes for lay in layouts),
+            device_resident_block_bytes=self.plan.resident_bytes,
+            device_budget_bytes=opts.device_memory_budget or 0,
+            activation_bytes=opts.activation_bytes,
+            largest_block_bytes=max(lay.total_bytes for lay in self.layouts),
             block_bytes_by_dtype=by_dtype,
         )
         self._closed = False
 
+    # -- set-up phases --------------------------------------------------------------------
+
+    def _plan(
+        self,
+        blocks: list[tuple[str, nn.Module]],
+        dtype: torch.dtype | None,
+        keep: tuple[str, ...],
+        opts: Placement,
+        use_allgather: bool,
+    ) -> None:
+        """Validate the checkpoint, lay out every block, choose the resident blocks."""
+        module = self.module
+        expected = _expected(module)
+        for alias, source in opts.tied.items():
+            if alias not in expected or source not in expected:
+                raise ValueError(f"tied: {alias!r} -> {source!r} names a tensor the module does not have")
+        self._expected = expected
+        self.ckpt.validate({k: v for k, v in expected.items() if k not in opts.tied})
+        self._dtype_of = lambda key: serving_dtype(key, self.ckpt.records[key].dtype, dtype, keep)
+        host_keys = set()
+        for name in opts.host_modules:
+            sub = module.get_submodule(name)
+            if not isinstance(sub, nn.Embedding):
+                raise ValueError(f"host_modules: {name!r} is {type(sub).__name__}; only nn.Embedding "
+                                 "runs on the host (a lookup is exact on any device)")
+            host_keys.update(f"{name}.{k}" for k in sub.state_dict())
+        self._host_keys = host_keys
+        layouts: list[BlockLayout] = []
+        self._block_keys: list[dict[str, str]] = []
+        in_block: set[str] = set()
+        for i, (prefix, _) in enumerate(blocks):
+            keys = {k[len(prefix) :]: k for k in expected if k.startswith(prefix) and k not in opts.tied}
+            if not keys:
+                raise ValueError(f"block {prefix!r} has no parameters to offload")
+            layouts.append(
+                plan_block(i, prefix, ((n, self._dtype_of(k), self.ckpt.records[k].shape)
+                                       for n, k in keys.items()))
+            )
+            self._block_keys.append(keys)
+            in_block.update(keys.values())
+        self.layouts = layouts
+        self._blocks = [blk for _, blk in blocks]
+        self._in_block = in_block
+        non_block = sum(
+            math.prod(self.ckpt.records[k].shape) * self._dtype_of(k).itemsize
+            for k in expected
+            if k not in in_block and k not in host_keys and k not in opts.tied
+        )
+        world = self.group.world if use_allgather else 1
+        self.plan = plan_resident(
+            [lay.total_bytes for lay in layouts],
+            [lay.padded_bytes(world) for lay in layouts],
+            resident_blocks=opts.resident_blocks,
+            budget=opts.device_memory_budget,
+            fixed_bytes=non_block + opts.activation_bytes,
+        )
+
+    def _place(self, dev: torch.device, opts: Placement) -> int:
+        """Put non-block tensors and resident blocks on the device; returns their bytes."""
+        module, placed = self.module, 0
+        for key in self._expected:
+            if key in self._in_block or key in opts.tied:
+                continue
+            if key in self._host_keys:  # served from the mmap view (a copy only if cast)
+                set_tensor(module, key, self.ckpt.view(key).to(dtype=self._dtype_of(key)))
+                continue
+            t = self.ckpt.view(key).to(dev, self._dtype_of(key))
+            set_tensor(module, key, t)
+            placed += t.numel() * t.element_size()
+        _place_non_persistent(module, dev, self._expected)
+        tensors = module.state_dict(keep_vars=True)
+        for alias, source in opts.tied.items():
+            set_tensor(module, alias, tensors[source])
+        self._resident_buffers: list[torch.Tensor] = []
+        for i, (lay, keys) in enumerate(zip(self.layouts, self._block_keys, strict=True)):
+            blk = self._blocks[i]
+            if i in self.plan.resident:
+                # Same flat aligned layout as a slot: kernels see the same addresses mod 256.
+                host = torch.empty(lay.total_bytes, dtype=torch.uint8)
+                for e in lay.entries:
+                    e.view(host).copy_(self.ckpt.view(keys[e.name]))
+                buf = host.to(dev)
+                self._resident_buffers.append(buf)
+                for e in lay.entries:
+                    set_tensor(blk, e.name, e.view(buf))
+                self.ckpt.release(keys.values())
+                placed += lay.total_bytes
+            else:
+                for e in lay.entries:
+                    set_tensor(blk, e.name, placeholder(torch.empty(0, dtype=e.dtype), dev))
+        self._host_hooks = []
+        for name in opts.host_modules:
+            sub = module.get_submodule(name)
+            self._host_hooks.append(sub.register_forward_pre_hook(_to_host))
+            self._host_hooks.append(sub.register_forward_hook(_back_to(dev)))
+        return placed
+
+    def _register_hooks(self) -> None:
+        module = self.module
+        dev = self.device.device
+        self._placeholders = {
+            i: {e.name: placeholder(torch.empty(0, dtype=e.dtype), dev) for e in self.layouts[i].entries}
+            for i in self._streamed
+        }
+        self._hooks = list(self._host_hooks)
+        self._entered = 0  # streamed blocks entered in the module forward now running
+        # Around the whole module: a forward that raises midway still makes every gather of
+        # a forward, so the other ranks' collectives stay in step (see _finish_forward).
+        self._hooks.append(module.register_forward_pre_hook(self._begin_forward))
+        self._hooks.append(module.register_forward_hook(self._finish_forward, always_call=True))
+        for pos, i in enumerate(self._streamed):
+            blk = self._blocks[i]
+            self._hooks.append(blk.register_forward_pre_hook(self._pre_hook(pos, i)))
+            # always_call: a block that raises still gives its slot back
+            self._hooks.append(blk.register_forward_hook(self._post_hook(i), always_call=True))
+
     # -- hooks ------------------------------------------------------------------------
 
     def _enter(self, i: int, idle: bool) -> int:
-        """Make block ``i``'s weights ready; returns the slot they are in."""
+        """Make streamed block ``i`` (position in the ring) ready; returns its slot."""
         st = self._stats
         if i == 0:
             st.gather_s += self.device.take_gather_s(block=False)  # keep event lists short
@@ -250,13 +259,13 @@ class LayerwiseOffload:
         st.gathered_bytes += gathered
         st.last_forward_gathered_bytes += gathered
 
-    def _pre_hook(self, i: int):  # noqa: ANN202
+    def _pre_hook(self, pos: int, i: int):  # noqa: ANN202
         lay = self.layouts[i]
 
         def hook(module: nn.Module, args: object) -> None:
             self._check_open()
-            self._entered = i + 1
-            slot = self.slots[self._enter(i, idle=False)]
+            self._entered = pos + 1
+            slot = self.slots[self._enter(pos, idle=False)]
             for e in lay.entries:
                 set_tensor(module, e.name, e.view(slot))
 
@@ -274,6 +283,11 @@ class LayerwiseOffload:
 
     def _begin_forward(self, module: nn.Module, args: object) -> None:
         self._entered = 0
+        if self._free_slots and self._streamed and not self.slots[0].numel():
+            self.slots[:] = [torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device.device)
+                             for _ in range(2)]
+        if not self._streamed:  # nothing streamed: no ring to count forwards
+            self._stats.forwards += 1
 
     def _finish_forward(self, module: nn.Module, args: object, output: object) -> None:
         """Replay the gathers of the blocks a raising forward never reached.
@@ -282,12 +296,16 @@ class LayerwiseOffload:
         failed on one rank (a bad input, an OOM in block 3) would otherwise leave the
         others waiting in block 4's gather. After this the ring is back at block 0.
         """
-        if self._closed or not self.host.collective or self._entered == len(self.layouts):
+        n = len(self._streamed)
+        if self._free_slots and not self._closed and self._streamed:
+            self.ring.reset()  # the prefetch of block 0 is dropped with the slots
+            self.slots[:] = [torch.empty(0, dtype=torch.uint8, device=self.device.device) for _ in range(2)]
+        if self._closed or not self.host.collective or self._entered == n:
             return
-        for i in range(self._entered, len(self.layouts)):
+        for i in range(self._entered, n):
             self._enter(i, idle=True)
             self.ring.release()
-        self._entered = len(self.layouts)
+        self._entered = n
 
     # -- public -----------------------------------------------------------------------
 
@@ -302,7 +320,7 @@ class LayerwiseOffload:
             self._stats.idle_forwards += k
             return
         for _ in range(k):
-            for i in range(len(self.layouts)):
+            for i in range(len(self._streamed)):
                 self._enter(i, idle=True)
                 self.ring.release()
 
@@ -338,6 +356,7 @@ class LayerwiseOffload:
             self.device.close()
             self.host.close()
             self.slots.clear()
+            self._resident_buffers.clear()
             self.ckpt.close()
             if self.device.is_cuda:
                 torch.cuda.empty_cache()
@@ -354,6 +373,7 @@ def enable_layerwise_offload(
     dtype: torch.dtype | None = None,
     keep_fp32: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
+    placement: Placement | None = None,
 ) -> LayerwiseOffload:
     """Stream ``module``'s blocks from host memory through two device slots.
 
@@ -361,11 +381,13 @@ def enable_layerwise_offload(
     floating tensors while sharding (``keep_fp32`` names stay fp32); None serves the
     checkpoint's dtypes. ``progress(done, total)`` is called as blocks are sharded. Every
     rank of ``group`` must call this and then run the same number of forwards (or
-    ``idle_forwards``) in the same order.
+    ``idle_forwards``) in the same order. ``placement`` keeps blocks resident, ties
+    weights, keeps embeddings on the host, picks the rank-local source (see Placement);
+    every rank of an AllGather group must pass the same resident set.
     """
     t0 = time.perf_counter()
     handle = LayerwiseOffload(
-        module, checkpoint, device, group, use_allgather, block_attrs, dtype, keep_fp32, progress
+        module, checkpoint, device, group, use_allgather, block_attrs, dtype, keep_fp32, progress, placement
     )
     handle.load_s = time.perf_counter() - t0
     return handle

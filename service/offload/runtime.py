@@ -13,6 +13,7 @@ matched, including on a rank that only replays gathers (``idle_forwards``).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from torch import nn
 from .checkpoint import Checkpoint
 from .comm import Device, Group, Pending
 from .layout import BlockLayout, overlap
+
+log = logging.getLogger("dloserve.offload")
 
 
 @dataclass
@@ -46,6 +49,7 @@ class HostBlocks:
         device: Device,
         use_allgather: bool,
         progress: Callable[[int, int], None] | None = None,
+        pagecache: bool | None = None,
     ) -> None:
         self.ckpt = ckpt
         self.group = group
@@ -53,25 +57,72 @@ class HostBlocks:
         self.use_allgather = use_allgather
         self.blocks = [BlockSource(lay, k) for lay, k in zip(layouts, keys, strict=True)]
         self.pinned: list[torch.Tensor] = []
+        self.registered: list[torch.Tensor] = []  # page-cache mappings registered for DMA
+        self.staging: list[torch.Tensor] = []
+        self.source = "shards" if use_allgather else "pack"
+        self.source_reason = ""
+        if not self.blocks:
+            return
         if use_allgather:
             self._shard_all(progress)
+            return
+        if not device.is_cuda:
+            if pagecache:
+                raise RuntimeError("page-cache DMA was required but the device is not CUDA")
+            self.source_reason = "CPU device: the pack thread writes the slot directly"
+            return
+        if pagecache is not False:
+            why = self._register_pagecache()
+            if why is None:
+                self.source = "pagecache"
+                self.source_reason = "the copy engine reads the registered read-only page cache"
+                return
+            if pagecache:
+                raise RuntimeError(f"page-cache DMA was required but is not possible: {why}")
+            self.source_reason = f"pack thread: page-cache DMA not possible ({why})"
+            log.warning("rank-local offload falls back to the pack thread: %s", why)
         else:
-            # Rank-local: two pinned staging buffers on CUDA, sized by the largest block.
-            if device.is_cuda:
-                size = max(b.layout.total_bytes for b in self.blocks)
-                self.staging = []
-                for _ in range(2):  # one at a time, so close() unpins whatever got pinned
-                    self.staging.append(device.pin(torch.empty(size, dtype=torch.uint8)))
-                    self.pinned.append(self.staging[-1])
+            self.source_reason = "pack thread (page-cache DMA switched off)"
+        # Pack: two pinned staging buffers, sized by the largest block.
+        size = max(b.layout.total_bytes for b in self.blocks)
+        for _ in range(2):  # one at a time, so close() unpins whatever got pinned
+            self.staging.append(device.pin(torch.empty(size, dtype=torch.uint8)))
+            self.pinned.append(self.staging[-1])
+
+    def _register_pagecache(self) -> str | None:
+        """Register the checkpoint files' read-only mappings for DMA; None, or why not."""
+        for b in self.blocks:
+            for e in b.layout.entries:
+                rec = self.ckpt.records[b.keys[e.name]]
+                if rec.dtype != e.dtype:
+                    return (f"{rec.key} is {rec.dtype} in the file and served as {e.dtype} "
+                            "(a cast needs the pack)")
+                if rec.begin % e.dtype.itemsize:
+                    return f"{rec.key} is at an odd offset in {rec.file.name}"
+        files = self.ckpt.mapped_bytes({k for b in self.blocks for k in b.keys.values()})
+        for t in files:
+            err = self.device.register_readonly(t)
+            if err is not None:
+                for done in self.registered:
+                    self.device.unpin(done)
+                self.registered.clear()
+                return err
+            self.registered.append(t)
+        return None
 
     @property
     def collective(self) -> bool:
         """Whether fills are collectives that every rank must make in the same order."""
-        return self.use_allgather and self.group.world > 1
+        return self.use_allgather and self.group.world > 1 and bool(self.blocks)
 
     @property
     def pinned_bytes(self) -> int:
         return sum(t.numel() for t in self.pinned) if self.device.is_cuda else 0
+
+    @property
+    def registered_bytes(self) -> int:
+        """Page-cache bytes registered for DMA (shared with every process mapping the files)."""
+        return sum(t.numel() for t in self.registered)
 
     @property
     def shard_bytes(self) -> int:
@@ -83,7 +134,7 @@ class HostBlocks:
         # One host allocation for every shard, pinned once at its exact size.
         arena = torch.zeros(total, dtype=torch.uint8)
         offset = 0
-        for b in self.blocks:
+        for pos, b in enumerate(self.blocks):
             n = b.layout.shard_bytes(world)
             b.shard = arena.narrow(0, offset, n)
             offset += n
@@ -91,7 +142,7 @@ class HostBlocks:
             # This rank has its bytes: drop the mapping of the block's pages (PSS falls).
             self.ckpt.release(b.keys.values())
             if progress is not None:
-                progress(b.layout.index + 1, len(self.blocks))
+                progress(pos + 1, len(self.blocks))
         self.pinned.append(self.device.pin(arena))
 
     def _copy_range(self, b: BlockSource, rng: tuple[int, int], dst: torch.Tensor) -> None:
@@ -113,10 +164,17 @@ class HostBlocks:
         for e in b.layout.entries:
             e.view(dst).copy_(self.ckpt.view(b.keys[e.name]))
 
+    def dma_pairs(self, index: int, out: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Page-cache mode: (slot bytes, registered file bytes) of each tensor of the block."""
+        b = self.blocks[index]
+        return [(out[e.offset : e.offset + e.nbytes], self.ckpt.raw(b.keys[e.name]))
+                for e in b.layout.entries]
+
     def close(self) -> None:
-        for t in self.pinned:
+        for t in self.pinned + self.registered:
             self.device.unpin(t)
         self.pinned.clear()
+        self.registered.clear()
         for b in self.blocks:
             b.shard = None
 
@@ -150,6 +208,9 @@ class Ring:
             assert b.shard is not None
             out = self.slots[slot].narrow(0, 0, b.layout.padded_bytes(world))
             p = self.device.gather(block, slot, out, b.shard)
+        elif self.host.source == "pagecache":
+            out = self.slots[slot].narrow(0, 0, b.layout.total_bytes)
+            p = self.device.copy_in(block, slot, self.host.dma_pairs(block, out))
         else:
             out = self.slots[slot].narrow(0, 0, b.layout.total_bytes)
             staging = self.host.staging[slot] if self.device.is_cuda else None
@@ -190,6 +251,11 @@ class Ring:
         if self.current is not None:
             self.device.release(self.current.slot)
             self.current = None
+
+    def reset(self) -> None:
+        """Drain, then restart at block 0 in slot 0 (a ring whose slots are freed between uses)."""
+        self.drain()
+        self.next_block = self.next_slot = 0
 
     def drain(self) -> None:
         """Wait for the fill in flight (all ranks have issued the same one)."""

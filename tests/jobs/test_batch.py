@@ -22,7 +22,9 @@ PROMPTS = [
 def run_batch(ray_cluster: dict, prompts: Path, out: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "service.jobs.batch", "--prompts", str(prompts), "--out", str(out),
            "--data-parallel-size", "2", "--cpus-per-rank", "0.5", "--address", ray_cluster["address"],
-           "--dlo-no-use-allgather"]  # rank-local DLO here; the HTTP tests cover AllGather
+           # auto mode with every component offloaded; on CPU the probe's compute (tens of ms
+           # per block) dwarfs a fill (well under 1 ms), so auto must pick rank-local
+           "--dlo-mode", "auto", "--dlo-components", "dit,text_encoder,vae", "--dlo-probe-size", "32x32x5"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -35,6 +37,7 @@ def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path
     assert first.returncode == 0, first.stderr[-3000:]
     assert "3 to run" in first.stdout and "3 completed, 0 failed" in first.stdout
     assert "videos" in first.stderr  # the tqdm bar
+    assert "--dlo-mode auto chose rank_local: compute covers the rank-local fill" in first.stdout
     manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
     assert sorted(e["id"] for e in manifest) == ["fox", "item-00003", "owl"]
     for e in manifest:

@@ -1,0 +1,67 @@
+"""Options and counters of one offloaded module (plain data, shared by runtime and callers)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where tensors live besides the two slots (all optional; defaults stream every block).
+
+    ``resident_blocks``: keep this many blocks on the device (spread over the depth).
+    ``device_memory_budget``: or keep as many as fit in this many bytes beside the slots,
+    the non-block tensors and ``activation_bytes`` (a reserve the caller measured).
+    ``tied``: alias key -> source key for tied weights a checkpoint stores once.
+    ``host_modules``: ``nn.Embedding`` modules kept on the host (mmap view): a lookup is
+    exact anywhere and a 256k-token table need not take device memory.
+    ``pagecache``: rank-local on CUDA: None tries DMA from the registered page cache and
+    falls back to the pack thread (logging why), True requires it, False packs.
+    ``free_slots``: allocate the two slots at each forward's start and free them at its
+    end (no collectives only): for a module run once per request (a text encoder), so its
+    slots do not sit beside the transformer's for the whole request.
+    """
+
+    resident_blocks: int | None = None
+    device_memory_budget: int | None = None
+    activation_bytes: int = 0
+    tied: dict[str, str] = field(default_factory=dict)
+    host_modules: tuple[str, ...] = ()
+    pagecache: bool | None = None
+    free_slots: bool = False
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one offloaded module (per rank). Times in seconds, sizes in bytes."""
+
+    mode: str
+    rank: int
+    world_size: int
+    blocks: int
+    resident_blocks: int = 0
+    rank_local_source: str = ""  # "shards" (AllGather), "pagecache" or "pack" (rank-local)
+    source_reason: str = ""
+    forwards: int = 0
+    idle_forwards: int = 0
+    stall_s: float = 0.0  # time compute waited for weights, all forwards (CUDA: from events)
+    last_forward_stall_s: float = 0.0  # CPU only; on CUDA events finish after the forward
+    h2d_bytes: int = 0
+    last_forward_h2d_bytes: int = 0
+    gathered_bytes: int = 0
+    last_forward_gathered_bytes: int = 0
+    gather_s: float = 0.0  # time inside AllGathers (on a side stream/thread: overlaps compute)
+    host_shard_bytes: int = 0
+    host_pinned_bytes: int = 0
+    host_registered_bytes: int = 0  # page cache registered for DMA (shared, not private)
+    device_slot_bytes: int = 0
+    device_resident_bytes: int = 0  # non-block tensors + resident blocks
+    device_resident_block_bytes: int = 0
+    device_budget_bytes: int = 0
+    activation_bytes: int = 0
+    device_peak_bytes: int = 0
+    largest_block_bytes: int = 0
+    block_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

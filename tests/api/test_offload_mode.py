@@ -1,0 +1,10 @@
+"""/readyz says which offload mode the replica serves and why (auto's probe, or the flags)."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def test_readyz_names_the_offload_mode(app_url: str) -> None:
+    ready = httpx.get(f"{app_url}/readyz").json()
+    assert ready["offload_mode"] == {"mode": "allgather", "reason": "set by flags"}
