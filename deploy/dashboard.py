@@ -50,9 +50,10 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
       ("sum by (rank) (ray_dloserve_host_pinned_bytes)", "pinned rank {{rank}}")]),
     ("Device memory peak per rank", "bytes",
      [("max by (rank) (ray_dloserve_device_peak_bytes)", "rank {{rank}}")]),
-    ("Groups ready and rebuilds (1 h)", "short",
+    ("Groups ready, rebuilds and replicas lost (1 h)", "short",
      [("sum by (group) (ray_dloserve_group_ready)", "ready {{group}}"),
-      ("sum by (group, reason) (increase(ray_dloserve_group_rebuilds_total[1h]))", "rebuilds {{reason}}")]),
+      ("sum by (group, reason) (increase(ray_dloserve_group_rebuilds_total[1h]))", "rebuilds {{reason}}"),
+      ("sum by (node) (increase(ray_dloserve_dp_groups_lost_total[1h]))", "replica lost on {{node}}")]),
 ]
 
 

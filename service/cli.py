@@ -100,10 +100,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from service.engine.local import generate_local
     from service.models.adapter import load_adapter
     from service.models.demo import ensure_demo_model
-    from service.models.options import offload_options
+    from service.models.options import check_flags, offload_options
     from service.models.pipeline import OffloadConfig
     from service.models.request import GenerationRequest
-    from service.models.sequence import check_flags
 
     n = args.data_parallel_size
     if n < 1:

@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
         print("dloserve serve: --dlo-no-use-allgather needs "
               "--enable-distributed-layerwise-offload", file=sys.stderr)
         return 2
-    from service.models.sequence import check_flags
+    from service.models.options import check_flags
 
     err = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather)
     if err:

@@ -208,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         items = read_prompts(args.prompts)
-        from service.models.options import check_serving_options, offload_options, probe_problem
-        from service.models.sequence import check_flags
+        from service.models.options import check_flags, check_serving_options, offload_options, probe_problem
 
         problem = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather) or \
             check_serving_options(args, not args.no_offload, "conflicts with --no-offload")

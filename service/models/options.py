@@ -84,6 +84,18 @@ def offload_options(args: argparse.Namespace, enabled: bool,
     return out
 
 
+def check_flags(degree: int, rank_local: bool) -> str | None:
+    """What is wrong with ``--sequence-parallel-size`` next to the other DLO flags, or None
+    (shared by ``generate``, ``serve`` and the batch job; here, not in ``sequence``, so a CLI
+    checks it before torch is imported)."""
+    flag = "--sequence-parallel-size"
+    if degree < 1:
+        return f"{flag} must be >= 1, got {degree}"
+    if degree > 1 and rank_local:
+        return f"{flag} gathers each block over the SP group: drop --dlo-no-use-allgather"
+    return None
+
+
 def sequence_parallel_problem(options: dict[str, Any], sp: int) -> str | None:
     """Placement options not yet made for an SP group (untested there: refused, named)."""
     if sp <= 1:

@@ -107,11 +107,3 @@ def enable_sequence_parallel(module: nn.Module, degree: int) -> object:
     return config
 
 
-def check_flags(degree: int, rank_local: bool) -> str | None:
-    """What is wrong with ``--sequence-parallel-size`` next to the other DLO flags, or None
-    (shared by ``generate``, ``serve`` and the batch job)."""
-    if degree < 1:
-        return f"{FLAG} must be >= 1, got {degree}"
-    if degree > 1 and rank_local:
-        return f"{FLAG} gathers each block over the SP group: drop --dlo-no-use-allgather"
-    return None

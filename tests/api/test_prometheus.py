@@ -44,7 +44,7 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
     url = f"http://127.0.0.1:{port}"
     s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
               "--enable-distributed-layerwise-offload", "--cpus-per-rank", "0.5", "--queue-size", "2",
-              "--results-dir", str(tmp_path / "results"),
+              "--results-dir", str(tmp_path / "results"), "--group-timeout-s", "3",
               env={"RAY_metrics_report_interval_ms": "1000"})
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
 
@@ -77,6 +77,21 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
             time.sleep(0.5)
         vid = httpx.post(f"{url}/v1/videos", json={"prompt": "after the rebuild"}).json()["id"]
         assert wait_final(url, vid)["status"] == "completed"
+        # ... and the replica killed while it holds a job: the job store fails it (a lost group)
+        doomed = {"prompt": "doomed", "num_inference_steps": 100}
+        vid = httpx.post(f"{url}/v1/videos", json=doomed).json()["id"]
+        while (st := httpx.get(f"{url}/v1/videos/{vid}").json()["status"]) != "in_progress":
+            assert st == "queued", st  # 100 steps take long enough to be caught running
+            time.sleep(0.05)
+        for pid in matching(s.proc.pid, "ServeReplica:dloserve"):
+            os.kill(pid, signal.SIGKILL)
+        lost = wait_final(url, vid, timeout=120)
+        assert lost["status"] == "failed" and lost["error"]["code"] == "dp_group_lost", lost
+        end = time.monotonic() + 180  # Serve's new replica serves (and its ranks report again)
+        while (r := httpx.post(f"{url}/v1/videos", json={"prompt": "after the replica"})).status_code != 202:
+            assert time.monotonic() < end, r.text
+            time.sleep(0.5)
+        assert wait_final(url, r.json()["id"], timeout=180)["status"] == "completed"
 
         dash = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
         exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
@@ -88,7 +103,7 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
         assert not empty, empty
         print(f"\n{len(exprs)} dashboard queries, all answered with data")
         rules = httpx.get(f"{prom}/api/v1/rules").json()["data"]["groups"]
-        assert sum(len(g["rules"]) for g in rules) == 8 and all(
+        assert sum(len(g["rules"]) for g in rules) == 9 and all(
             r["health"] == "ok" for g in rules for r in g["rules"]), rules
     finally:
         pproc.send_signal(signal.SIGTERM)
