@@ -149,6 +149,16 @@ def by_each_replica(url: str, path: str, groups: set[str], key: dict = KEY_A) ->
     raise AssertionError(f"{path}: answered only by {set(seen)} of {groups}")
 
 
+def submit(url: str, body: dict, n: int) -> list[str]:
+    """``n`` accepted jobs (the proxy spreads them over the replicas)."""
+    ids = []
+    for _ in range(n):
+        r = httpx.post(f"{url}/v1/videos", json=body, timeout=30, headers=KEY_A)
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+    return ids
+
+
 def wait_all_final(url: str, ids: list[str], timeout: float = 300) -> dict[str, dict]:
     end, final = time.monotonic() + timeout, {}
     while time.monotonic() < end and len(final) < len(ids):
@@ -165,11 +175,7 @@ def wait_all_final(url: str, ids: list[str], timeout: float = 300) -> dict[str, 
 def test_jobs_are_the_same_through_every_replica(served: str, cluster: dict, demo_model: str,
                                                  tmp_path: Path) -> None:
     url = served
-    ids = []
-    for _ in range(8):
-        r = httpx.post(f"{url}/v1/videos", json=FIELDS, timeout=30, headers=KEY_A)
-        assert r.status_code == 202, r.text
-        ids.append(r.json()["id"])
+    ids = submit(url, FIELDS, 8)
     final = wait_all_final(url, ids)
     assert all(v["status"] == "completed" for v in final.values()), final
     groups = {v["dp_group"] for v in final.values()}
@@ -199,11 +205,7 @@ def test_jobs_are_the_same_through_every_replica(served: str, cluster: dict, dem
 def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, cluster: dict,
                                                                   s3_server: dict) -> None:
     url = served
-    ids = []
-    for _ in range(8):
-        r = httpx.post(f"{url}/v1/videos", json=SLOW, timeout=30, headers=KEY_A)
-        assert r.status_code == 202, r.text
-        ids.append(r.json()["id"])
+    ids = submit(url, SLOW, 8)
     # wait until the worker node's group is generating, then take the node away
     end = time.monotonic() + 120
     while True:
