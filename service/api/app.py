@@ -199,7 +199,7 @@ class VideoIngress:
             return rec
         vid, owner = rec["id"], rec.get("owner")
         while True:
-            final = self.svc.get(vid, owner)
+            final = await asyncio.to_thread(self.svc.get, vid, owner)  # a call to the job store
             if final is None:
                 return _error(404, f"video {vid} was deleted before it finished", "video_id",
                               code="not_found")
@@ -212,7 +212,8 @@ class VideoIngress:
             return _error(500, err.get("message", "generation failed"), None, kind="server_error",
                           code=err.get("code", "generation_failed"), headers=headers)
         gone = f"video {vid} has no content (expired or deleted)"
-        return self._video(vid, headers) or _error(404, gone, "video_id", code="not_found", headers=headers)
+        video = await asyncio.to_thread(self._video, vid, headers)  # S3: network calls
+        return video or _error(404, gone, "video_id", code="not_found", headers=headers)
 
     def _video(self, vid: str, headers: dict[str, str] | None = None) -> Response | None:
         """The MP4 from the results storage, whichever replica stored it; None if it is gone.

@@ -315,7 +315,7 @@ class VideoService:
     def _finish(self, ticket: Ticket, outcome: Outcome) -> None:
         try:
             self._store_outcome(ticket, outcome)
-        except Exception:  # noqa: BLE001 - logged; the job's group heartbeat keeps it live
+        except Exception:  # noqa: BLE001 - the storage failed: the job fails with a reason
             log.exception("could not store the outcome of %s", ticket.id)
             err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
             try:
