@@ -64,7 +64,7 @@ class JobStoreActor:
     def update(self, job_id: str, persist: bool, fields: dict[str, Any]) -> dict[str, Any] | None:
         return self.table.update(job_id, persist=persist, **fields)
 
-    def finish(self, job_id: str, fields: dict[str, Any]) -> bool:
+    def finish(self, job_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         return self.table.finish(job_id, **fields)
 
     def progress(self, updates: dict[str, int]) -> None:
@@ -150,7 +150,7 @@ class JobStoreClient:
     def update(self, job_id: str, persist: bool = True, **fields: Any) -> dict[str, Any] | None:
         return self._call("update", job_id, persist, fields)
 
-    def finish(self, job_id: str, **fields: Any) -> bool:
+    def finish(self, job_id: str, **fields: Any) -> dict[str, Any] | None:
         return self._call("finish", job_id, fields)
 
     def progress(self, updates: dict[str, int]) -> None:

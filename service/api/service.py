@@ -335,14 +335,14 @@ class VideoService:
             err = {"code": "generation_failed", "message": outcome.error or "unknown error"}
             ended = self.store.finish(ticket.id, status="failed", error=err)
             status = "failed"
-        if not ended:  # deleted meanwhile, or already failed (this group was declared lost)
+        if ended is None:  # deleted meanwhile, or already failed (this group was declared lost)
             log.warning("job %s ended (%s) after its record was deleted or failed; output dropped",
                         ticket.id, status)
             if outcome.ok:
                 self.storage.remove(f"{ticket.id}.mp4")
             return
         metrics()["requests"].inc(1, tags={"status": status})
-        created = (self.store.get(ticket.id) or {}).get("created_at")
+        created = ended.get("created_at")
         if created:
             metrics()["request_latency"].observe(max(0.0, time.time() - created), tags={"status": status})
 

@@ -84,22 +84,25 @@ class JobTable:
                     self.storage.write_record(rec)
             return dict(rec)
 
-    def finish(self, job_id: str, **fields: Any) -> bool:
-        """End a job (its video, if any, is already stored); False if it had ended already."""
+    def finish(self, job_id: str, **fields: Any) -> dict[str, Any] | None:
+        """End a job (its video, if any, is already stored): its final record, or None if it
+        is gone or had ended already."""
         with self._lock:
             rec = self._jobs.get(job_id)
             if rec is None or rec.get("status") in FINAL:
-                return False
+                return None
             fields.setdefault("completed_at", int(time.time()))
             fields["expires_at"] = int(fields["completed_at"] + self.ttl_s)
             rec.update(fields)
             self.storage.write_record(rec)
+            final = dict(rec)
             self._prune()
-            return True
+            return final
 
     def fail(self, ids: list[str], code: str, message: str) -> int:
         """Fail these jobs if still live; returns how many were."""
-        return sum(self.finish(i, status="failed", error={"code": code, "message": message}) for i in ids)
+        err = {"code": code, "message": message}
+        return sum(self.finish(i, status="failed", error=err) is not None for i in ids)
 
     def unfinished(self, dp_group: str | None = None) -> list[str]:
         with self._lock:

@@ -134,16 +134,15 @@ class GroupSink:
     def __init__(self, sink: ManifestSink, index: int) -> None:
         self.sink, self.index = sink, index
         self.engine: Any = None
+        self._node: str | None = None  # where the group's placement group landed (asked once)
 
     def _stamp(self, info: dict[str, Any]) -> dict[str, Any]:
-        import ray
-
-        node = None
         pg = getattr(self.engine, "pg", None)
-        if pg is not None:
-            nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-            node = nodes.get(0)
-        return {**info, "group": self.index, "node_id": node}
+        if self._node is None and pg is not None:
+            import ray
+
+            self._node = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(0)
+        return {**info, "group": self.index, "node_id": self._node}
 
     def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
         self.sink.on_start(ticket, self._stamp(info))
