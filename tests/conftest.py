@@ -91,8 +91,8 @@ def demo_model() -> str:
 @pytest.fixture(scope="session")
 def resident(demo_model: str):  # noqa: ANN201 - PipelineRunner
     """The demo model fully resident in the test process: the reference outputs."""
-    from service.models.pipeline import OffloadConfig, PipelineRunner
+    from service.models.pipeline import PipelineRunner
 
-    runner = PipelineRunner.load(demo_model, "cpu", offload=OffloadConfig(enabled=False))
+    runner = PipelineRunner.load(demo_model, "cpu", settings=None)
     yield runner
     runner.close()

@@ -225,30 +225,3 @@ def read_index(model_dir: str | Path) -> tuple[Path, dict[str, Any]]:
     if not isinstance(index, dict) or "_class_name" not in index:
         raise ModelError(f"{index_file}: no _class_name")
     return path, index
-
-
-def families() -> dict[str, type[ModelAdapter]]:
-    """Pipeline class name -> adapter class, for every supported family."""
-    from .flux import FluxAdapter
-    from .wan import WanAdapter
-
-    return {name: cls for cls in (WanAdapter, FluxAdapter) for name in cls.pipeline_classes}
-
-
-def load_adapter(model_dir: str | Path, sequence_parallel: int = 1) -> ModelAdapter:
-    """The adapter for a pipeline directory; ModelError naming the path if unsupported.
-
-    ``sequence_parallel`` > 1 also checks that the model can be split that many ways and
-    makes ``validate`` refuse requests whose tokens do not split evenly.
-    """
-    path, index = read_index(model_dir)
-    known = families()
-    name = index["_class_name"]
-    if name not in known:
-        raise ModelError(
-            f"{path / 'model_index.json'}: unknown model family {name!r}; supported: {sorted(known)}"
-        )
-    adapter = known[name](path, index)
-    if sequence_parallel != 1:
-        adapter.set_sequence_parallel(sequence_parallel)
-    return adapter

@@ -272,10 +272,3 @@ def ensure_demo_model(preset: str = "tiny", layers: int | None = None, seed: int
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def resolve_model(model: str | os.PathLike | None) -> str:
-    """An absolute model folder: the one given, or the tiny demo (written on first use)."""
-    if model:
-        return str(Path(model).expanduser().resolve())
-    return str(ensure_demo_model())

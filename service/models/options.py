@@ -1,141 +1,249 @@
-"""The offload flags every front end shares (``generate``, ``serve``, the batch job).
+"""How a model is served: one settings object, and the flags every front end shares.
 
-One place adds them and one checks them, so the three CLIs cannot drift; the result is
-a plain dict (it travels in the Serve config and to Ray actors) that
-``OffloadConfig.from_options`` turns back into a config. No torch here: the CLIs import
-this to build their parsers.
+``OffloadSettings`` is built once (from the flags of ``generate``, ``serve`` or the batch
+job, or from the Serve config's ``offload`` mapping) and handed down unchanged to every
+rank; only ``--dlo-mode auto`` replaces its mode, once, with what the probe chose. The
+flags are declared once here and checked once, in one order, so the three CLIs cannot
+drift. No torch here: the CLIs import this to build their parsers.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import re
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-MODES = ("auto", "allgather", "rank-local")
 COMPONENTS = ("dit", "text_encoder", "vae")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+NEEDS_OFFLOAD = "needs --enable-distributed-layerwise-offload"
+
+
+class Mode(enum.Enum):
+    """How the transformer's weights reach the device."""
+
+    RESIDENT = "resident"  # no offload: the whole transformer lives on the device
+    ALLGATHER = "allgather"  # 1/N host shards per rank, each block rebuilt by an AllGather
+    RANK_LOCAL = "rank-local"  # every rank streams whole blocks itself: no collectives
+    AUTO = "auto"  # ALLGATHER or RANK_LOCAL, chosen at load from a probe forward
+
+
+class FlagError(ValueError):
+    """A flag (or Serve config field) is invalid; the message names it."""
+
+
+# Settings field -> the flag that sets it (for messages).
+FLAGS = {"mode": "--dlo-mode", "resident_layers": "--dlo-resident-layers",
+         "device_memory_gb": "--dlo-device-memory-gb", "components": "--dlo-components",
+         "probe_shape": "--dlo-probe-size", "dtype": "--dtype"}
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """Everything about where the weights live, checked when made (FlagError names the flag).
+
+    ``resident_layers`` / ``device_memory_gb``: transformer blocks kept on the device.
+    ``components``: what offload covers besides the transformer (text encoder, VAE).
+    ``probe_shape``: (height, width, frames) of the load-time probe forward (auto mode and
+    the memory budget); None is 480x832x81. ``dtype``: a torch dtype name, None keeps the
+    checkpoint's.
+    """
+
+    mode: Mode = Mode.RESIDENT
+    resident_layers: int | None = None
+    device_memory_gb: float | None = None
+    components: tuple[str, ...] = ("dit",)
+    probe_shape: tuple[int, int, int] | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "components", parse_components(self.components))
+        if self.probe_shape is not None:
+            shape = tuple(int(v) for v in self.probe_shape)
+            if len(shape) != 3 or min(shape) < 1:
+                raise FlagError(f"--dlo-probe-size: three positive sizes, got {self.probe_shape!r}")
+            object.__setattr__(self, "probe_shape", shape)
+        if self.dtype is not None and self.dtype not in DTYPES[1:]:
+            raise FlagError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.resident_layers is not None and self.resident_layers < 0:
+            raise FlagError(f"--dlo-resident-layers must be >= 0, got {self.resident_layers}")
+        if self.device_memory_gb is not None:
+            if not self.device_memory_gb > 0:
+                raise FlagError(f"--dlo-device-memory-gb must be > 0, got {self.device_memory_gb}")
+            if self.resident_layers is not None:
+                raise FlagError("give --dlo-resident-layers or --dlo-device-memory-gb, not both")
+        if self.mode is Mode.RESIDENT:
+            placed = [FLAGS[k] for k in ("resident_layers", "device_memory_gb", "probe_shape")
+                      if getattr(self, k) is not None]
+            if self.components != ("dit",):
+                placed.append(FLAGS["components"])
+            if placed:
+                raise FlagError(f"{', '.join(placed)}: {NEEDS_OFFLOAD}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the transformer streams from host memory."""
+        return self.mode is not Mode.RESIDENT
+
+    @property
+    def use_allgather(self) -> bool:
+        """Whether ranks gather blocks from each other (auto: not known until resolved)."""
+        if self.mode is Mode.AUTO:
+            raise ValueError("--dlo-mode auto is not resolved yet (the probe chooses)")
+        return self.mode is Mode.ALLGATHER
+
+    @property
+    def probed(self) -> bool:
+        """Whether loading runs a probe forward first (auto mode; a budget, on CUDA)."""
+        return self.mode is Mode.AUTO or self.device_memory_gb is not None
+
+    def resolved(self, mode: Mode) -> OffloadSettings:
+        """The same settings with auto's choice in place."""
+        if mode not in (Mode.ALLGATHER, Mode.RANK_LOCAL):
+            raise ValueError(f"auto resolves to allgather or rank-local, not {mode.value}")
+        return replace(self, mode=mode)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain JSON (the Serve config's ``offload`` mapping)."""
+        d = asdict(self)
+        d["mode"] = self.mode.value
+        d["components"] = list(self.components)
+        d["probe_shape"] = list(self.probe_shape) if self.probe_shape else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | OffloadSettings | None) -> OffloadSettings:
+        if isinstance(d, OffloadSettings):
+            return d
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            known = sorted(cls.__dataclass_fields__)
+            raise FlagError(f"offload: unknown setting(s) {unknown}; known: {known}")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise FlagError(f"offload: {e}") from None
+
+    def probe_problem(self, adapter: Any, device: str) -> str | None:
+        """Why this model cannot run the load-time probe these settings need, or None (auto
+        without a probe picks AllGather and says so; a device budget cannot do without one)."""
+        if self.device_memory_gb is not None and device == "cuda" and not adapter.can_probe:
+            return (f"--dlo-device-memory-gb needs a load-time probe, which {adapter.family} does not have "
+                    "yet (Wan does)")
+        return None
 
 
 def parse_components(value: str | tuple[str, ...] | list[str] | None, flag: str = "--dlo-components"
                      ) -> tuple[str, ...]:
-    """``"dit,text_encoder,vae"`` -> a checked tuple; ValueError naming ``flag``."""
+    """``"dit,text_encoder,vae"`` -> a checked tuple in canonical order; FlagError naming ``flag``."""
     if value is None:
         return ("dit",)
     items = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
     bad = sorted(set(items) - set(COMPONENTS))
     if bad or not items:
-        raise ValueError(f"{flag}: unknown component(s) {bad or items}; choose from {list(COMPONENTS)}")
+        raise FlagError(f"{flag}: unknown component(s) {bad or items}; choose from {list(COMPONENTS)}")
     if "dit" not in items:
-        raise ValueError(f"{flag}: must include 'dit' (the transformer is what offload streams first)")
+        raise FlagError(f"{flag}: must include 'dit' (the transformer is what offload streams first)")
     return tuple(c for c in COMPONENTS if c in items)
 
 
-
-def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dlo-mode", choices=MODES, default=None,
-                   help="allgather (default), rank-local, or auto: chosen at load from a short probe "
-                        "of per-block compute vs transfer time (logged, and in /readyz)")
-    p.add_argument("--dlo-resident-layers", type=int, default=None,
-                   help="keep this many transformer blocks on the device (spread over the depth)")
-    p.add_argument("--dlo-device-memory-gb", type=float, default=None,
-                   help="keep as many blocks resident as fit in this many GiB beside the two slots, "
-                        "the non-block tensors and the probe forward's activations")
-    p.add_argument("--dlo-components", default="dit",
-                   help=f"what offload covers, comma-separated from {','.join(COMPONENTS)}: "
-                        "text_encoder streams its blocks too, vae is on the device only for decode")
-    p.add_argument("--dlo-probe-size", default=None,
-                   help="WIDTHxHEIGHTxFRAMES of the load-time probe forward (auto mode, memory budget); "
-                        "default 832x480x81 (generate: the request's own size)")
-
-
-FLAGS = {"mode": "--dlo-mode", "resident_layers": "--dlo-resident-layers",
-         "device_memory_gb": "--dlo-device-memory-gb", "components": "--dlo-components",
-         "probe_shape": "--dlo-probe-size"}
-
-
-def offload_options(args: argparse.Namespace, enabled: bool,
-                    needs: str = "needs --enable-distributed-layerwise-offload") -> dict[str, Any]:
-    """The checked options as a plain dict; ValueError naming the flag."""
-    mode = args.dlo_mode
-    if getattr(args, "dlo_no_use_allgather", False):
-        if mode not in (None, "rank-local"):
-            raise ValueError(f"--dlo-no-use-allgather contradicts --dlo-mode {mode}")
-        mode = "rank-local"
-    out: dict[str, Any] = {}
-    if mode is not None:
-        out["mode"] = mode.replace("-", "_")
-    if args.dlo_resident_layers is not None:
-        if args.dlo_resident_layers < 0:
-            raise ValueError(f"--dlo-resident-layers must be >= 0, got {args.dlo_resident_layers}")
-        out["resident_layers"] = args.dlo_resident_layers
-    if args.dlo_device_memory_gb is not None:
-        if not args.dlo_device_memory_gb > 0:
-            raise ValueError(f"--dlo-device-memory-gb must be > 0, got {args.dlo_device_memory_gb}")
-        if "resident_layers" in out:
-            raise ValueError("give --dlo-resident-layers or --dlo-device-memory-gb, not both")
-        out["device_memory_gb"] = args.dlo_device_memory_gb
-    components = parse_components(args.dlo_components)
-    if components != ("dit",):
-        out["components"] = list(components)
-    if args.dlo_probe_size is not None:
-        out["probe_shape"] = parse_probe_size(args.dlo_probe_size)
-    if out and not enabled:
-        raise ValueError(f"{', '.join(FLAGS[k] for k in out)}: {needs}")
-    return out
-
-
-def check_flags(degree: int, rank_local: bool) -> str | None:
-    """What is wrong with ``--sequence-parallel-size`` next to the other DLO flags, or None
-    (shared by ``generate``, ``serve`` and the batch job; here, not in ``sequence``, so a CLI
-    checks it before torch is imported)."""
-    flag = "--sequence-parallel-size"
-    if degree < 1:
-        return f"{flag} must be >= 1, got {degree}"
-    if degree > 1 and rank_local:
-        return f"{flag} gathers each block over the SP group: drop --dlo-no-use-allgather"
-    return None
-
-
-def sequence_parallel_problem(options: dict[str, Any], sp: int) -> str | None:
-    """Placement options not yet made for an SP group (untested there: refused, named)."""
-    if sp <= 1:
-        return None
-    refused = [FLAGS[k] for k in ("mode", "resident_layers", "device_memory_gb", "components")
-               if k in options and not (k == "mode" and options[k] == "allgather")]
-    if refused:
-        return (f"{', '.join(refused)}: not yet with --sequence-parallel-size > 1 (an SP group always "
-                "gathers over its ranks and streams the transformer only)")
-    return None
-
-
-def check_serving_options(args: argparse.Namespace, enabled: bool,
-                          needs: str = "needs --enable-distributed-layerwise-offload") -> str | None:
-    """What is wrong with the offload flags of ``serve`` / the batch job, or None."""
-    try:
-        opts = offload_options(args, enabled, needs)
-    except ValueError as e:
-        return str(e)
-    problem = sequence_parallel_problem(opts, getattr(args, "sequence_parallel_size", 1))
-    if problem:
-        return problem
-    if opts.get("mode") == "auto" and getattr(args, "scheduler", "continuous") == "waves":
-        return "--dlo-mode auto needs --scheduler continuous (waves are sized before the mode is known)"
-    return None
-
-
-def probe_problem(adapter: Any, options: dict[str, Any], device: str) -> str | None:
-    """Why this model cannot run the load-time probe these options need, or None."""
-    needs = options.get("mode") == "auto" or ("device_memory_gb" in options and device == "cuda")
-    if needs and not adapter.can_probe:
-        flag = "--dlo-mode auto" if options.get("mode") == "auto" else "--dlo-device-memory-gb"
-        return f"{flag} needs a load-time probe, which {adapter.family} does not have yet (Wan does)"
-    return None
-
-
-def parse_probe_size(value: str) -> list[int]:
-    """``"832x480x81"`` -> [height, width, frames]."""
+def parse_probe_size(value: str) -> tuple[int, int, int]:
+    """``"832x480x81"`` -> (height, width, frames)."""
     m = re.fullmatch(r"\s*(\d+)x(\d+)x(\d+)\s*", value)
     if not m or min(int(g) for g in m.groups()) < 1:
-        raise ValueError(f"--dlo-probe-size must be WIDTHxHEIGHTxFRAMES like 832x480x81, got {value!r}")
+        raise FlagError(f"--dlo-probe-size must be WIDTHxHEIGHTxFRAMES like 832x480x81, got {value!r}")
     w, h, f = (int(g) for g in m.groups())
-    return [h, w, f]
+    return (h, w, f)
+
+
+# -- the shared flags ------------------------------------------------------------------
+
+
+def add_offload_arguments(p: argparse.ArgumentParser, offload_default: bool = False) -> None:
+    """The ranks and offload flags of ``generate``, ``serve`` and the batch job.
+
+    ``offload_default``: whether DLO is on without a flag (the batch job: on; ``--no-offload``
+    turns it off).
+    """
+    g = p.add_argument_group("ranks and offload")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="N ranks (one per GPU): N requests at once, one host copy of the weights")
+    g.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
+                   help="S ranks per request (Ulysses); with --data-parallel-size D: D groups of S")
+    g.add_argument("--enable-distributed-layerwise-offload", dest="offload", action="store_true",
+                   default=offload_default,
+                   help="stream transformer blocks from host memory (DLO)"
+                        + (" (the default here)" if offload_default else ""))
+    g.add_argument("--no-offload", dest="offload", action="store_false",
+                   help="keep the whole transformer on every rank's device")
+    g.add_argument("--dlo-no-use-allgather", action="store_true",
+                   help="rank-local DLO: every rank streams whole blocks, no sharding "
+                        "(= --dlo-mode rank-local)")
+    g.add_argument("--dlo-mode", choices=[m.value for m in Mode if m is not Mode.RESIDENT], default=None,
+                   help="auto (the default): AllGather or rank-local, chosen at load from a short probe of "
+                        "per-block compute vs transfer time and the cost of lock-step (the choice and why: "
+                        "the log and /readyz); or allgather, rank-local")
+    g.add_argument("--dlo-resident-layers", type=int, default=None,
+                   help="keep this many transformer blocks on the device (spread over the depth)")
+    g.add_argument("--dlo-device-memory-gb", type=float, default=None,
+                   help="keep as many blocks resident as fit in this many GiB beside the two slots, "
+                        "the non-block tensors and the probe forward's activations")
+    g.add_argument("--dlo-components", default="dit",
+                   help=f"what offload covers, comma-separated from {','.join(COMPONENTS)}: "
+                        "text_encoder streams its blocks too, vae is on the device only for decode")
+    g.add_argument("--dlo-probe-size", default=None,
+                   help="WIDTHxHEIGHTxFRAMES of the load-time probe forward (auto mode, memory budget); "
+                        "default 832x480x81 (generate: the request's own size)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="transformer dtype (auto: the checkpoint's)")
+
+
+def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
+    """The checked settings of the shared flags; FlagError naming the flag.
+
+    Checked in this order: sizes, the offload switch, the mode, placement, and what
+    sequence parallelism and the scheduler allow.
+    """
+    dp, sp = args.data_parallel_size, args.sequence_parallel_size
+    if dp < 1:
+        raise FlagError(f"--data-parallel-size must be >= 1, got {dp}")
+    if sp < 1:
+        raise FlagError(f"--sequence-parallel-size must be >= 1, got {sp}")
+    mode = args.dlo_mode
+    if args.dlo_no_use_allgather:
+        if not args.offload:
+            raise FlagError(f"--dlo-no-use-allgather {NEEDS_OFFLOAD}")
+        if mode not in (None, Mode.RANK_LOCAL.value):
+            raise FlagError(f"--dlo-no-use-allgather contradicts --dlo-mode {mode}")
+        mode = Mode.RANK_LOCAL.value
+    if not args.offload:
+        if mode is not None:
+            raise FlagError(f"--dlo-mode: {NEEDS_OFFLOAD}")
+        mode = Mode.RESIDENT.value
+    if mode is None:  # auto unless only one mode can serve (an SP group always gathers)
+        mode = Mode.ALLGATHER.value if sp > 1 else Mode.AUTO.value
+    settings = OffloadSettings(
+        mode=Mode(mode),
+        resident_layers=args.dlo_resident_layers,
+        device_memory_gb=args.dlo_device_memory_gb,
+        components=parse_components(args.dlo_components),
+        probe_shape=parse_probe_size(args.dlo_probe_size) if args.dlo_probe_size else None,
+        dtype=None if args.dtype == "auto" else args.dtype,
+    )
+    if sp > 1:
+        if settings.mode is Mode.RANK_LOCAL:
+            raise FlagError("--sequence-parallel-size gathers each block over the SP group: "
+                            "drop --dlo-no-use-allgather / --dlo-mode rank-local")
+        refused = [FLAGS[k] for k in ("resident_layers", "device_memory_gb") if getattr(settings, k)
+                   is not None]
+        if settings.mode is Mode.AUTO:
+            refused.insert(0, "--dlo-mode auto")
+        if settings.components != ("dit",):
+            refused.append(FLAGS["components"])
+        if refused:
+            raise FlagError(f"{', '.join(refused)}: not yet with --sequence-parallel-size > 1 (an SP group "
+                            "always gathers over its ranks and streams the transformer only)")
+    return settings

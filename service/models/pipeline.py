@@ -21,7 +21,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,11 @@ import torch
 import torch.distributed as dist
 
 from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload, load_resident
-from service.offload.auto import ModeChoice, ProbeTimings, choose_mode, probe
+from service.offload.auto import ProbeTimings, choose_mode, probe
 
-from .adapter import ModelAdapter, load_adapter
+from .adapter import ModelAdapter
+from .options import Mode, OffloadSettings
+from .registry import load_adapter
 from .request import GenerationRequest
 from .video import encode_mp4
 
@@ -43,49 +45,12 @@ log = logging.getLogger("dloserve.models")
 BUDGET_HEADROOM = 256 * 2**20
 
 
-@dataclass(frozen=True)
-class OffloadConfig:
-    """How the pipeline is served. ``dtype`` None keeps the checkpoint's dtypes.
-
-    ``mode`` "auto" resolves ``use_allgather`` at load from a probe forward of
-    ``probe_shape`` (height, width, frames); ``resident_layers`` or ``device_memory_gb``
-    keep transformer blocks resident; ``components`` adds text_encoder / vae offload.
-    """
-
-    enabled: bool = True
-    use_allgather: bool = True
-    dtype: torch.dtype | None = None
-    mode: str = "manual"  # "manual" (use_allgather as given) or "auto"
-    resident_layers: int | None = None
-    device_memory_gb: float | None = None
-    components: tuple[str, ...] = ("dit",)
-    probe_shape: tuple[int, int, int] | None = None
-
-    @property
-    def strategy(self) -> str:
-        if not self.enabled:
-            return "resident"
-        if self.mode == "auto":
-            return "auto"
-        return "allgather" if self.use_allgather else "rank_local"
-
-    @classmethod
-    def from_options(cls, enabled: bool, use_allgather: bool, options: dict[str, Any] | None,
-                     dtype: torch.dtype | None = None) -> OffloadConfig:
-        """From the plain dict the CLIs and Serve config carry (models.options)."""
-        o = dict(options or {})
-        mode = o.pop("mode", None)
-        if mode in ("allgather", "rank_local"):
-            use_allgather = mode == "allgather"
-        shape = o.pop("probe_shape", None)
-        return cls(enabled=enabled, use_allgather=use_allgather, dtype=dtype,
-                   mode="auto" if mode == "auto" else "manual",
-                   probe_shape=tuple(shape) if shape else None,
-                   components=tuple(o.pop("components", None) or ("dit",)), **o)
-
-
 class PipelineRunner:
-    """A model directory loaded for serving: the adapter's components plus the transformer."""
+    """A model directory loaded for serving: the adapter's components plus the transformer.
+
+    ``settings`` are the ones it was loaded with, auto's choice resolved (``choice`` says
+    what the probe measured and why).
+    """
 
     def __init__(
         self,
@@ -93,17 +58,18 @@ class PipelineRunner:
         transformer: torch.nn.Module,
         handle: LayerwiseOffload | None,
         device: torch.device,
-        offload: OffloadConfig,
+        settings: OffloadSettings,
         load_s: float,
-        choice: ModeChoice | None = None,
+        choice: dict[str, Any] | None = None,
     ) -> None:
         self.choice = choice
         self.adapter = adapter
         self.transformer = transformer
         self.handle = handle
         self.device = device
-        self.offload = offload
+        self.settings = settings
         self.load_s = load_s
+        self.load_stages: dict[str, float] = {}  # seconds per loading stage (cold-start report)
         self._closed = False
 
     @classmethod
@@ -112,62 +78,64 @@ class PipelineRunner:
         model_dir: str | Path,
         device: str | torch.device = "cpu",
         *,
-        offload: OffloadConfig | None = None,
+        settings: OffloadSettings | None = None,
         group: dist.ProcessGroup | None = None,
         progress: bool = False,
         sequence_parallel: int = 1,
     ) -> PipelineRunner:
-        """Load ``model_dir``; ``offload`` None or disabled means a fully resident transformer.
+        """Load ``model_dir``; ``settings`` None (or mode resident): a fully resident transformer.
 
         With offload enabled every rank of ``group`` must call this (it shards the blocks).
         ``sequence_parallel`` S > 1: the torch.distributed world is one SP group of S ranks
         (pass it as ``group`` too, so the offload shards over the same ranks).
         """
         t0 = time.perf_counter()
+        marks = {"start": t0}
         dev = torch.device(device)
-        cfg = offload or OffloadConfig(enabled=False)
+        settings = settings or OffloadSettings()
+        dtype = dtype_of(settings)
         adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
         ckpt = adapter.transformer_checkpoint()
+        marks["build"] = time.perf_counter()
         handle, choice = None, None
-        if cfg.enabled and sequence_parallel > 1 and group is not None:
+        if settings.enabled and sequence_parallel > 1 and group is not None:
             # The block gathers get a communicator of their own: NCCL runs one communicator's
             # work in issue order on one stream, so sharing the attention all-to-alls' (the
             # mesh reuses the world's) would queue them behind the next block's prefetch.
             group = dist.new_group(ranks=dist.get_process_group_ranks(group))
-        if cfg.enabled:
-            use_allgather, activation = cfg.use_allgather, 0
-            probed = cfg.mode == "auto" or (cfg.device_memory_gb is not None and dev.type == "cuda")
-            if probed:
-                timings = probe_transformer(adapter, dev, cfg, group)
-                activation = timings.activation_bytes + BUDGET_HEADROOM if timings.activation_bytes else 0
-                if cfg.mode == "auto":
-                    choice = choose_mode(timings)
-                    use_allgather = choice.mode == "allgather"
-                    log.info("offload mode auto: %s (%s)", choice.mode, choice.reason)
-            budget = None if cfg.device_memory_gb is None else int(cfg.device_memory_gb * 2**30)
+        if settings.enabled:
+            activation, timings = 0, None
+            if settings.mode is Mode.AUTO:
+                choice, timings = decide_auto(adapter, dev, settings, group)
+                settings = settings.resolved(Mode(choice["mode"]))
+                log.info("offload mode auto: %s (%s)", choice["mode"], choice["reason"])
+            if timings is None and settings.device_memory_gb is not None and dev.type == "cuda":
+                timings = probe_transformer(adapter, dev, settings, group)
+            if timings is not None and timings.activation_bytes:
+                activation = timings.activation_bytes + BUDGET_HEADROOM
+            marks["probe"] = time.perf_counter()
+            budget = None if settings.device_memory_gb is None else int(settings.device_memory_gb * 2**30)
             try:
                 handle = enable_layerwise_offload(
                     module,
                     ckpt,
                     device=dev,
                     group=group,
-                    use_allgather=use_allgather,
+                    use_allgather=settings.use_allgather,
                     block_attrs=list(adapter.block_attrs),
-                    dtype=cfg.dtype,
+                    dtype=dtype,
                     keep_fp32=adapter.keep_fp32,
                     progress=_shard_bar() if progress else None,
-                    placement=Placement(resident_blocks=cfg.resident_layers, device_memory_budget=budget,
+                    placement=Placement(resident_blocks=settings.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
                 )
             except ValueError as e:
                 if "device_memory_budget" in str(e) or "resident_blocks" in str(e):
                     raise ValueError(f"--dlo-device-memory-gb / --dlo-resident-layers: {e}") from e
                 raise
-            if use_allgather != cfg.use_allgather:
-                cfg = replace(cfg, use_allgather=use_allgather)
         else:
-            load_resident(module, ckpt, dev, dtype=cfg.dtype, keep_fp32=adapter.keep_fp32)
+            load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32)
         if sequence_parallel > 1:
             from .sequence import enable_sequence_parallel
 
@@ -177,8 +145,12 @@ class PipelineRunner:
                 if handle is not None:
                     handle.close()
                 raise
-        adapter.load_components(dev, cfg.components if cfg.enabled else ("dit",))
-        return cls(adapter, module, handle, dev, cfg, time.perf_counter() - t0, choice)
+        marks["transformer"] = time.perf_counter()
+        adapter.load_components(dev, settings.components)
+        marks["components"] = time.perf_counter()
+        runner = cls(adapter, module, handle, dev, settings, time.perf_counter() - t0, choice)
+        runner.load_stages = _durations(marks)
+        return runner
 
     # -- requests ----------------------------------------------------------------------
 
@@ -224,11 +196,11 @@ class PipelineRunner:
             "family": self.adapter.family,
             "model_dir": str(self.adapter.model_dir),
             "device": str(self.device),
-            "strategy": self.offload.strategy,
+            "strategy": self.settings.mode.value,
             "sequence_parallel": self.adapter.sequence_parallel,
-            "mode_choice": self.choice.as_dict() if self.choice else None,
-            "components": list(self.offload.components) if self.offload.enabled else [],
-            "dtype": str(self.offload.dtype) if self.offload.dtype else None,
+            "mode_choice": self.choice,
+            "components": list(self.settings.components) if self.settings.enabled else [],
+            "dtype": self.settings.dtype,
             "load_s": round(self.load_s, 3),
         }
 
@@ -251,16 +223,48 @@ class PipelineRunner:
             torch.cuda.empty_cache()
 
 
-def probe_transformer(adapter: ModelAdapter, dev: torch.device, cfg: OffloadConfig,
+def dtype_of(settings: OffloadSettings) -> torch.dtype | None:
+    """The torch dtype the settings name (None: keep the checkpoint's)."""
+    return getattr(torch, settings.dtype) if settings.dtype else None
+
+
+def _durations(marks: dict[str, float]) -> dict[str, float]:
+    """Consecutive marks -> seconds of each stage (named by the mark that ends it)."""
+    names = list(marks)
+    return {b: round(marks[b] - marks[a], 3) for a, b in zip(names, names[1:], strict=False)}
+
+
+def decide_auto(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,
+                group: dist.ProcessGroup | None, world: int | None = None,
+                ) -> tuple[dict[str, Any], ProbeTimings | None]:
+    """``--dlo-mode auto``: the mode and why (a dict: mode, reason, and the probe's figures when
+    it ran), and the probe's timings. ``world`` overrides the group's size (a probe on one rank
+    for N). Without a probe to run, the choice says so: a family with no probe inputs gets
+    AllGather; CPU ranks without ``--dlo-probe-size`` get rank-local (no PCIe link to share:
+    a rank-local fill is a read of the page cache, and compute on the CPU covers it)."""
+    if not adapter.can_probe:
+        return {"mode": Mode.ALLGATHER.value,
+                "reason": f"{adapter.family} has no load-time probe: AllGather, the default"}, None
+    if dev.type == "cpu" and settings.probe_shape is None:
+        return {"mode": Mode.RANK_LOCAL.value,
+                "reason": "CPU ranks: a rank-local fill reads the shared page cache and compute covers it "
+                          "(no probe; give --dlo-probe-size to measure)"}, None
+    timings = probe_transformer(adapter, dev, settings, group)
+    if world is not None:
+        timings = replace(timings, world=world)
+    return choose_mode(timings).as_dict(), timings
+
+
+def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,
                       group: dist.ProcessGroup | None) -> ProbeTimings:
-    """Timings of the transformer at ``cfg.probe_shape`` through a throw-away rank-local
+    """Timings of the transformer at ``settings.probe_shape`` through a throw-away rank-local
     handle (mmap only, nothing sharded). Every rank of ``group`` calls it (it agrees)."""
     module = adapter.build_transformer()
     h = enable_layerwise_offload(module, adapter.transformer_checkpoint(), device=dev, use_allgather=False,
-                                 block_attrs=list(adapter.block_attrs), dtype=cfg.dtype,
+                                 block_attrs=list(adapter.block_attrs), dtype=dtype_of(settings),
                                  keep_fp32=adapter.keep_fp32)
     try:
-        height, width, frames = cfg.probe_shape or (480, 832, 81)
+        height, width, frames = settings.probe_shape or (480, 832, 81)
         inputs = adapter.probe_inputs(module, height, width, frames, dev)
         with torch.inference_mode():
             return probe(h, lambda: module(**inputs), group)

@@ -31,6 +31,23 @@ from .layerwise import LayerwiseOffload
 
 LOCKSTEP_MARGIN = 0.03
 SAME_LINK = 0.05  # at N=1, fills this close are one PCIe link measured twice
+# Mixed shapes in lock-step: a tick lasts as long as the slowest rank's forward. The service's
+# mixed batch on two H200s had a 33-frame forward (~1.0 s) beside an 81-frame one (~3.3 s) at
+# 480p (README, "Service throughput"): the slowest forward a group sees is ~3x its fastest.
+SHAPE_SPREAD = 3.0
+
+
+def lockstep_cost(world: int, spread: float = SHAPE_SPREAD) -> float:
+    """Compute time an AllGather group of ``world`` ranks loses to waiting for its slowest
+    forward, as a fraction: forward times spread uniformly over [1/spread, 1] of the slowest,
+    a tick takes the max of ``world`` of them, a rank-local rank only its own. 0 at N=1 or
+    with one shape (spread 1); 0.17 at N=2 and spread 3."""
+    if world <= 1 or spread <= 1:
+        return 0.0
+    low = 1.0 / spread
+    mean = (1.0 + low) / 2
+    slowest = low + (1.0 - low) * world / (world + 1)  # E[max of world uniforms on [low, 1]]
+    return slowest / mean - 1.0
 
 
 @dataclass(frozen=True)
@@ -49,7 +66,7 @@ class ProbeTimings:
 
 @dataclass(frozen=True)
 class ModeChoice:
-    mode: str  # "allgather" or "rank_local"
+    mode: str  # "allgather" or "rank-local"
     reason: str
     allgather_s: float  # predicted time per block
     ranklocal_s: float
@@ -67,24 +84,32 @@ def allgather_fill_s(t: ProbeTimings) -> float:
     return shard + t.block_bytes * (t.world - 1) / t.world / t.gather_bps
 
 
-def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN) -> ModeChoice:
-    """AllGather or rank-local for these timings, with the reason in words."""
+def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN,
+                shape_spread: float = SHAPE_SPREAD) -> ModeChoice:
+    """AllGather or rank-local for these timings, with the reason in words.
+
+    AllGather's compute is charged what lock-step costs with mixed shapes (``lockstep_cost``)
+    and ``lockstep_margin`` for the gathers sharing the GPU; rank-local ranks pay neither.
+    """
     if min(t.compute_s, t.h2d_bps, t.ranklocal_bps) <= 0 or t.world < 1:
         raise ValueError(f"probe timings must be positive: {t}")
     ag_fill = allgather_fill_s(t)
     rl_fill = t.block_bytes / t.ranklocal_bps
-    ag = max(t.compute_s, ag_fill) * (1 + (lockstep_margin if t.world > 1 else 0.0))
+    waits = lockstep_cost(t.world, shape_spread)
+    ag = max(t.compute_s * (1 + waits), ag_fill) * (1 + (lockstep_margin if t.world > 1 else 0.0))
     rl = max(t.compute_s, rl_fill)
     if t.world == 1 and rl_fill <= ag_fill * (1 + SAME_LINK):
         rl = min(rl, ag)  # one rank, both over the same link: no private pinned copy wins
     ms = 1e3
     facts = (f"per block: compute {t.compute_s * ms:.2f} ms, AllGather fill {ag_fill * ms:.2f} ms "
              f"(N={t.world}), rank-local fill {rl_fill * ms:.2f} ms ({t.ranklocal_source})")
+    if waits:
+        facts += f"; lock-step with mixed shapes costs AllGather {waits:.0%} of compute"
     if rl <= ag:
         why = ("compute covers the rank-local fill: no lock-step, no gathers"
                if rl_fill <= t.compute_s else
                "rank-local fills as fast as AllGather here and pins no private copy")
-        return ModeChoice("rank_local", f"{why}; {facts}", ag, rl, t)
+        return ModeChoice("rank-local", f"{why}; {facts}", ag, rl, t)
     why = (f"rank-local would be transfer-bound ({rl * ms:.2f} ms/block against "
            f"{ag * ms:.2f} ms with AllGather)")
     return ModeChoice("allgather", f"{why}; {facts}", ag, rl, t)

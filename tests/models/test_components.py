@@ -10,7 +10,8 @@ import torch
 
 from service.models.components import load_streamed_text_encoder, parse_components
 from service.models.demo import ensure_demo_model
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.staged import StagedModule
 
@@ -60,19 +61,18 @@ def test_streamed_text_encoder_embeddings_are_bitwise_equal(model: Path, tmp_pat
 
 def test_mp4_bytes_unchanged_with_every_component_offloaded(model: Path) -> None:
     runs = {
-        "today": OffloadConfig(),
-        "all offloaded, auto, 1 resident": OffloadConfig(
-            components=("dit", "text_encoder", "vae"), mode="auto", probe_shape=(32, 32, 5),
-            resident_layers=1),
+        "today": OffloadSettings(Mode.ALLGATHER),
+        "all offloaded, auto, 1 resident": OffloadSettings(
+            Mode.AUTO, components=("dit", "text_encoder", "vae"), probe_shape=(32, 32, 5), resident_layers=1),
     }
     digests = {}
     for name, cfg in runs.items():
-        r = PipelineRunner.load(model, "cpu", offload=cfg)
+        r = PipelineRunner.load(model, "cpu", settings=cfg)
         try:
             digests[name] = hashlib.sha256(r.generate(REQ)).hexdigest()
-            if cfg.mode == "auto":
+            if cfg.mode is Mode.AUTO:
                 d = r.describe()
-                assert d["mode_choice"]["mode"] in ("allgather", "rank_local")
+                assert d["mode_choice"]["mode"] in ("allgather", "rank-local")
                 assert d["components"] == ["dit", "text_encoder", "vae"]
                 assert r.handle is not None and r.handle.stats().resident_blocks == 1
                 assert not r.adapter.staged["vae"].staged  # back on the host after decode

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from service.models.demo import _tokenizer
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
 
@@ -78,13 +79,13 @@ def reference(flux_dir: Path) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "offload", [None, OffloadConfig(), OffloadConfig(use_allgather=False)],
+    "offload", [None, OffloadSettings(Mode.ALLGATHER), OffloadSettings(Mode.RANK_LOCAL)],
     ids=["resident", "allgather1", "ranklocal1"],
 )
 def test_flux_frames_equal_diffusers(
-    flux_dir: Path, reference: np.ndarray, offload: OffloadConfig | None
+    flux_dir: Path, reference: np.ndarray, offload: OffloadSettings | None
 ) -> None:
-    runner = PipelineRunner.load(flux_dir, "cpu", offload=offload)
+    runner = PipelineRunner.load(flux_dir, "cpu", settings=offload)
     try:
         assert runner.adapter.family == "flux-t2i"
         frames = runner.frames(REQ)

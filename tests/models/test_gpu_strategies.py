@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine.local import generate_local
+from service.engine.local import generate
 from service.models.demo import ensure_demo_model
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import encode_mp4
 
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 STRATEGIES = {
     "resident": None,
-    "allgather": OffloadConfig(),
-    "ranklocal": OffloadConfig(use_allgather=False),
+    "allgather": OffloadSettings(Mode.ALLGATHER),
+    "ranklocal": OffloadSettings(Mode.RANK_LOCAL),
 }
 BIG_REQ = GenerationRequest(
     prompt="a red fox running through snow", seed=1, height=480, width=832, num_frames=21,
@@ -35,7 +36,7 @@ BIG_REQ = GenerationRequest(
 def _digest(model: str, req: GenerationRequest, order: list[str]) -> dict[str, tuple[str, str]]:
     out = {}
     for name in order:
-        runner = PipelineRunner.load(model, "cuda", offload=STRATEGIES[name])
+        runner = PipelineRunner.load(model, "cuda", settings=STRATEGIES[name])
         try:
             frames = runner.frames(req)
         finally:
@@ -67,5 +68,6 @@ def test_cuda_two_ranks_match_resident(tmp_path: Path, allgather: bool) -> None:
     finally:
         runner.close()
     out = tmp_path / "out.mp4"
-    generate_local(model, req, out, world=2, device="cuda", offload=OffloadConfig(use_allgather=allgather))
+    generate(model, req, str(out), dp_size=2, device="cuda",
+             settings=OffloadSettings(Mode.ALLGATHER if allgather else Mode.RANK_LOCAL))
     assert out.read_bytes() == expected

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from service.models.demo import _tokenizer
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4, to_uint8
 
@@ -81,13 +82,13 @@ def diffusers_frames(saved_pipeline: Path) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "offload",
-    [None, OffloadConfig(), OffloadConfig(use_allgather=False)],
+    [None, OffloadSettings(Mode.ALLGATHER), OffloadSettings(Mode.RANK_LOCAL)],
     ids=["resident", "allgather1", "ranklocal1"],
 )
 def test_frames_equal_diffusers_wanpipeline(
-    saved_pipeline: Path, diffusers_frames: np.ndarray, offload: OffloadConfig | None
+    saved_pipeline: Path, diffusers_frames: np.ndarray, offload: OffloadSettings | None
 ) -> None:
-    runner = PipelineRunner.load(saved_pipeline, "cpu", offload=offload)
+    runner = PipelineRunner.load(saved_pipeline, "cpu", settings=offload)
     try:
         assert type(runner.adapter._parts["scheduler"]).__name__ == "FlowMatchEulerDiscreteScheduler"
         frames = runner.frames(REQ)

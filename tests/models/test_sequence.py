@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from service.models.adapter import ModelError, load_adapter
+from service.models.adapter import ModelError
+from service.models.registry import load_adapter
 from service.models.request import GenerationRequest, RequestError
 
 REQ = GenerationRequest(prompt="a red fox running through snow", seed=7)  # 32x32x5: 2x2x2 = 8 tokens
@@ -28,14 +29,16 @@ def sha(data: bytes) -> str:
 
 def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
     """Both strategies in one spawn; the per-forward lock-step of the service (RankWorker)."""
-    from service.engine.local import control_group, run_one
     from service.engine.rank import RankWorker
-    from service.models.pipeline import OffloadConfig, PipelineRunner
+    from service.engine.start import control_group
+    from service.models.options import Mode, OffloadSettings
+    from service.models.pipeline import PipelineRunner
+    from tests.ranks import run_one
 
     control = control_group(world)
     results = {}
-    for name, cfg in (("dlo", OffloadConfig()), ("resident", OffloadConfig(enabled=False))):
-        runner = PipelineRunner.load(model, "cpu", offload=cfg, group=dist.group.WORLD,
+    for name, cfg in (("dlo", OffloadSettings(Mode.ALLGATHER)), ("resident", OffloadSettings())):
+        runner = PipelineRunner.load(model, "cpu", settings=cfg, group=dist.group.WORLD,
                                      sequence_parallel=world)
         seen: list[int] = []
         hooks = [runner.transformer.blocks[0].register_forward_hook(
@@ -47,9 +50,9 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
                             lead=rank == 0)
         try:
             res = run_one(worker, "r", REQ)
-            assert res is not None and res["error"] is None, res
+            assert res is not None and res.error is None, res
             results[name] = {
-                "sha": sha(res["mp4"]) if res["mp4"] is not None else None,
+                "sha": sha(res.mp4) if res.mp4 is not None else None,
                 "tokens_in_block0": sorted(set(seen)),
                 "forwards": worker.forwards, "idle_ticks": worker.idle_ticks,
                 "null_ticks": worker.null_ticks,

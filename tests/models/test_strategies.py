@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
 
@@ -38,8 +39,8 @@ def _waves(rank: int, world: int, model: str, out: str) -> None:
         size = dist.get_world_size(group) if rank < 2 or group is dist.group.WORLD else 0
         if size == 0:
             continue
-        cfg = OffloadConfig(use_allgather=allgather)
-        runner = PipelineRunner.load(model, "cpu", offload=cfg, group=group)
+        cfg = OffloadSettings(Mode.ALLGATHER if allgather else Mode.RANK_LOCAL)
+        runner = PipelineRunner.load(model, "cpu", settings=cfg, group=group)
         shas = []
         for runs in (0, size - 1):
             if rank == runs:
@@ -58,7 +59,8 @@ def reference(resident: PipelineRunner) -> str:
 
 @pytest.mark.parametrize("allgather", [True, False], ids=["allgather1", "ranklocal1"])
 def test_layerwise_dp1_matches_resident(demo_model: str, reference: str, allgather: bool) -> None:
-    runner = PipelineRunner.load(demo_model, "cpu", offload=OffloadConfig(use_allgather=allgather))
+    settings = OffloadSettings(Mode.ALLGATHER if allgather else Mode.RANK_LOCAL)
+    runner = PipelineRunner.load(demo_model, "cpu", settings=settings)
     try:
         assert sha(runner.generate(REQ)) == reference
         assert sha(runner.generate(REQ)) == reference  # the ring wrapped: still the same
@@ -85,7 +87,7 @@ def test_spawned_ranks_match_resident(demo_model: str, reference: str, tmp_path:
             if name.startswith("allgather"):
                 assert stats["mode"] == "allgather" and stats["gathered_bytes"] > 0
             else:
-                assert stats["mode"] == "rank_local" and stats["gathered_bytes"] == 0
+                assert stats["mode"] == "rank-local" and stats["gathered_bytes"] == 0
     assert "allgather2" not in ranks[2]
     assert seen == 6
 
@@ -94,11 +96,11 @@ def test_bf16_strategies_agree(demo_model: str) -> None:
     """bf16 serving keeps Wan's fp32 modules: blocks hold two dtypes; bytes still equal."""
     digests = {}
     for name, cfg in {
-        "resident": OffloadConfig(enabled=False, dtype=torch.bfloat16),
-        "allgather": OffloadConfig(dtype=torch.bfloat16),
-        "ranklocal": OffloadConfig(use_allgather=False, dtype=torch.bfloat16),
+        "resident": OffloadSettings(dtype="bfloat16"),
+        "allgather": OffloadSettings(Mode.ALLGATHER, dtype="bfloat16"),
+        "ranklocal": OffloadSettings(Mode.RANK_LOCAL, dtype="bfloat16"),
     }.items():
-        runner = PipelineRunner.load(demo_model, "cpu", offload=cfg)
+        runner = PipelineRunner.load(demo_model, "cpu", settings=cfg)
         try:
             if runner.handle is not None:
                 dtypes = runner.offload_stats()["block_bytes_by_dtype"]

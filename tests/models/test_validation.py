@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from service.models.adapter import ModelError, load_adapter
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.models.adapter import ModelError
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
+from service.models.registry import load_adapter
 from service.models.request import GenerationRequest, RequestError
 
 OK = GenerationRequest(prompt="a cat")
@@ -45,7 +47,7 @@ def test_request_errors_name_the_field(demo_model: str, changes: dict, field: st
 
 
 def test_rejected_before_any_compute(demo_model: str) -> None:
-    runner = PipelineRunner.load(demo_model, "cpu", offload=OffloadConfig())
+    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(Mode.ALLGATHER))
     try:
         with pytest.raises(RequestError, match="height"):
             runner.generate(GenerationRequest(prompt="a cat", height=33))
