@@ -232,7 +232,7 @@ def part_ranklocal(args: argparse.Namespace) -> dict:
             if auto is None or t["allgather"] is None or t["pagecache"] is None:
                 continue
             rl = t["pagecache"]
-            faster = "allgather" if t["allgather"] < rl else "rank_local"
+            faster = "allgather" if t["allgather"] < rl else "rank-local"
             chosen = t["allgather"] if auto["mode"] == "allgather" else rl
             picks.append({"world": world, "tokens": n, "allgather_ms": t["allgather"], "ranklocal_ms": rl,
                           "faster": faster, "auto": auto["mode"], "auto_reason": auto["reason"],
@@ -246,12 +246,14 @@ def part_ranklocal(args: argparse.Namespace) -> dict:
 
 def _pipeline_worker(rank: int, world: int, model: str, kind: str, components: list[str],
                      sizes: list[list[int]]) -> dict:
-    from service.models.pipeline import OffloadConfig, PipelineRunner
+    from service.models.options import Mode, OffloadSettings
+    from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
     dev = _dev(kind)
     t0 = time.perf_counter()
-    runner = PipelineRunner.load(model, dev, offload=OffloadConfig(components=tuple(components)))
+    settings = OffloadSettings(Mode.ALLGATHER, components=tuple(components))
+    runner = PipelineRunner.load(model, dev, settings=settings)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "requests": {}}
     warm = GenerationRequest("warm-up", seed=1, height=256, width=256, num_frames=5, num_inference_steps=1)
     runner.frames(warm)  # kernels, allocator and page cache warm before the measured requests

@@ -72,12 +72,14 @@ def _comm_ms(module: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, f
 
 def _rank(rank: int, world: int, model: str, offload: bool, device_kind: str, tokens: list[int],
           reps: int, gen: list[int] | None, scratch: str, run: str) -> dict[str, Any]:
-    from service.models.pipeline import OffloadConfig, PipelineRunner
+    from service.models.options import Mode, OffloadSettings
+    from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
     dev = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
     t0 = time.perf_counter()
-    runner = PipelineRunner.load(model, dev, offload=OffloadConfig(enabled=offload),
+    settings = OffloadSettings(Mode.ALLGATHER if offload else Mode.RESIDENT)
+    runner = PipelineRunner.load(model, dev, settings=settings,
                                  group=dist.group.WORLD if world > 1 else None, sequence_parallel=world)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "workloads": {},
                            "pss_after_load_bytes": host_memory()["pss_bytes"]}

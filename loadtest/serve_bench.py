@@ -80,14 +80,14 @@ def resident_worker(args: argparse.Namespace) -> int:
     import torch
 
     from service.engine.encoder import Encoder
-    from service.models.pipeline import OffloadConfig, PipelineRunner
+    from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
     items = json.loads(Path(args.items).read_text())
     device = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(args.gpu)
-    runner = PipelineRunner.load(args.model, device, offload=OffloadConfig(enabled=False))
+    runner = PipelineRunner.load(args.model, device, settings=None)
     enc = Encoder(args.encoders)
     warm = items[0]["body"]
     runner.frames(GenerationRequest(**{**warm, "num_inference_steps": 1, "num_frames": 5}))

@@ -1,133 +1,347 @@
-"""N local ranks without Ray: spawned processes in one process group, each a RankWorker.
+"""The executor without Ray: rank processes on this host (``dloserve generate``).
 
-``dloserve generate --data-parallel-size N`` runs here: rank 0 takes the request, every
-rank ticks (the others replay its gathers), rank 0 writes the MP4. With
-``--sequence-parallel-size S`` the S processes are one SP group: all of them take the
-request and run it on 1/S of its tokens each; rank 0 writes the MP4. The same per-rank
-loop the Ray workers run, driven from a plain process instead of an actor.
+Process r of the engine uses ``cuda:r`` (or the CPU). A group of one process runs in this
+very process (the rank loop on its own threads), as ``generate`` always has at DP1; a group
+of several is spawned processes (never forked: CUDA), each running ``start_rank`` and
+talking to us over a pipe: we send ``assign``/``cancel``/``serve``, it sends its events, the
+end of each serve round, and refusals. A process that dies shows up as a closed pipe.
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
-import tempfile
+import queue
 import threading
-from collections.abc import Callable
-from datetime import timedelta
-from pathlib import Path
+import time
+import traceback
+from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from service.models.pipeline import OffloadConfig, PipelineRunner
-from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
+from service.models.options import Mode
 
+from .events import Event, EventKind
+from .executor import Group, GroupExecutor, GroupState, Reply, log_start, short
 from .rank import RankWorker
+from .spec import EngineSpec
+from .start import RankPlace, load_facts, probe_mode, start_rank, stop_rank
 
-GROUP_TIMEOUT = timedelta(minutes=10)
-StepFn = Callable[[int, int], None]
-
-
-def rank_device(device: str, rank: int) -> torch.device:
-    """Rank r uses cuda:r on one host; CPU ranks share the host."""
-    return torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+log = logging.getLogger("dloserve.engine")
 
 
-def control_group(world: int) -> dist.ProcessGroup | None:
-    """A gloo group of all ranks for the per-tick agreement (None for one rank)."""
-    return dist.new_group(backend="gloo") if world > 1 else None
+def rank_device(device: str, process: int) -> torch.device:
+    """Process r uses cuda:r on one host; CPU ranks share the host."""
+    return torch.device("cuda", process) if device == "cuda" else torch.device("cpu")
 
 
-def run_one(worker: RankWorker, job_id: str | None, req: GenerationRequest | None,
-            on_step: StepFn | None = None) -> dict[str, Any] | None:
-    """Tick until the group is idle; with a request, also wait for its finished event."""
-    result: dict[str, Any] = {}
-    done = threading.Event()
+class LocalExecutor(GroupExecutor):
+    """Rank groups as threads (one process) or spawned processes (several) of this host."""
+
+    def __init__(self, spec: EngineSpec, progress: bool = False) -> None:
+        super().__init__(spec)
+        self.progress = progress  # a loading bar from the first rank (generate)
+        self._q: queue.SimpleQueue[tuple[Group, int, int, Reply]] = queue.SimpleQueue()
+
+    def start(self) -> None:
+        if self.spec.settings.mode is Mode.AUTO and self.mode_choice is None:
+            device = rank_device(self.spec.device, 0)
+            try:
+                choice = probe_mode(self.spec, device) if self.spec.dp_size * self.spec.sp_size == 1 \
+                    else _in_child(probe_mode, self.spec, device)
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
+            log.info("--dlo-mode auto chose %s: %s", choice["mode"], choice["reason"])
+            self.mode_choice = choice
+            self.spec = replace(self.spec, settings=self.spec.settings.resolved(Mode(choice["mode"])))
+        self._lay_out()
+        self._start_all()
+
+    # -- the transport ----------------------------------------------------------------
+    def _open(self, g: Group) -> None:
+        places = [RankPlace(g.info.id, p, g.world, g.info.first_rank) for p in range(g.world)]
+        generation = g.generation
+        if g.world == 1:
+            handles: list[Any] = [_InProcess(self, g, generation, places[0])]
+        else:
+            from service.offload.spawn import free_port
+
+            init = f"tcp://127.0.0.1:{free_port()}"
+            handles = [_Child(self, g, generation, pl, init) for pl in places]
+        with self._lock:
+            g.handles = handles
+        t0 = time.monotonic()
+        facts = [h.wait_ready(self.spec.setup_timeout_s) for h in handles]
+        log_start(g, facts, {"setup_s": time.monotonic() - t0})
+
+    def _kill(self, g: Group) -> None:
+        for h in g.handles:
+            h.kill()
+        g.handles = []
+
+    def _send(self, g: Group, process: int, op: str, *args: Any) -> None:
+        g.handles[process].send(op, *args)
+
+    def _replies(self, timeout: float) -> list[tuple[Group, int, int, Reply]]:
+        out = []
+        try:
+            out.append(self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait())
+            while True:
+                out.append(self._q.get_nowait())
+        except queue.Empty:
+            return out
+
+    def _names(self, g: Group) -> list[str]:
+        return [h.name for h in g.handles]
+
+    def _reply(self, g: Group, generation: int, process: int, reply: Reply) -> None:
+        self._q.put((g, generation, process, reply))
+
+
+class _InProcess:
+    """A one-process group's rank loop in this process: calls go straight to it."""
+
+    def __init__(self, ex: LocalExecutor, g: Group, generation: int, place: RankPlace) -> None:
+        self.ex, self.g, self.generation, self.place = ex, g, generation, place
+        self.name = f"local-{g.info.id}-gen{generation}-rank{place.rank}"
+        self.worker: RankWorker | None = None
+        self._stop = threading.Event()
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        t0 = time.monotonic()
+        device = rank_device(self.ex.spec.device, self.place.first + self.place.rank)
+        self.worker = start_rank(self.ex.spec, self.place, None, device, progress=self.ex.progress)
+        threading.Thread(target=self._pump, name=f"{self.name}-events", daemon=True).start()
+        return load_facts(self.worker, t0)
+
+    def _pump(self) -> None:
+        while not self._stop.is_set() and self.worker is not None:
+            evs = self.worker.events(0.5)
+            if evs:
+                self.ex._reply(self.g, self.generation, self.place.rank, Reply("events", tuple(evs)))
+
+    def send(self, op: str, *args: Any) -> None:
+        assert self.worker is not None
+        if op == "assign":
+            try:
+                self.worker.assign(*args)
+            except Exception as e:  # noqa: BLE001 - refused: that request only
+                self.ex._reply(self.g, self.generation, self.place.rank,
+                               Reply("refused", (Event(EventKind.REFUSED, job_id=str(args[0])),), short(e)))
+        elif op == "cancel":
+            self.worker.cancel(*args)
+        elif op == "serve":
+            threading.Thread(target=self._serve, name=f"{self.name}-serve", daemon=True).start()
+
+    def _serve(self) -> None:
+        assert self.worker is not None
+        try:
+            self.worker.serve()
+            reply = Reply("served")
+        except Exception as e:  # noqa: BLE001 - the tick loop broke: the group fails
+            reply = Reply("failed", error=short(e))
+        self.ex._reply(self.g, self.generation, self.place.rank, reply)
+
+    def kill(self) -> None:
+        self._stop.set()
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            stop_rank(worker)
+
+
+class _Child:
+    """A spawned rank process and the pipe to it."""
+
+    def __init__(self, ex: LocalExecutor, g: Group, generation: int, place: RankPlace, init: str) -> None:
+        self.ex, self.g, self.generation, self.place = ex, g, generation, place
+        self.name = f"local-{g.info.id}-gen{generation}-rank{place.rank}"
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        device = rank_device(ex.spec.device, place.first + place.rank)
+        progress = ex.progress and place.first + place.rank == 0
+        self.proc = ctx.Process(target=_child_main, name=self.name, daemon=True,
+                                args=(child, ex.spec, place, init, str(device), progress))
+        self.proc.start()
+        child.close()
+        self._lock = threading.Lock()
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if self.ex._closed:
+                raise RuntimeError("executor closed during set-up")
+            if not self.proc.is_alive():
+                raise RuntimeError(f"{self.name} exited with code {self.proc.exitcode} during set-up")
+            if time.monotonic() > end:
+                raise RuntimeError(f"set-up took longer than {timeout:.0f} s")
+        msg = self.conn.recv()
+        if msg[0] != "ready":
+            raise RuntimeError(f"{self.name}: {msg[1]}")
+        threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True).start()
+        return msg[1]
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                if self.ex.state(self.g.info.id) is GroupState.READY:
+                    self.proc.join(timeout=1)
+                    self.ex._reply(self.g, self.generation, self.place.rank,
+                                   Reply("lost", error=f"process exited with code {self.proc.exitcode}"))
+                return
+            op = msg[0]
+            if op == "events":
+                reply = Reply("events", tuple(msg[1]))
+            elif op == "refused":
+                reply = Reply("refused", (Event(EventKind.REFUSED, job_id=msg[1]),), msg[2])
+            elif op == "failed":
+                reply = Reply("failed", error=msg[1])
+            else:
+                reply = Reply("served")
+            self.ex._reply(self.g, self.generation, self.place.rank, reply)
+
+    def send(self, op: str, *args: Any) -> None:
+        with self._lock:
+            try:
+                self.conn.send((op, *args))
+            except (BrokenPipeError, OSError):
+                pass  # it died: the reader reports it
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+def _child_main(conn: Any, spec: EngineSpec, place: RankPlace, init: str, device: str,
+                progress: bool) -> None:
+    """A rank process: start the rank, then do what the pipe says until it closes."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world))  # ranks share the host's cores
+    t0 = time.monotonic()
+    try:
+        worker = start_rank(spec, place, init, torch.device(device), progress=progress)
+    except BaseException:  # noqa: BLE001 - reported to the executor, which fails the start
+        conn.send(("setup_failed", traceback.format_exc(limit=3).strip().splitlines()[-1]))
+        return
+    conn.send(("ready", load_facts(worker, t0)))
+    lock, stop = threading.Lock(), threading.Event()
+
+    def send(*msg: Any) -> None:
+        with lock:
+            conn.send(msg)
 
     def pump() -> None:
-        while not done.is_set():
-            for e in worker.events(0.5):
-                if e["kind"] == "step" and on_step is not None:
-                    on_step(e["step"], e["total"])
-                elif e["kind"] == "finished" and e["id"] == job_id:
-                    result.update(e)
-                    done.set()
+        while not stop.is_set():
+            evs = worker.events(0.5)
+            if evs:
+                send("events", evs)
 
-    if job_id is not None and req is not None:
-        worker.assign(job_id, req)
-        threading.Thread(target=pump, name="events", daemon=True).start()
-    worker.serve()
-    if job_id is None:
-        return None
-    done.wait()
-    return result
+    def serve() -> None:
+        try:
+            worker.serve()
+            send("served")
+        except Exception as e:  # noqa: BLE001 - the tick loop broke: the group fails
+            send("failed", short(e))
 
-
-def generate_local(
-    model_dir: str | Path,
-    req: GenerationRequest,
-    out: str | Path,
-    world: int = 1,
-    device: str = "cpu",
-    offload: OffloadConfig | None = None,
-    progress: bool = False,
-    sequence_parallel: int = 1,
-) -> None:
-    """Generate ``req`` with ``world`` local ranks and write the MP4 to ``out`` (rank 0).
-
-    ``sequence_parallel`` > 1 must equal ``world``: one SP group runs the request.
-    """
-    if sequence_parallel > 1 and world != sequence_parallel:
-        raise ValueError(f"one request runs on one SP group: world {world} != SP {sequence_parallel}")
-    if world == 1:
-        _generate_rank(0, 1, str(model_dir), req, str(out), device, offload, progress, 1)
-        return
-    backend = "nccl" if device == "cuda" else "gloo"
-    run_ranks(_generate_rank, world, str(model_dir), req, str(out), device, offload, progress,
-              sequence_parallel, timeout=None, backend=backend, pg_timeout=GROUP_TIMEOUT)
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            op, *args = conn.recv()
+        except (EOFError, OSError):
+            break
+        if op == "assign":
+            try:
+                worker.assign(*args)
+            except Exception as e:  # noqa: BLE001 - refused: that request only
+                send("refused", args[0], short(e))
+        elif op == "cancel":
+            worker.cancel(*args)
+        elif op == "serve":
+            threading.Thread(target=serve, daemon=True).start()
+    stop.set()
+    stop_rank(worker)
 
 
-def _generate_rank(rank: int, world: int, model_dir: str, req: GenerationRequest, out: str,
-                   device: str, offload: OffloadConfig | None, progress: bool, sp: int) -> None:
-    offloaded = offload is not None and offload.enabled
-    group = dist.group.WORLD if offloaded and world > 1 else None
-    runner = PipelineRunner.load(model_dir, rank_device(device, rank), offload=offload, group=group,
-                                 progress=progress and rank == 0, sequence_parallel=sp)
-    worker = RankWorker(runner, rank, world, control_group(world), sequence_parallel=sp > 1,
-                        lead=sp == 1 or rank == 0)
+def _in_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a spawned process (its CUDA context and memory go with it)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def generate(model_dir: str, req: Any, out: str, *, dp_size: int = 1, sp_size: int = 1,
+             settings: Any = None, device: str = "cpu", progress: bool = False) -> None:
+    """``dloserve generate``: one request through the same dispatcher the service uses, on
+    local ranks, its MP4 written to ``out`` atomically; RuntimeError with the reason if it
+    fails. With DP N the request runs on one rank (in an AllGather group the others replay
+    its gathers); with SP S one SP group of S processes runs it."""
+    from service.models.options import Mode, OffloadSettings
+    from service.router.build import build_dispatcher
+
+    spec = EngineSpec(model_dir=str(model_dir), dp_size=dp_size, sp_size=sp_size,
+                      settings=settings or OffloadSettings(Mode.RESIDENT),
+                      gpus_per_rank=1.0 if device == "cuda" else 0.0, encoders_per_rank=0,
+                      pg_timeout_s=600.0)
+    sink = _OneFile(req.num_inference_steps if progress else 0)
+    dispatcher = build_dispatcher(spec, sink, "local", max_attempts=1, progress=progress,
+                                  deadlines=_no_deadline(), max_queue_wait_s=float("inf"))
+    dispatcher.start()
     try:
-        mine = rank == 0 or sp > 1  # SP: every rank runs the request; DP: rank 0, others replay
-        res = run_one(worker, "request" if mine else None, req if mine else None,
-                      _bar(req, progress) if rank == 0 else None)
-        if res is not None:
-            if res["error"]:
-                raise RuntimeError(res["error"])
-            if rank == 0:
-                _write(out, res["mp4"])
+        dispatcher.submit("request", req.compat_key(), req)
+        outcome = sink.wait()
     finally:
-        worker.close()
-        runner.close()
+        dispatcher.stop()
+    if not outcome.ok:
+        raise RuntimeError(outcome.error or "generation failed")
+    _write(out, outcome.mp4)
 
 
-def _bar(req: GenerationRequest, enabled: bool) -> StepFn | None:
-    if not enabled:
-        return None
-    from tqdm import tqdm
+def _no_deadline() -> Any:
+    """``generate`` waits as long as the request takes (a human is watching the bar)."""
+    from service.router.policy import DeadlinePolicy
 
-    bar = tqdm(total=req.num_inference_steps, desc="denoising", unit="step")
-
-    def on_step(done: int, total: int) -> None:
-        bar.update(done - bar.n)
-        if done >= total:
-            bar.close()
-
-    return on_step
+    return DeadlinePolicy(base_s=float("inf"))
 
 
-def _write(path: str | Path, data: bytes) -> None:
+class _OneFile:
+    """The sink of ``generate``: a step bar, and the one outcome."""
+
+    def __init__(self, steps: int) -> None:
+        self._done = threading.Event()
+        self.outcome: Any = None
+        self.bar: Any = None
+        if steps:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=steps, desc="denoising", unit="step")
+
+    def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
+        pass
+
+    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.outcome = outcome
+        self._done.set()
+
+    def wait(self) -> Any:
+        self._done.wait()
+        return self.outcome
+
+
+def _write(path: str, data: bytes) -> None:
     """Write atomically: a reader never sees half a file."""
+    import tempfile
+    from pathlib import Path
+
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")

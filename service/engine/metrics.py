@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ray.util.metrics import Counter, Gauge, Histogram
-
 _SECONDS = [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800]
 _STEP = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _RANK = ("group", "rank")
@@ -20,7 +18,10 @@ _RANK = ("group", "rank")
 
 @functools.cache
 def metrics() -> dict[str, Any]:
-    """All metric objects by short name (created on first use in this process)."""
+    """All metric objects by short name (created on first use in this process; Ray is
+    imported here, not at module import, so the dispatcher's module imports no Ray)."""
+    from ray.util.metrics import Counter, Gauge, Histogram
+
     return {
         "requests": Counter(
             "dloserve_requests_total", "Requests by final status", tag_keys=("status",)
@@ -42,6 +43,18 @@ def metrics() -> dict[str, Any]:
         "wave_latency": Histogram(
             "dloserve_wave_latency_seconds", "Wall time from a rank taking a request to its end",
             _SECONDS, ("group", "outcome")
+        ),
+        "stage": Histogram(
+            "dloserve_stage_seconds", "Seconds per stage of a finished request (queue, text_encode, denoise, "
+            "decode, encode, store)", _SECONDS, ("stage",)
+        ),
+        "rebuild_attempts": Counter(
+            "dloserve_group_start_attempts_total", "Starts and rebuilds of rank groups, by outcome",
+            ("outcome",)
+        ),
+        "availability": Gauge(
+            "dloserve_engine_availability", "1 for the state the engine is in (serving, recovering, down)",
+            ("state",)
         ),
         "step_time": Histogram(
             "dloserve_step_seconds", "Denoising step wall time per rank", _STEP, _RANK

@@ -18,6 +18,14 @@ holds the same request, each running all its forwards on 1/S of the tokens. Atte
 all-to-alls cannot be replayed idle, so a tick runs only when *every* rank is at the gate
 (otherwise it is a null tick), and only the lead rank encodes and reports the MP4.
 
+Cancel: a cancelled request that is queued leaves the inbox; one that is running stops at
+its next forward boundary. The tick thread decides it (never the pipeline thread on its
+own, which could leave a gate the group already opened): instead of opening the gate it
+tells the pipeline thread to abort, and the rank replays that tick idle like any free rank.
+
+A sticky failure (a CUDA or collective error: the device or the group cannot be trusted
+again) fails the request and takes the rank out: RANK_FAILED, and it takes no more work.
+
 Threads of a rank:
 - the pipeline thread takes requests from the inbox one at a time: text encoding (HEAD),
   forwards through the gate, VAE decode (TAIL), then hands the uint8 frames to the MP4
@@ -43,6 +51,7 @@ from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 
 from .encoder import Encoder
+from .events import Event, EventKind
 
 
 class Phase(enum.Enum):
@@ -62,6 +71,24 @@ class Job:
 
     id: str
     req: GenerationRequest
+
+
+class JobCancelled(Exception):
+    """Raised in the pipeline thread at a forward boundary the tick thread chose."""
+
+
+def sticky_error(e: BaseException) -> bool:
+    """Whether an error leaves the rank unusable: the CUDA context (an illegal access, ECC,
+    a launch failure: every later call fails too) or the process group (a collective that
+    failed leaves the ranks out of step)."""
+    if isinstance(e, dist.DistError):
+        return True
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(e, accel):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        m in text for m in ("CUDA error", "CUBLAS_STATUS", "NCCL error", "cudaError", "device-side assert"))
 
 
 class RankWorker:
@@ -103,8 +130,14 @@ class RankWorker:
         self._go = False
         self._done_forwards = 0  # of the current request
         self._expected = 0  # forwards the current request makes
-        self._events: list[dict[str, Any]] = []
+        self._cancel: set[str] = set()  # running jobs to stop at their next forward boundary
+        self._abort = False  # tick thread -> pipeline thread: leave the gate, the job is cancelled
+        self._stopped = False  # the pipeline thread left the gate on an abort (no forward ran)
+        self._failed: str | None = None  # a sticky error took this rank out
+        self._marks: dict[str, float] = {}  # monotonic times of the current job's stages
+        self._events: list[Event] = []
         self._closed = False
+        self.start_stages: dict[str, float] = {}  # seconds per set-up stage (engine.start)
         self.ticks = 0  # ticks this rank took part in, real or idle
         self.forwards = 0
         self.idle_ticks = 0
@@ -115,7 +148,9 @@ class RankWorker:
         self._cuda_index = (dev.index if dev.index is not None else torch.cuda.current_device()) \
             if dev.type == "cuda" else None
         self._hooks = [
-            runner.transformer.register_forward_pre_hook(self._gate_enter),
+            # First of the pre-hooks: a forward the gate stops (cancel) never begins, so the
+            # offload's own hooks neither start it nor replay its gathers.
+            runner.transformer.register_forward_pre_hook(self._gate_enter, prepend=True),
             runner.transformer.register_forward_hook(self._gate_leave, always_call=True),
         ]
         self._thread = threading.Thread(target=self._pipeline_loop, name=f"rank{rank}-pipeline",
@@ -130,10 +165,30 @@ class RankWorker:
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"rank {self.rank} is closed")
+            if self._failed:
+                raise RuntimeError(f"rank {self.rank} is out of service: {self._failed}")
             self._inbox.append(Job(job_id, req))
             self._cv.notify_all()
 
-    def events(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+    def cancel(self, job_id: str) -> bool:
+        """Stop ``job_id``: dropped if queued, stopped at its next forward if running (its
+        FINISHED event says ``cancelled``). False if this rank does not hold it or its
+        forwards are all done (decode and encode finish; the caller discards the result)."""
+        with self._cv:
+            for job in self._inbox:
+                if job.id == job_id:
+                    self._inbox.remove(job)
+                    self._emit(Event(EventKind.FINISHED, rank=self.rank, job_id=job_id, cancelled=True,
+                                     error="cancelled"))
+                    return True
+            job = self._current
+            if job is None or job.id != job_id or self._phase is Phase.TAIL:
+                return False
+            self._cancel.add(job_id)
+            self._cv.notify_all()
+            return True
+
+    def events(self, timeout: float = 1.0) -> list[Event]:
         """Everything that happened since the last call; waits up to ``timeout`` for one."""
         with self._cv:
             if not self._events:
@@ -154,6 +209,7 @@ class RankWorker:
                 "null_ticks": self.null_ticks,
                 "agree_s": self.agree_s,
                 "encoding": self.encoder.inflight,
+                "failed": self._failed,
             }
 
     def serve(self) -> dict[str, Any]:
@@ -206,12 +262,16 @@ class RankWorker:
         with self._cv:
             # A forward that just ran, or the scheduler step after it, decides what this
             # rank has next: wait for it rather than idling through a tick it could use.
-            self._cv.wait_for(lambda: self._phase not in (Phase.FORWARD, Phase.BETWEEN))
+            self._cv.wait_for(lambda: self._phase not in (Phase.FORWARD, Phase.BETWEEN) and not self._abort)
             if self._phase is Phase.HEAD or (self._phase is Phase.IDLE and self._inbox):
                 # Text encoding takes milliseconds next to a forward: worth a short wait.
                 self._cv.wait_for(lambda: self._phase in (Phase.GATE, Phase.TAIL)
                                   or (self._phase is Phase.IDLE and not self._inbox),
                                   timeout=self.head_wait_s)
+            if self._phase is Phase.GATE and self._current is not None and self._current.id in self._cancel:
+                self._abort = True  # the pipeline thread leaves the gate; this rank idles the tick
+                self._cv.notify_all()
+                self._cv.wait_for(lambda: not self._abort)
             at_gate = self._phase is Phase.GATE
             busy = at_gate or self._phase is Phase.HEAD or bool(self._inbox)
             return at_gate, busy
@@ -243,23 +303,35 @@ class RankWorker:
 
     def _gate_enter(self, module: torch.nn.Module, args: object) -> None:
         with self._cv:
+            if self._done_forwards == 0 and "first_gate" not in self._marks:
+                self._marks["first_gate"] = time.monotonic()
             self._phase = Phase.GATE
             self._cv.notify_all()
-            self._cv.wait_for(lambda: self._go or self._closed)
+            self._cv.wait_for(lambda: self._go or self._closed or self._abort)
             if self._closed:
                 raise RuntimeError(f"rank {self.rank} closed during a request")
+            if self._abort:
+                self._abort = False
+                self._stopped = True  # _gate_leave still runs (always_call): not a forward
+                self._phase = Phase.BETWEEN  # until _run ends it; the tick thread waits for that
+                self._cv.notify_all()
+                raise JobCancelled
             self._go = False
             self._phase = Phase.FORWARD
             self._cv.notify_all()
 
     def _gate_leave(self, module: torch.nn.Module, args: object, output: object) -> None:
         with self._cv:
+            if self._stopped:
+                self._stopped = False
+                return
             self.forwards += 1
             self._done_forwards += 1
             job = self._current
             if job is not None and self._done_forwards == self._expected:
                 self._phase = Phase.TAIL
-                self._emit({"kind": "forwards_done", "id": job.id, "rank": self.rank})
+                self._marks["forwards_done"] = time.monotonic()
+                self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
             else:
                 self._phase = Phase.BETWEEN
             self._cv.notify_all()
@@ -281,44 +353,73 @@ class RankWorker:
                 self._done_forwards = 0
                 self._expected = self.runner.adapter.forwards(job.req)
                 self._phase = Phase.HEAD
-                self._emit({"kind": "started", "id": job.id, "rank": self.rank, "t": time.time()})
+                self._marks = {"start": time.monotonic()}
+                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id))
             self._run(job)
 
     def _run(self, job: Job) -> None:
-        t0 = time.monotonic()
+        steps: list[float] = []
 
         def on_step(step: int, total: int) -> None:
-            self._emit_locked({"kind": "step", "id": job.id, "rank": self.rank,
-                               "step": step, "total": total})
+            now = time.monotonic()
+            steps.append(now - self._marks.get("last_step", self._marks.get("first_gate", now)))
+            self._marks["last_step"] = now  # the last one ends denoising (its scheduler step too)
+            self._emit_locked(Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=step, total=total))
 
         frames = None
         error: str | None = None
+        cancelled = False
         try:
             frames = self.runner.frames(job.req, on_step)
+        except JobCancelled:
+            error, cancelled = "cancelled", True
         except Exception as e:  # noqa: BLE001 - the request fails with the reason; the rank lives
             error = f"{type(e).__name__}: {e}"
+            if sticky_error(e):
+                self._failed = error
+        marks = dict(self._marks)
+        marks["frames"] = time.monotonic()
         with self._cv:
             self._current = None
-            if self._phase is not Phase.TAIL:  # failed before its last forward
-                self._emit({"kind": "forwards_done", "id": job.id, "rank": self.rank})
+            self._cancel.discard(job.id)
+            if self._phase is not Phase.TAIL:  # failed or cancelled before its last forward
+                marks.setdefault("forwards_done", marks["frames"])
+                self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
             self._phase = Phase.IDLE
             self._cv.notify_all()
-        gpu_s = time.monotonic() - t0
+        if self._failed:  # first: the group fails with this reason, for every job it holds
+            self._emit_locked(Event(EventKind.RANK_FAILED, rank=self.rank, job_id=job.id, error=self._failed))
+        timings = _stages(marks)
         if frames is None or not self.lead:  # SP: the lead rank alone encodes and reports
-            self._finish(job, None, error, gpu_s, t0)
-            return
-        self.encoder.submit(frames, job.req.fps,
-                            lambda data, err: self._finish(job, data, err, gpu_s, t0))
+            self._finish(job, None, error, cancelled, marks, timings, steps)
+        else:
+            self.encoder.submit(frames, job.req.fps,
+                                lambda data, err: self._finish(job, data, err, False, marks, timings, steps))
 
-    def _finish(self, job: Job, mp4: bytes | None, error: str | None, gpu_s: float, t0: float) -> None:
-        self._emit_locked({"kind": "finished", "id": job.id, "rank": self.rank, "mp4": mp4,
-                           "error": error, "gpu_s": gpu_s, "seconds": time.monotonic() - t0})
+    def _finish(self, job: Job, mp4: bytes | None, error: str | None, cancelled: bool,
+                marks: dict[str, float], timings: dict[str, float], steps: list[float]) -> None:
+        now = time.monotonic()
+        if mp4 is not None:
+            timings = {**timings, "encode_s": now - marks["frames"]}
+        self._emit_locked(Event(EventKind.FINISHED, rank=self.rank, job_id=job.id, mp4=mp4, error=error,
+                                cancelled=cancelled, seconds=now - marks["start"], timings=timings,
+                                step_s=tuple(steps)))
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: Event) -> None:
         """Append an event; the caller holds ``_cv``."""
         self._events.append(event)
         self._cv.notify_all()
 
-    def _emit_locked(self, event: dict[str, Any]) -> None:
+    def _emit_locked(self, event: Event) -> None:
         with self._cv:
             self._emit(event)
+
+
+def _stages(marks: dict[str, float]) -> dict[str, float]:
+    """Seconds per stage on the rank, from the marks the pipeline thread set (they tile the
+    time from taking the job to its frames: text encoding up to the first forward's gate,
+    denoising up to the end of the last step, then the VAE decode)."""
+    start, frames = marks["start"], marks["frames"]
+    done = min(frames, max(marks.get("forwards_done", frames), marks.get("last_step", 0.0)))
+    gate = min(marks.get("first_gate", done), done)
+    return {"text_encode_s": gate - start, "denoise_s": done - gate, "decode_s": frames - done}

@@ -1,31 +1,35 @@
 """What an engine is built from (EngineSpec) and how one request ended (Outcome): plain data,
-shared by the driver's groups, the dispatcher and the front ends."""
+shared by the executors, the dispatcher and the front ends."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.models.options import Mode, OffloadSettings
+
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """How to build the rank groups of one ingress replica or batch job."""
+    """How to build the rank groups of one ingress replica, batch job or ``generate``.
+
+    ``settings`` travel to every rank unchanged (auto's choice replaces its mode once,
+    before the groups form).
+    """
 
     model_dir: str
     dp_size: int = 1
-    offload: bool = True
-    use_allgather: bool = True
-    offload_options: dict[str, Any] = field(default_factory=dict, hash=False)  # models.options
+    sp_size: int = 1  # sequence parallel: each of the dp_size groups is S ranks
+    settings: OffloadSettings = field(default_factory=lambda: OffloadSettings(Mode.ALLGATHER))
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     setup_timeout_s: float = 900.0
-    encoders_per_rank: int = 1
-    sp_size: int = 1  # sequence parallel: each of the dp_size groups is S actors
+    encoders_per_rank: int = 1  # MP4 encoder processes beside each rank (0: inline)
 
     def bundles(self) -> list[dict[str, float]]:
-        """One bundle per actor (D x S); a Serve replica with 0 CPUs rides in bundle 0."""
+        """One bundle per rank process (D x S); a Serve replica with 0 CPUs rides in bundle 0."""
         b: dict[str, float] = {"CPU": self.cpus_per_rank}
         if self.gpus_per_rank:
             b["GPU"] = self.gpus_per_rank
@@ -38,11 +42,14 @@ class EngineSpec:
     @property
     def collective(self) -> bool:
         """Whether the ranks gather weights from each other (and so must tick together)."""
-        return self.offload and self.use_allgather and self.dp_size > 1
+        return self.settings.mode is Mode.ALLGATHER and self.dp_size > 1
 
     def group_layout(self) -> list[tuple[int, int]]:
-        """(first bundle, size) of each group: one AllGather group, N single ranks, or D SP
-        groups (each one scheduler rank over S bundles)."""
+        """(first rank process, scheduler ranks) of each group: one AllGather group of N, N
+        single ranks, or D SP groups (each one scheduler rank over S processes).
+        Auto mode must be resolved first."""
+        if self.settings.mode is Mode.AUTO:
+            raise ValueError("resolve --dlo-mode auto before laying out the groups")
         if self.sp_size > 1:
             return [(d * self.sp_size, 1) for d in range(self.dp_size)]
         if self.collective:
@@ -59,6 +66,8 @@ class Outcome:
     error: str | None = None
     seconds: float = 0.0
     stats: dict[str, Any] | None = None
+    cancelled: bool = False
+    timings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -89,7 +89,7 @@ class LayerwiseOffload:
             for dt, n in lay.dtype_bytes.items():
                 by_dtype[str(dt)] = max(by_dtype.get(str(dt), 0), n)
         self._stats = OffloadStats(
-            mode="allgather" if use_allgather else "rank_local",
+            mode="allgather" if use_allgather else "rank-local",
             rank=self.group.rank,
             world_size=self.group.world,
             blocks=len(self.layouts),
@@ -214,7 +214,9 @@ class LayerwiseOffload:
             for i in self._streamed
         }
         self._hooks = list(self._host_hooks)
-        self._entered = 0  # streamed blocks entered in the module forward now running
+        # Streamed blocks entered in the module forward now running; between forwards all of
+        # them, so a forward stopped before it began (a hook ahead of ours raised) replays none.
+        self._entered = len(self._streamed)
         # Around the whole module: a forward that raises midway still makes every gather of
         # a forward, so the other ranks' collectives stay in step (see _finish_forward).
         self._hooks.append(module.register_forward_pre_hook(self._begin_forward))

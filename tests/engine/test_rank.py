@@ -16,32 +16,27 @@ import pytest
 import torch.distributed as dist
 
 from service.engine.encoder import Encoder
-from service.engine.local import control_group
-from service.engine.rank import RankWorker
-from service.models.pipeline import OffloadConfig, PipelineRunner
+from service.engine.events import Event, EventKind
+from service.engine.rank import RankWorker, sticky_error
+from service.engine.start import control_group
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
+from tests.ranks import collect
 
 LONG = GenerationRequest(prompt="a long one", seed=1, num_inference_steps=60)  # 120 forwards
 SHORT = GenerationRequest(prompt="short", seed=2, width=48, num_frames=9, num_inference_steps=1,
                           guidance_scale=1.0)  # 1 forward, CFG off
 NEXT = GenerationRequest(prompt="next", seed=3, height=16, num_inference_steps=2)  # 4 forwards
 BOOM = GenerationRequest(prompt="boom", seed=4, num_inference_steps=2)
-
-
-def _collect(worker: RankWorker, want: set[str], on_event=None) -> dict:  # noqa: ANN001
-    got: dict = {}
-    while not want <= {j for j, ev in got.items() if "finished" in ev}:
-        for e in worker.events(0.5):
-            if on_event is not None:
-                on_event(e)
-            if e["kind"] in ("started", "finished"):
-                got.setdefault(e["id"], {})[e["kind"]] = e
-    return got
+STOPPED = GenerationRequest(prompt="to be cancelled", seed=5, num_inference_steps=400)  # 800 forwards
+MID = GenerationRequest(prompt="beside it", seed=6, num_inference_steps=20)  # 40 forwards
 
 
 def _scenario(rank: int, world: int, model: str) -> dict:
-    runner = PipelineRunner.load(model, "cpu", offload=OffloadConfig(), group=dist.group.WORLD)
+    settings = OffloadSettings(Mode.ALLGATHER)
+    runner = PipelineRunner.load(model, "cpu", settings=settings, group=dist.group.WORLD)
     worker = RankWorker(runner, rank, world, control_group(world), Encoder(1), head_wait_s=5.0)
     try:
         if rank == 0:
@@ -51,12 +46,12 @@ def _scenario(rank: int, world: int, model: str) -> dict:
             worker.assign("short", SHORT)
             want = {"short", "next"}
 
-            def hook(e: dict) -> None:  # the driver: a freed rank gets the next request
-                if e["kind"] == "forwards_done" and e["id"] == "short":
+            def hook(e: Event) -> None:  # the driver: a freed rank gets the next request
+                if e.kind is EventKind.FORWARDS_DONE and e.job_id == "short":
                     worker.assign("next", NEXT)
 
         out: dict = {}
-        t = threading.Thread(target=lambda: out.update(_collect(worker, want, hook)))
+        t = threading.Thread(target=lambda: out.update(collect(worker, want, hook)))
         t.start()
         served = worker.serve()
         t.join(timeout=120)
@@ -82,7 +77,7 @@ def _scenario(rank: int, world: int, model: str) -> dict:
             worker.assign("fine", NEXT)
             want = {"fine"}
         out2: dict = {}
-        t = threading.Thread(target=lambda: out2.update(_collect(worker, want)))
+        t = threading.Thread(target=lambda: out2.update(collect(worker, want)))
         t.start()
         worker.serve()
         t.join(timeout=120)
@@ -93,11 +88,31 @@ def _scenario(rank: int, world: int, model: str) -> dict:
         else:
             want = set()
         out3: dict = {}
-        t = threading.Thread(target=lambda: out3.update(_collect(worker, want)))
+        t = threading.Thread(target=lambda: out3.update(collect(worker, want)))
         t.start()
         worker.serve()
         t.join(timeout=120)
-        return {**first, "events2": out2, "events3": out3, "status": worker.status()}
+
+        # Fourth round: rank 0's long request is cancelled at step 3 while rank 1's runs on.
+        ticks0 = worker.ticks
+        if rank == 0:
+            worker.assign("stopped", STOPPED)
+
+            def cancel(e: Event) -> None:
+                if e.kind is EventKind.STEP and e.job_id == "stopped" and e.step == 3:
+                    assert worker.cancel("stopped")
+
+            want, hook = {"stopped"}, cancel
+        else:
+            worker.assign("beside", MID)
+            want, hook = {"beside"}, None
+        out4: dict = {}
+        t = threading.Thread(target=lambda: out4.update(collect(worker, want, hook)))
+        t.start()
+        worker.serve()
+        t.join(timeout=120)
+        return {**first, "events2": out2, "events3": out3, "events4": out4, "status": worker.status(),
+                "round4_ticks": worker.ticks - ticks0, "round4_forwards": list(worker.tick_log)}
     finally:
         worker.close()
         runner.close()
@@ -109,9 +124,9 @@ def ranks(demo_model: str) -> list[dict]:
 
 
 def mp4(ev: dict, job: str) -> bytes:
-    fin = ev[job]["finished"]
-    assert fin["error"] is None, fin["error"]
-    return fin["mp4"]
+    fin = ev[job][EventKind.FINISHED]
+    assert fin.error is None, fin.error
+    return fin.mp4
 
 
 def test_a_freed_rank_starts_the_next_request_at_the_next_forward(ranks: list[dict], resident) -> None:  # noqa: ANN001
@@ -132,8 +147,27 @@ def test_a_freed_rank_starts_the_next_request_at_the_next_forward(ranks: list[di
 
 def test_a_forward_that_raises_fails_only_its_request(ranks: list[dict], resident) -> None:  # noqa: ANN001
     r0, r1 = ranks
-    err = r0["events2"]["boom"]["finished"]["error"]
+    err = r0["events2"]["boom"][EventKind.FINISHED].error
     assert err is not None and "injected failure in block 1" in err
     assert mp4(r1["events2"], "fine") == resident.generate(NEXT)
     assert mp4(r0["events3"], "after") == resident.generate(BOOM)
     assert r0["status"]["ticks"] == r1["status"]["ticks"]
+
+
+def test_a_cancelled_request_stops_at_a_forward_and_the_other_rank_goes_on(ranks: list[dict],
+                                                                             resident) -> None:  # noqa: ANN001
+    r0, r1 = ranks
+    fin = r0["events4"]["stopped"][EventKind.FINISHED]
+    assert fin.cancelled and fin.mp4 is None
+    stopped_forwards = r0["round4_forwards"].count("stopped")
+    assert 6 <= stopped_forwards < STOPPED.forwards() // 2  # stopped soon after step 3 (2 forwards a step)
+    assert mp4(r1["events4"], "beside") == resident.generate(MID)  # its bytes unchanged
+    assert r0["round4_ticks"] == r1["round4_ticks"]  # the cancelled rank kept the group in step
+    assert r0["status"]["phase"] == "idle" and r0["status"]["failed"] is None
+
+
+def test_sticky_errors_take_the_rank_out() -> None:
+    assert sticky_error(dist.DistBackendError("NCCL communicator was aborted"))
+    assert sticky_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not sticky_error(RuntimeError("injected failure in block 1"))
+    assert not sticky_error(ValueError("CUDA error: in a value error is not from the device"))

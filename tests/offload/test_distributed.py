@@ -24,7 +24,7 @@ def _inputs(rank: int) -> list[torch.Tensor]:
 def _rank_main(rank: int, world: int, ckpt: str) -> dict:
     """Each rank runs its own inputs (a DP wave); the last rank of N>1 only idles."""
     out: dict = {}
-    for mode in ("allgather", "rank_local"):
+    for mode in ("allgather", "rank-local"):
         model = empty_model()
         handle = enable_layerwise_offload(
             model, ckpt, device="cpu", group=dist.group.WORLD, use_allgather=mode == "allgather"
@@ -64,7 +64,7 @@ def reference(ckpt: str) -> dict[int, list[torch.Tensor]]:
 def test_outputs_equal_resident(world: int, ckpt: str, reference: dict) -> None:
     results = run_ranks(_rank_main, world, ckpt)
     for rank, res in enumerate(results):
-        for mode in ("allgather", "rank_local"):
+        for mode in ("allgather", "rank-local"):
             r = res[mode]
             if world > 1 and rank == world - 1:
                 assert r["ys"] == []
@@ -75,7 +75,7 @@ def test_outputs_equal_resident(world: int, ckpt: str, reference: dict) -> None:
                 assert torch.equal(got, want), f"rank {rank} {mode} N={world} differs from resident"
             assert r["stats"]["forwards"] == FORWARDS
     # every rank issued the same number of gathers (5 blocks per forward, +1 cold start)
-    for mode in ("allgather", "rank_local"):
+    for mode in ("allgather", "rank-local"):
         bytes_ = {res[mode]["stats"]["gathered_bytes"] for res in results}
         assert len(bytes_) == 1
         if world > 1 and mode == "allgather":

@@ -46,7 +46,7 @@ def _write_big_checkpoint(path: Path) -> int:
 def _rank_main(rank: int, world: int, ckpt: str) -> dict:
     out: dict = {}
     x = torch.randn(1, 4, 16)
-    for mode in ("allgather", "rank_local"):
+    for mode in ("allgather", "rank-local"):
         model = empty_model(DIM, HIDDEN, DEPTH)
         h = enable_layerwise_offload(model, ckpt, device="cpu", group=dist.group.WORLD,
                                      use_allgather=mode == "allgather")
@@ -112,10 +112,10 @@ def test_two_ranks_share_one_copy(tmp_path: Path) -> None:
         sampler.stop.set()
         sampler.join()
     report = {m: {k: sum(r[m][k] for r in results) / 2**30 for k in ("loaded", "after_forward")}
-              for m in ("allgather", "rank_local")}
+              for m in ("allgather", "rank-local")}
     print(f"checkpoint {nbytes / 2**30:.2f} GiB; peak PSS sum {sampler.peak / 2**30:.2f} GiB; {report}")
     assert sampler.peak < limit, f"{report}: peak PSS {sampler.peak / 2**30:.2f} GiB over {limit / 2**30:.2f}"
-    for mode in ("allgather", "rank_local"):
+    for mode in ("allgather", "rank-local"):
         for when in ("loaded", "after_forward"):
             total = sum(r[mode][when] for r in results)
             assert total < limit, f"{mode} {when}: PSS {total / 2**30:.2f} GiB over {limit / 2**30:.2f}"
@@ -123,4 +123,4 @@ def test_two_ranks_share_one_copy(tmp_path: Path) -> None:
     for r in results:
         st = r["allgather"]["stats"]
         assert nbytes / 2 * 0.99 < st["host_shard_bytes"] < nbytes / 2 * 1.01
-        assert r["rank_local"]["stats"]["host_shard_bytes"] == 0
+        assert r["rank-local"]["stats"]["host_shard_bytes"] == 0

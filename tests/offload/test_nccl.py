@@ -26,7 +26,7 @@ def _main(rank: int, world: int, ckpt: str) -> dict:
     dev = torch.device("cuda", rank)
     ref = load_resident(empty_model(*SIZE), ckpt, device=dev)
     out = {}
-    for mode in ("allgather", "rank_local"):
+    for mode in ("allgather", "rank-local"):
         model = empty_model(*SIZE)
         h = enable_layerwise_offload(model, ckpt, device=dev, group=dist.group.WORLD,
                                      use_allgather=mode == "allgather")

@@ -1,0 +1,210 @@
+"""The executor on Ray: rank actors in one placement group (the service and the batch job).
+
+A group of N processes is N ``RankActor``s in bundles of the engine's placement group:
+one AllGather DP group (one torch.distributed group), or one rank that makes no
+collectives (rank-local or resident: each its own group, so one that dies takes only
+itself down), or an SP group of S processes that is one rank to the scheduler.
+
+Lifecycle of a group: start (actors, rendezvous, load) -> ready -> on a dead rank, a rank
+error or a missed deadline it is broken -> rebuild (kill its actors, new actors, a new
+process group on a new port). Nothing waits without a timeout: set-up has one, the long
+polls have one, the process group has one.
+
+Every process has one ``events`` long poll outstanding while its group is ready, so a
+rank that dies, even idle, shows up at once as a dead actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from service.models.options import Mode
+
+from .executor import Group, GroupExecutor, Reply, log_start, short
+from .spec import EngineSpec
+from .start import RankPlace, probe_mode
+from .worker import RankActorRemote
+
+log = logging.getLogger("dloserve.engine")
+NAMESPACE = "dloserve"
+POLL_S = 1.0  # how long one events long poll waits on the rank
+
+
+def _probe(spec: EngineSpec) -> dict[str, Any]:
+    import torch
+
+    # Ray sets CUDA_VISIBLE_DEVICES to this bundle's GPU: it is device 0 here.
+    return probe_mode(spec, torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu"))
+
+
+ProbeTask = ray.remote(max_retries=0)(_probe)
+
+
+class RayExecutor(GroupExecutor):
+    """Rank groups as Ray actors; ``placement`` is the Serve replica's placement group when
+    it has our bundles (else one is made and removed on close)."""
+
+    def __init__(self, spec: EngineSpec, placement: PlacementGroup | None = None) -> None:
+        super().__init__(spec)
+        self.placement = placement
+        self._own_placement = False
+        # ref -> (group, generation, process, op, job id)
+        self._refs: dict[Any, tuple[Group, int, int, str, str]] = {}
+
+    # -- start ------------------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            self._place()
+        except Exception as e:  # noqa: BLE001
+            self._drop_placement()
+            raise RuntimeError(f"placement failed: {short(e)}") from e
+        if self.spec.settings.mode is Mode.AUTO and self.mode_choice is None:
+            try:
+                self._resolve_auto()
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
+        self._lay_out()
+        self._start_all()
+
+    def _place(self) -> None:
+        if self.placement is None:
+            current = ray.util.get_current_placement_group()
+            if current is not None and len(current.bundle_specs) >= len(self.spec.bundles()):
+                self.placement = current
+            else:
+                self.placement = placement_group(self.spec.bundles(), strategy=self.spec.strategy)
+                self._own_placement = True
+                ray.get(self.placement.ready(), timeout=self.spec.setup_timeout_s)
+
+    def _resolve_auto(self) -> None:
+        """Probe on bundle 0, then lay the groups out for the chosen mode (one AllGather group
+        of N, or N rank-local ranks that each serve their own queue)."""
+        strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0)
+        ref = ProbeTask.options(num_cpus=self.spec.cpus_per_rank, num_gpus=self.spec.gpus_per_rank,
+                                scheduling_strategy=strategy).remote(self.spec)
+        choice = ray.get(ref, timeout=self.spec.setup_timeout_s)
+        log.info("--dlo-mode auto chose %s: %s", choice["mode"], choice["reason"])
+        self.mode_choice = choice
+        self.spec = replace(self.spec, settings=self.spec.settings.resolved(Mode(choice["mode"])))
+
+    # -- the transport ----------------------------------------------------------------
+    def _open(self, g: Group) -> None:
+        assert self.placement is not None, "start() places the groups first"
+        t0 = time.monotonic()
+        actors = []
+        for p in range(g.world):
+            strategy = PlacementGroupSchedulingStrategy(
+                self.placement, placement_group_bundle_index=g.info.first_rank + p)
+            place = RankPlace(g.info.id, p, g.world, g.info.first_rank)
+            actors.append(RankActorRemote.options(
+                name=self._name(g, p), namespace=NAMESPACE, num_cpus=self.spec.cpus_per_rank,
+                num_gpus=self.spec.gpus_per_rank, scheduling_strategy=strategy, max_restarts=0,
+            ).remote(self.spec, place))
+        with self._lock:
+            g.handles = actors
+        addr = self._get(actors[0].rendezvous_address.remote()) if g.world > 1 else None
+        t_addr = time.monotonic()
+        facts = self._get([a.setup.remote(addr) for a in actors])
+        log_start(g, facts, {"actors_and_rendezvous_s": t_addr - t0, "setup_s": time.monotonic() - t_addr})
+        with self._lock:
+            for p in range(g.world):
+                self._poll(g, p)
+
+    def _get(self, refs: Any) -> Any:
+        """ray.get within the set-up timeout, giving up at once when the executor closes."""
+        end = time.monotonic() + self.spec.setup_timeout_s
+        while True:
+            try:
+                return ray.get(refs, timeout=0.5)
+            except GetTimeoutError:
+                if self._closed:
+                    raise RuntimeError("executor closed during set-up") from None
+                if time.monotonic() > end:
+                    raise RuntimeError(f"set-up took longer than {self.spec.setup_timeout_s:.0f} s") from None
+
+    def _kill(self, g: Group) -> None:
+        for a in g.handles:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
+        g.handles = []
+        self._refs = {r: v for r, v in self._refs.items() if v[0] is not g}
+
+    def _send(self, g: Group, process: int, op: str, *args: Any) -> None:
+        ref = getattr(g.handles[process], op).remote(*args)
+        self._refs[ref] = (g, g.generation, process, op, str(args[0]) if args else "")
+
+    def _poll(self, g: Group, process: int) -> None:
+        self._send(g, process, "events", POLL_S)
+
+    def _replies(self, timeout: float) -> list[tuple[Group, int, int, Reply]]:
+        with self._lock:
+            refs = [r for r, v in self._refs.items() if v[0].state.value == "ready"]
+        if not refs:
+            time.sleep(timeout)
+            return []
+        ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+        if ready:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for ref in ready:
+            with self._lock:
+                entry = self._refs.pop(ref, None)
+            if entry is None:
+                continue  # its group was killed meanwhile
+            g, generation, process, op, job = entry
+            reply = self._reply(ref, op, job)
+            if op == "events" and reply.kind == "events":
+                with self._lock:
+                    if g.generation == generation and g.handles:
+                        self._poll(g, process)
+            if reply.kind != "none":
+                out.append((g, generation, process, reply))
+        return out
+
+    def _reply(self, ref: Any, op: str, job: str) -> Reply:
+        from .events import Event, EventKind
+
+        try:
+            result = ray.get(ref, timeout=30)
+        except RayActorError as e:
+            return Reply("lost", error=short(e))
+        except RayTaskError as e:
+            if op == "assign":  # the rank re-validates: that request only
+                return Reply("refused", (Event(EventKind.REFUSED, job_id=job),), short(e))
+            return Reply("failed", error=short(e))
+        except RayError as e:  # object lost, node died, worker crashed, OOM
+            return Reply("lost", error=short(e))
+        if op == "events":
+            return Reply("events", tuple(result))
+        if op == "serve":
+            return Reply("served")
+        return Reply("none")
+
+    def _names(self, g: Group) -> list[str]:
+        return [self._name(g, p) for p in range(len(g.handles))]
+
+    def _name(self, g: Group, process: int) -> str:
+        return f"dloserve-{g.info.id}-gen{g.generation}-rank{process}"
+
+    def close(self) -> None:
+        super().close()
+        self._drop_placement()
+
+    def _drop_placement(self) -> None:
+        if self._own_placement and self.placement is not None:
+            remove_placement_group(self.placement)
+        if self._own_placement:
+            self.placement, self._own_placement = None, False
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "namespace": NAMESPACE}

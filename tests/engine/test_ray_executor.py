@@ -1,0 +1,180 @@
+"""The Ray executor under the real dispatcher (rank actors in a placement group, gloo, the
+demo model): what only real actors show.
+
+- rank-local DP2: killing the actor of a rank that runs a request fails that request only;
+  the other rank's request and the queued one complete exact, and only the dead rank's
+  group is rebuilt.
+- AllGather DP2 with waves: a wave holds one key; a request that cannot meet its deadline
+  fails with the reason, the group is rebuilt, and the next request is exact.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from service.engine.executor import GroupState
+from service.engine.spec import EngineSpec, Outcome
+from service.models.options import Mode, OffloadSettings
+from service.models.request import GenerationRequest
+from service.router.build import build_dispatcher
+from service.router.dispatcher import Dispatcher
+from service.router.policy import DeadlinePolicy
+from service.router.waves import Ticket
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.started: dict[str, dict[str, Any]] = {}
+        self.finished: dict[str, Outcome] = {}
+        self.progress: dict[str, int] = {}
+        self._cv = threading.Condition()
+
+    def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
+        with self._cv:
+            self.started[ticket.id] = dict(info)
+
+    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
+        with self._cv:
+            self.progress[ticket_id] = step
+            self._cv.notify_all()
+
+    def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
+        with self._cv:
+            self.finished[ticket.id] = outcome
+            self._cv.notify_all()
+
+    def wait(self, ids: list[str], timeout: float = 180) -> list[Outcome]:
+        with self._cv:
+            assert self._cv.wait_for(lambda: all(i in self.finished for i in ids), timeout), self.finished
+            return [self.finished[i] for i in ids]
+
+    def wait_progress(self, tid: str, timeout: float = 120) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: self.progress.get(tid, 0) >= 1, timeout)
+
+
+def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
+    with d._cv:
+        assert d._cv.wait_for(lambda: d.status()["state"] == "ready", timeout), d.status()
+
+
+def running(spec: EngineSpec, **kw: Any) -> Iterator[tuple[Dispatcher, Collect]]:
+    sink = Collect()
+    d = build_dispatcher(spec, sink, "ray", **kw)
+    d.start()
+    try:
+        wait_ready(d)
+        yield d, sink
+    finally:
+        d.stop()
+
+
+def submit(d: Dispatcher, tid: str, req: GenerationRequest) -> None:
+    d.submit(tid, req.compat_key(), req)
+
+
+@pytest.fixture
+def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
+    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.RANK_LOCAL), cpus_per_rank=0.5,
+                      pg_timeout_s=60, encoders_per_rank=0)
+    yield from running(spec, deadlines=DeadlinePolicy(base_s=120))
+
+
+def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> None:  # noqa: ANN001
+    d, sink = ranklocal
+    ex = d.executor
+    assert [g.size for g in ex.groups()] == [1, 1]
+    a = GenerationRequest(prompt="stays", seed=1, num_inference_steps=30)
+    b = GenerationRequest(prompt="doomed", seed=2, num_inference_steps=400)
+    c = GenerationRequest(prompt="queued", seed=3)
+    submit(d, "a", a)
+    submit(d, "b", b)
+    sink.wait_progress("b")
+    submit(d, "c", c)
+    victim = ex._groups[sink.started["b"]["group"]]  # the test reaches in for the actor to kill
+    survivor = ex._groups[sink.started["a"]["group"]]
+    ray.kill(victim.handles[0])
+    out_b = sink.wait(["b"])[0]
+    assert not out_b.ok and f"rank {victim.info.first_rank} died" in out_b.error
+    out_a, out_c = sink.wait(["a", "c"])
+    assert out_a.ok and out_a.mp4 == resident.generate(a)
+    assert out_c.ok and out_c.mp4 == resident.generate(c)
+    assert survivor.generation == 0 and survivor.rebuilds == 0  # the other rank was never touched
+    wait_ready(d)
+    assert victim.generation == 1 and victim.rebuilds == 1 and victim.state is GroupState.READY
+
+
+@pytest.fixture
+def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
+    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
+                      pg_timeout_s=60, encoders_per_rank=1)
+    # 1,000 steps (2,000 forwards, ~20 s here) cannot finish in 2 s even on a CPU 10x faster.
+    yield from running(spec, scheduler="waves", max_wait_s=0.5,
+                       deadlines=DeadlinePolicy(base_s=2.0, per_forward_s=0.0))
+
+
+def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> None:  # noqa: ANN001
+    d, sink = waves
+    d.deadlines = DeadlinePolicy(base_s=300.0)  # the first waves must not be hurried
+    x1 = GenerationRequest(prompt="x1", seed=1)
+    x2 = GenerationRequest(prompt="x2", seed=2, guidance_scale=3.0)  # same key: CFG on
+    y = GenerationRequest(prompt="y", seed=3, num_frames=9)
+    for tid, req in (("x1", x1), ("y", y), ("x2", x2)):
+        submit(d, tid, req)
+    outs = sink.wait(["x1", "x2", "y"])
+    assert all(o.ok for o in outs), outs
+    assert [o.mp4 for o in outs] == [resident.generate(r) for r in (x1, x2, y)]
+    info = {t: sink.started[t] for t in ("x1", "x2", "y")}
+    assert info["x1"]["wave"] == info["x2"]["wave"] != info["y"]["wave"]
+    assert info["x1"]["size"] == info["x2"]["size"] == 2
+    assert info["y"]["size"] == 1 and {info["x1"]["rank"], info["x2"]["rank"]} == {0, 1}
+
+    (group,) = d.executor._groups.values()
+    d.deadlines = DeadlinePolicy(base_s=2.0, per_forward_s=0.0)
+    submit(d, "slow", GenerationRequest(prompt="slow", seed=4, num_inference_steps=1000))
+    out = sink.wait(["slow"], timeout=120)[0]
+    assert not out.ok and out.error == "exceeded its deadline of 2s", out
+    wait_ready(d)
+    assert group.generation == 1
+    after = GenerationRequest(prompt="after the rebuild", seed=5)
+    d.deadlines = DeadlinePolicy(base_s=300.0)
+    submit(d, "after", after)
+    assert sink.wait(["after"])[0].mp4 == resident.generate(after)
+
+
+@pytest.fixture
+def allgather(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
+    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
+                      pg_timeout_s=60, encoders_per_rank=1)
+    yield from running(spec, deadlines=DeadlinePolicy(base_s=300))
+
+
+def test_allgather_a_killed_rank_fails_both_held_requests_and_the_queue_goes_on(allgather, resident) -> None:  # noqa: ANN001
+    """The gathers die with a rank, so both ranks' requests fail; the queued one waits for the
+    rebuild and is exact; a rank that dies while idle is noticed and replaced too."""
+    d, sink = allgather
+    (group,) = d.executor._groups.values()
+    held = [GenerationRequest(prompt=f"doomed {i}", seed=i, num_inference_steps=60) for i in (1, 2)]
+    for i, req in enumerate(held):
+        submit(d, f"held{i}", req)
+    sink.wait_progress("held0")
+    sink.wait_progress("held1")
+    queued = GenerationRequest(prompt="waits its turn", seed=9)
+    submit(d, "queued", queued)
+    ray.kill(group.handles[1])
+    for out in sink.wait(["held0", "held1"]):
+        assert not out.ok and "rank 1 died" in out.error, out
+    assert sink.wait(["queued"])[0].mp4 == resident.generate(queued)
+    assert group.generation == 1
+    wait_ready(d)
+    ray.kill(group.handles[0])  # idle now: its long poll notices
+    with d._cv:
+        assert d._cv.wait_for(lambda: group.generation == 2 and group.state is GroupState.READY, 180)
+    after = GenerationRequest(prompt="after an idle death", seed=10)
+    submit(d, "after", after)
+    assert sink.wait(["after"])[0].mp4 == resident.generate(after)
