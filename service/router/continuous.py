@@ -54,6 +54,10 @@ class ContinuousQueue:
         self._ids.add(ticket_id)
         return t
 
+    def tickets(self) -> list[Ticket]:
+        """The queue, oldest first (not removed)."""
+        return list(self._q)
+
     def cancel(self, ticket_id: str) -> bool:
         if ticket_id not in self._ids:
             return False

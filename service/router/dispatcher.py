@@ -1,43 +1,47 @@
-"""The loop that feeds queued requests to an engine's rank groups and reports how they end.
+"""The loop that feeds queued requests to an executor's rank groups and reports how they end.
 
-A plain thread, shared by the HTTP ingress and the batch job so both schedule the same
-way. Two schedulers:
+One thread, shared by the HTTP ingress, the batch job and ``dloserve generate``, so all
+three schedule the same way. It knows groups of ranks (``GroupInfo``) and typed events,
+never Ray or processes: the executor behind it may be Ray actors, local processes or the
+tests' fake, and the clock is injectable, so every rule below is unit-tested in
+milliseconds.
 
-- ``continuous``: a rank whose request has run its last forward takes the next queued
-  request at once, of any shape (``ContinuousQueue.pick`` chooses which); in an
-  AllGather group it joins at the next forward boundary while the others go on.
-- ``waves``: request-level waves as before: a group takes up to N requests of one
-  compatibility key only when all its ranks are free (``WaveRouter``).
-
-Every accepted request ends: completed, or failed with a reason (its rank died, its group
-missed a deadline, the engine is gone). A group that fails takes exactly the requests it
-held; queued requests wait for a rebuilt or another group. Rebuilds run on their own
-threads, so one rank-local rank rebuilding does not stop the others.
+- Every accepted request ends: completed, cancelled, or failed with a reason.
+- A rank group that fails (a rank died, a sticky error, a missed deadline) takes exactly the
+  requests it held; in an AllGather group that is every rank's request (their gathers
+  cannot finish), in rank-local mode only the dead rank's.
+- Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
+- A failed start or rebuild is tried again at once, then with capped backoff, for as long
+  as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import ray
-
-from service.engine.group import Engine, GroupFailure, GroupState, Outcome, RankGroup
+from service.engine.events import Event, EventKind
+from service.engine.executor import Executor, GroupInfo, GroupState
 from service.engine.metrics import metrics
-from service.router.continuous import ContinuousQueue
+from service.engine.spec import Outcome
 from service.router.policy import DeadlinePolicy
-from service.router.waves import Ticket, WaveRouter
+from service.router.scheduler import Pick, Scheduler
+from service.router.waves import Ticket
 
 log = logging.getLogger("dloserve.router")
-SCHEDULERS = ("continuous", "waves")
+BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... retry of a failed start
+BACKOFF_CAP_S = 15.0
 
 
 class Sink(Protocol):
-    """Where job state goes (the HTTP job store, the batch manifest)."""
+    """Where job state goes (the HTTP job store, the batch manifest, generate's file)."""
 
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None: ...
 
@@ -46,17 +50,45 @@ class Sink(Protocol):
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None: ...
 
 
+class Availability(enum.Enum):
+    SERVING = "serving"  # a group is ready
+    RECOVERING = "recovering"  # none is, but one is starting or about to: new jobs queue and wait
+    DOWN = "down"  # none is and the last attempts failed: new jobs are refused (503 + Retry-After)
+
+
+class Unavailable(Exception):
+    """No group can serve and none is about to: the caller answers 503 with ``retry_after_s``."""
+
+    def __init__(self, why: str, retry_after_s: int) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class Held:
     """A request a rank holds, from assignment until its MP4 (or error) comes back."""
 
     ticket: Ticket
-    group: RankGroup
+    group: GroupInfo
     rank: int
     assigned_at: float
     deadline: float
     info: dict[str, Any]
     forwarding: bool = True  # False once its last forward ran (decode/encode remain)
+    cancelled: bool = False
+
+
+@dataclass
+class Track:
+    """The dispatcher's view of one group: ready or not, and when to try it again."""
+
+    info: GroupInfo
+    ready: bool = False
+    failures: int = 0  # start/rebuild attempts failed in a row
+    retry_at: float | None = None  # when the next attempt is due (None: none due)
+    attempting: bool = True  # an attempt is running (the first start: from open())
+    attempt_started: float = 0.0
+    last_error: str | None = None
 
 
 def request_cost(req: Any) -> float:
@@ -64,68 +96,99 @@ def request_cost(req: Any) -> float:
     return float(req.width * req.height * req.num_frames)
 
 
+def backoff_s(failures: int) -> float:
+    """Wait before the attempt after ``failures`` failed ones in a row: at once, then longer."""
+    return BACKOFF_S[failures - 1] if failures <= len(BACKOFF_S) else BACKOFF_CAP_S
+
+
 @dataclass
 class Dispatcher:
-    """Owns the queue and the engine; ``submit`` from any thread, scheduling on one thread."""
+    """Owns the queue and drives the executor; ``submit`` from any thread, the rest on one."""
 
-    engine: Engine
+    executor: Executor
     sink: Sink
-    scheduler: str = "continuous"
-    max_wait_s: float = 0.05
-    max_queue: int = 64
+    scheduler: Scheduler
     deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
-    starve_s: float = 30.0
-    retry_s: float = 5.0
+    max_queue_wait_s: float = 1800.0
+    max_attempts: int | None = None  # failed attempts in a row before giving up (None: never)
+    clock: Callable[[], float] = time.monotonic
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
-    assignments: int = 0  # waves (waves) or single assignments (continuous) so far
+    assignments: int = 0
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _stop: bool = False
     _thread: threading.Thread | None = None
     _held: dict[str, Held] = field(default_factory=dict)
-    _rebuilding: set[str] = field(default_factory=set)
+    _tracks: dict[str, Track] = field(default_factory=dict)
+    _cancel_list: list[str] = field(default_factory=list)  # running jobs to cancel (loop thread sends)
+    _engine_error: str | None = None
+    _opened: bool = False  # open() ran: the executor's groups are known
+    _start_s: float = 30.0  # how long a start took last time (Retry-After while down)
     _unavailable_since: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
-        size = max(g.size for g in self.engine.groups)
-        self.waves = WaveRouter(size, self.max_wait_s, self.max_queue)
-        self.queue = ContinuousQueue(self.max_queue, self.starve_s)
+    gave_up: str | None = None  # max_attempts reached: why (every job then fails)
+    attempts: dict[str, int] = field(default_factory=lambda: {"ready": 0, "failed": 0})  # group starts
 
     # -- any thread --------------------------------------------------------------------
     def start(self) -> None:
+        """Start the executor and the loop thread."""
         self._thread = threading.Thread(target=self._main, name="dloserve-dispatch", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def open(self) -> None:
+        """Start the executor's groups (their READY/START_FAILED arrive as events)."""
+        t0 = self.clock()
+        try:
+            self.executor.start()
+        except Exception as e:  # noqa: BLE001 - requests fail with the reason, the loop lives
+            log.exception("engine failed to start")
+            self._engine_error = str(e)
+        with self._cv:
+            for info in self.executor.groups():
+                self._tracks[info.id] = Track(info, attempt_started=t0)
+            self._opened = True
+        if not self._tracks:
+            self._unavailable_since = t0
+            if self.max_attempts is not None:
+                self.gave_up = f"engine failed to start: {self._engine_error}"
+
+    def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.engine.close()
+        else:
+            self._fail_all("service stopped")
+        self.executor.close()
 
     def submit(self, ticket_id: str, key: str, payload: Any) -> Ticket:
-        """Queue one validated request; raises QueueFull when the bound is reached."""
+        """Queue one validated request; QueueFull when the queue is full, Unavailable when
+        no group can serve and none is about to."""
         with self._cv:
-            if self.scheduler == "waves":
-                t = self.waves.submit(ticket_id, key, payload)
-                t.cost = request_cost(payload)
-            else:
-                t = self.queue.submit(ticket_id, key, payload, request_cost(payload))
+            availability, why = self._availability()
+            if availability is Availability.DOWN:
+                raise Unavailable(why, self._retry_after_down())
+            t = self.scheduler.submit(ticket_id, key, payload, request_cost(payload), self.clock())
             self._depth()
             self._cv.notify_all()
             return t
 
-    def cancel(self, ticket_id: str) -> bool:
+    def cancel(self, ticket_id: str) -> str:
+        """'queued' (dropped now), 'running' (stops at its next forward), or 'missing'."""
         with self._cv:
-            ok = self.waves.cancel(ticket_id) or self.queue.cancel(ticket_id)
-            self._depth()
-            return ok
+            if self.scheduler.cancel(ticket_id):
+                self._depth()
+                return "queued"
+            h = self._held.get(ticket_id)
+            if h is None:
+                return "missing"
+            h.cancelled = True
+            self._cancel_list.append(ticket_id)
+            self._cv.notify_all()
+        return "running"
 
     @property
     def depth(self) -> int:
-        return self.waves.depth + self.queue.depth
+        return self.scheduler.depth
 
     @property
     def held(self) -> int:
@@ -137,219 +200,270 @@ class Dispatcher:
 
     @property
     def unavailable_since(self) -> float | None:
-        """Since when no group can serve or is about to (None while one can)."""
+        """Since when no group has been ready (None while one is)."""
         return self._unavailable_since
+
+    def availability(self) -> tuple[Availability, str]:
+        with self._cv:
+            return self._availability()
 
     def fail_queued(self, why: str) -> int:
         """End every queued request as failed with ``why`` (a drain); returns how many."""
         with self._cv:
-            n = self.depth
-            self._fail_queue(why)
-            return n
+            return self._fail_queue(why)
+
+    def status(self) -> dict[str, Any]:
+        """The engine as operators see it: one state word, the groups, why it is not ready."""
+        st = self.executor.status()
+        states = [GroupState(g["state"]) for g in st["groups"]]
+        ready = sum(s is GroupState.READY for s in states)
+        availability, why = self.availability()
+        if states and ready == len(states):
+            state = "ready"
+        elif ready:
+            state = "degraded"  # some ranks serve, others rebuild
+        elif availability is Availability.DOWN:
+            state = "down"
+        else:
+            order = ["rebuilding", "starting", "broken", "failed", "new", "closed"]
+            state = min((s.value for s in states), key=order.index) if states else "down"
+        errors = [g["last_error"] for g in st["groups"] if g["last_error"] and g["state"] != "ready"]
+        return {**st, "state": state, "availability": availability.value,
+                "last_error": errors[0] if errors else (self._engine_error or (why or None)),
+                "start_attempts": dict(self.attempts),
+                "generation": sum(g["generation"] for g in st["groups"]),
+                "rebuilds": sum(g["rebuilds"] for g in st["groups"]),
+                "workers": [w for g in st["groups"] for w in g["workers"]]}
 
     # -- the loop ----------------------------------------------------------------------
     def _main(self) -> None:
-        try:
-            self.engine.start()
-        except Exception:  # noqa: BLE001 - the loop must live on: requests fail with the reason
-            log.exception("engine failed to start")
+        self.open()
         while True:
             with self._cv:
                 if self._stop:
                     self._fail_all("service stopped")
                     return
             try:
-                self._step()
+                self.step()
             except Exception as e:  # noqa: BLE001 - never let the loop die with requests in hand
                 log.exception("dispatcher step crashed")
                 self._fail_all(f"internal error: {e}")
                 time.sleep(0.5)
 
-    def _step(self) -> None:
-        self._recover()
+    def step(self, timeout: float = 0.05) -> None:
+        """One round: retries due, assignments, events, deadlines (the tests call it directly)."""
+        now = self.clock()
+        self._retry_due(now)
+        self._send_cancels()
         with self._cv:
-            self._assign()
+            self._assign(now)
+            self._expire_queue(now)
             self._depth()
-        for g in self.engine.groups:
-            if g.ready and not g.serving and any(h.forwarding for h in self._of(g)):
-                g.serve()
-        refs = [r for g in self.engine.groups if g.ready for r in g.refs()]
-        if not refs:
-            with self._cv:
-                self._cv.wait(timeout=self._wake_in())
-            self._check_deadlines()
-            return
-        ready, _ = ray.wait(refs, num_returns=1, timeout=self._wake_in())
-        if ready:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        for ref in ready:
-            g = next((g for g in self.engine.groups if g.owns(ref)), None)
-            if g is None or not g.ready:
-                continue
-            try:
-                events = g.take(ref)
-            except GroupFailure as e:
-                self._group_failed(g, str(e))
-                continue
-            for ev in events:
-                self._on_event(g, ev)
-        self._check_deadlines()
-
-    def _wake_in(self) -> float:
-        if self.scheduler == "waves":
-            w = self.waves.wake_in()
-            return 0.05 if w is None else max(0.005, min(w, 0.05))
-        return 0.05
+        for ev in self.executor.poll(min(timeout, self.scheduler.wake_in(now))):
+            self._on_event(ev)
+        self._check_deadlines(self.clock())
 
     # -- assignment --------------------------------------------------------------------
-    def _of(self, g: RankGroup) -> list[Held]:
-        return [h for h in self._held.values() if h.group is g]
+    def _of(self, gid: str) -> list[Held]:
+        return [h for h in self._held.values() if h.group.id == gid]
 
-    def _assign(self) -> None:
-        for g in self.engine.groups:
-            if not g.ready:
+    def _assign(self, now: float) -> None:
+        if self.gave_up:
+            self._fail_queue(self.gave_up)
+            return
+        for tr in self._tracks.values():
+            if not tr.ready:
                 continue
-            held = self._of(g)
-            if self.scheduler == "waves":
-                if any(h.forwarding for h in held):
-                    continue
-                wave = self.waves.next_wave()
-                if wave is None:
-                    continue
-                info = {"scheduler": "waves", "wave": self.assignments, "key": wave.key,
-                        "size": wave.size, "reason": wave.reason}
-                self.assignments += 1
-                for r, t in enumerate(wave.tickets):
-                    self._give(g, r, t, info, [x.payload for x in wave.tickets])
-                continue
-            busy = {h.rank for h in held if h.forwarding}
-            for r in range(g.size):
-                if r in busy:
-                    continue
-                running = [h.ticket.cost for h in self._of(g) if h.forwarding]
-                t = self.queue.pick(running)
-                if t is None:
-                    break
-                info = {"scheduler": "continuous", "wave": self.assignments, "key": t.key, "size": 1,
-                        "reason": "free_rank"}
-                self.assignments += 1
-                others = [h.ticket.payload for h in self._of(g) if h.forwarding]
-                self._give(g, r, t, info, others + [t.payload])
-                busy.add(r)
+            running = {h.rank: h.ticket for h in self._of(tr.info.id) if h.forwarding}
+            waves: dict[int, int] = {}  # picks that share their info are one wave: one number
+            for pick in self.scheduler.take(tr.info.size, running, now):
+                if id(pick.info) not in waves:
+                    waves[id(pick.info)] = self.assignments
+                    self.assignments += 1
+                self._give(tr.info, pick, now, waves[id(pick.info)])
 
-    def _give(self, g: RankGroup, rank: int, t: Ticket, info: dict[str, Any], alongside: list[Any]) -> None:
-        now = time.monotonic()
-        deadline = self.deadlines.deadline_s(alongside)
-        rec = {
-            **info,
-            "ids": [t.id],
-            "group": g.group_id,
-            "rank": g.first_bundle + rank,
-            "generation": g.generation,
-            "deadline_s": round(deadline, 1),
-            "started_at": time.time(),
-            "queued_s": round(now - t.enqueued_at, 3),
-        }
+    def _give(self, g: GroupInfo, pick: Pick, now: float, wave: int) -> None:
+        t = pick.ticket
+        deadline = self.deadlines.deadline_s(list(pick.alongside))
+        rec = {**pick.info, "wave": wave, "ids": [t.id], "group": g.id,
+               "rank": g.first_rank + pick.rank, "deadline_s": round(deadline, 1), "started_at": time.time(),
+               "queued_s": round(now - t.enqueued_at, 3)}
         self.history.append(rec)
-        self._held[t.id] = Held(t, g, rank, now, now + deadline, rec)
-        metrics()["wave_size"].observe(info["size"], tags={"group": g.group_id})
-        metrics()["assignments"].inc(1, tags={"scheduler": info["scheduler"], "reason": info["reason"]})
+        self._held[t.id] = Held(t, g, pick.rank, now, now + deadline, rec)
+        metrics()["wave_size"].observe(pick.info["size"], tags={"group": g.id})
+        metrics()["assignments"].inc(1, tags={"scheduler": pick.info["scheduler"],
+                                              "reason": pick.info["reason"]})
         self.sink.on_start(t, rec)
-        g.assign(rank, t.id, t.payload)
+        try:
+            self.executor.assign(g.id, pick.rank, t.id, t.payload)
+        except RuntimeError as e:  # the group failed between the check and the call
+            why = f"rank group unavailable: {e}"
+            self._end(self._held[t.id], Outcome(g.first_rank + pick.rank, error=why))
+
+    def _send_cancels(self) -> None:
+        with self._cv:
+            ids, self._cancel_list = self._cancel_list, []
+        for i in ids:
+            h = self._held.get(i)
+            if h is not None:
+                self.executor.cancel(h.group.id, h.rank, i)
 
     # -- events ------------------------------------------------------------------------
-    def _on_event(self, g: RankGroup, ev: dict[str, Any]) -> None:
-        kind = ev["kind"]
-        h = self._held.get(ev.get("id", ""))
-        if kind == "step" and h is not None:
-            self.sink.on_progress(h.ticket.id, ev["step"], ev["total"])
-        elif kind == "forwards_done" and h is not None:
+    def _on_event(self, ev: Event) -> None:
+        kind = ev.kind
+        if kind is EventKind.GROUP_READY:
+            self._group_ready(ev.group)
+            return
+        if kind is EventKind.START_FAILED:
+            self._start_failed(ev.group, ev.error or "start failed")
+            return
+        if kind is EventKind.GROUP_FAILED:
+            self._group_failed(ev.group, ev.error or "rank group failed")
+            return
+        h = self._held.get(ev.job_id)
+        if h is None or h.group.id != ev.group:
+            return
+        if kind is EventKind.STEP:
+            self.sink.on_progress(h.ticket.id, ev.step, ev.total)
+        elif kind is EventKind.FORWARDS_DONE:
             h.forwarding = False
             with self._cv:
                 self._cv.notify_all()
-        elif kind == "finished" and h is not None:
-            self._end(h, Outcome(h.group.first_bundle + h.rank, ev.get("mp4"), ev.get("error"),
-                                 float(ev.get("seconds") or 0.0)))
-        elif kind == "refused":
-            for h in [x for x in self._of(g) if x.rank == ev["rank"] and x.forwarding]:
-                self._end(h, Outcome(g.first_bundle + h.rank, error=f"rank refused: {ev['error']}"))
+        elif kind is EventKind.FINISHED:
+            cancelled = ev.cancelled or h.cancelled
+            self._end(h, Outcome(h.group.first_rank + h.rank, None if cancelled else ev.mp4,
+                                 "cancelled" if cancelled else ev.error, ev.seconds, cancelled=cancelled,
+                                 timings={**ev.timings, "step_s": list(ev.step_s)}))
+        elif kind is EventKind.REFUSED:
+            self._end(h, Outcome(h.group.first_rank + h.rank, error=f"rank refused: {ev.error}"))
 
     def _end(self, h: Held, outcome: Outcome) -> None:
         self._held.pop(h.ticket.id, None)
-        latency = time.monotonic() - h.assigned_at
+        latency = self.clock() - h.assigned_at
         h.info["latency_s"] = round(latency, 3)
         h.info["ok"] = outcome.ok
         h.info.setdefault("errors", [])
         if outcome.error:
             h.info["errors"].append(outcome.error)
-        (self.waves.record_wave_latency if self.scheduler == "waves" else self.queue.record_latency)(latency)
+        outcome.timings.setdefault("queue_s", h.info["queued_s"])
+        self.scheduler.record_latency(latency)
         metrics()["wave_latency"].observe(
-            latency, tags={"group": h.group.group_id, "outcome": "ok" if outcome.ok else "failed"})
+            latency, tags={"group": h.group.id, "outcome": "ok" if outcome.ok else "failed"})
         self.sink.on_finish(h.ticket, outcome, h.info)
 
-    # -- failures ----------------------------------------------------------------------
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for h in list(self._held.values()):
-            if h.ticket.id in self._held and now > h.deadline and h.group.ready:
-                why = f"request {h.ticket.id} exceeded its deadline of {h.info['deadline_s']:.0f}s"
-                self._group_failed(h.group, why)
-
-    def _group_failed(self, g: RankGroup, why: str) -> None:
-        log.warning("group %s failed: %s", g.group_id, why)
-        g.fail(why)
-        for h in self._of(g):
-            self._end(h, Outcome(g.first_bundle + h.rank, error=why))
-
-    def _recover(self) -> None:
-        """Rebuild broken groups on their own threads; fail the queue if nothing can serve."""
-        for g in self.engine.groups:
-            if g.state in (GroupState.BROKEN, GroupState.FAILED) and g.group_id not in self._rebuilding:
-                if g.state is GroupState.FAILED and time.monotonic() - g.failed_at < self.retry_s:
-                    continue
-                self._rebuilding.add(g.group_id)
-                threading.Thread(target=self._rebuild, args=(g,), daemon=True,
-                                 name=f"rebuild-{g.group_id}").start()
-        alive = [g for g in self.engine.groups
-                 if g.state in (GroupState.READY, GroupState.STARTING, GroupState.REBUILDING,
-                                GroupState.BROKEN, GroupState.NEW)]
-        if alive:
-            self._unavailable_since = None
-            return
-        # Every group failed to start or rebuild: queued requests would wait forever.
-        if self._unavailable_since is None:
-            self._unavailable_since = time.monotonic()
-        errors = [g.last_error for g in self.engine.groups if g.last_error]
-        why = f"no DP group available: {errors[0] if errors else 'engine down'}"
+    # -- groups: failures and retries --------------------------------------------------
+    def _group_ready(self, gid: str) -> None:
+        metrics()["rebuild_attempts"].inc(1, tags={"outcome": "ready"})
+        self.attempts["ready"] += 1
+        tr = self._tracks[gid]
+        now = self.clock()
+        self._start_s = max(1.0, now - tr.attempt_started)
+        tr.ready, tr.failures, tr.retry_at, tr.attempting, tr.last_error = True, 0, None, False, None
+        self._unavailable_since = None
+        metrics()["group_ready"].set(1, tags={"group": gid})
         with self._cv:
-            self._fail_queue(why)
+            self._cv.notify_all()
 
-    def _rebuild(self, g: RankGroup) -> None:
-        try:
-            g.rebuild(g.last_error or g.state.value)
-        finally:
-            self._rebuilding.discard(g.group_id)
+    def _start_failed(self, gid: str, why: str) -> None:
+        metrics()["rebuild_attempts"].inc(1, tags={"outcome": "failed"})
+        self.attempts["failed"] += 1
+        tr = self._tracks[gid]
+        tr.ready, tr.attempting, tr.last_error = False, False, why
+        tr.failures += 1
+        tr.retry_at = self.clock() + backoff_s(tr.failures)
+        log.warning("group %s: attempt %d failed (%s); next in %.1f s", gid, tr.failures, why,
+                    tr.retry_at - self.clock())
+        self._note_unavailable()
+        if self.max_attempts is not None and all(t.failures >= self.max_attempts and not t.ready
+                                                 for t in self._tracks.values()):
+            self.gave_up = f"no rank group could start ({tr.failures} attempts): {why}"
             with self._cv:
-                self._cv.notify_all()
+                self._fail_queue(self.gave_up)
 
-    def _fail_queue(self, why: str) -> None:
-        info = {"scheduler": self.scheduler, "reason": "unavailable", "ids": []}
-        tickets: list[Ticket] = []
-        while (w := self.waves.next_wave(now=float("inf"))) is not None:
-            tickets.extend(w.tickets)
-        while (t := self.queue.pick([], now=float("inf"))) is not None:
-            tickets.append(t)
+    def _group_failed(self, gid: str, why: str, late: str | None = None) -> None:
+        """``gid`` cannot serve: its held requests fail (``late``, if one missed its deadline,
+        with its own reason; the others' reasons name no other request), and it is rebuilt."""
+        log.warning("group %s failed: %s", gid, why)
+        tr = self._tracks[gid]
+        tr.ready, tr.last_error, tr.retry_at = False, why, self.clock()
+        metrics()["group_ready"].set(0, tags={"group": gid})
+        metrics()["rebuilds"].inc(1, tags={"group": gid, "reason": why[:40]})
+        for h in self._of(gid):
+            if late is None:
+                reason = why
+            elif h.ticket.id == late:
+                reason = f"exceeded its deadline of {h.info['deadline_s']:.0f}s"
+            else:
+                reason = "its rank group was rebuilt: another request on it exceeded its deadline"
+            self._end(h, Outcome(h.group.first_rank + h.rank, error=reason))
+        self._note_unavailable()
+
+    def _retry_due(self, now: float) -> None:
+        for tr in self._tracks.values():
+            if tr.ready or tr.attempting or tr.retry_at is None or tr.retry_at > now or self.gave_up:
+                continue
+            if self.executor.rebuild(tr.info.id):
+                tr.attempting, tr.retry_at, tr.attempt_started = True, None, now
+
+    def _check_deadlines(self, now: float) -> None:
+        for h in list(self._held.values()):
+            if h.ticket.id in self._held and now > h.deadline and self._tracks[h.group.id].ready:
+                gid = h.group.id
+                self.executor.fail(gid, f"a request exceeded its deadline of {h.info['deadline_s']:.0f}s")
+                self._group_failed(gid, "a request exceeded its deadline", late=h.ticket.id)
+
+    def _expire_queue(self, now: float) -> None:
+        """Queued requests that waited ``max_queue_wait_s`` end failed (the caller holds _cv)."""
+        for t in self.scheduler.queued():
+            waited = now - t.enqueued_at
+            if waited >= self.max_queue_wait_s and self.scheduler.cancel(t.id):
+                why = self._availability()[1] or "no rank was free"
+                self.sink.on_finish(t, Outcome(-1, error=f"waited {waited:.0f} s in the queue, the limit "
+                                               f"(--max-queue-wait-s); {why}"),
+                                    {"scheduler": self.scheduler.name, "reason": "queue_wait", "ids": []})
+
+    def _note_unavailable(self) -> None:
+        if not any(t.ready for t in self._tracks.values()) and self._unavailable_since is None:
+            self._unavailable_since = self.clock()
+
+    def _availability(self) -> tuple[Availability, str]:
+        """(availability, why); the caller holds _cv or accepts a racy read."""
+        if self.gave_up:
+            return Availability.DOWN, self.gave_up
+        if not self._opened:
+            return Availability.RECOVERING, "engine starting"
+        tracks = list(self._tracks.values())
+        if any(t.ready for t in tracks):
+            return Availability.SERVING, ""
+        errors = [t.last_error for t in tracks if t.last_error] or [self._engine_error or "engine starting"]
+        if not tracks or all(t.failures >= 2 for t in tracks):
+            return Availability.DOWN, f"no rank group can serve: {errors[0]}"
+        return Availability.RECOVERING, f"no rank group is ready yet: {errors[0]}"
+
+    def _retry_after_down(self) -> int:
+        now = self.clock()
+        due = [max(0.0, t.retry_at - now) for t in self._tracks.values() if t.retry_at is not None]
+        return max(1, math.ceil(min(due, default=0.0) + self._start_s))
+
+    def _fail_queue(self, why: str) -> int:
+        """Fail every queued request (the caller holds _cv); returns how many."""
+        info = {"scheduler": self.scheduler.name, "reason": "unavailable", "ids": []}
+        tickets = self.scheduler.queued()
         for t in tickets:
+            self.scheduler.cancel(t.id)
             self.sink.on_finish(t, Outcome(-1, error=why), info)
+        return len(tickets)
 
     def _fail_all(self, why: str) -> None:
         for h in list(self._held.values()):
-            self._end(h, Outcome(h.group.first_bundle + h.rank, error=why))
+            self._end(h, Outcome(h.group.first_rank + h.rank, error=why))
         with self._cv:
             self._fail_queue(why)
 
     def _depth(self) -> None:
-        for g in self.engine.groups:
-            metrics()["queue_depth"].set(self.depth, tags={"group": g.group_id})
-            metrics()["queue_capacity"].set(self.max_queue, tags={"group": g.group_id})
-            g.refresh_gauges()
+        now = self._availability()[0]
+        for a in Availability:
+            metrics()["availability"].set(1 if a is now else 0, tags={"state": a.value})
+        for gid in self._tracks:
+            metrics()["queue_depth"].set(self.depth, tags={"group": gid})
+            metrics()["queue_capacity"].set(self.scheduler.max_queue, tags={"group": gid})

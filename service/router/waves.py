@@ -42,7 +42,6 @@ class Wave:
 
     key: str
     tickets: list[Ticket]
-    formed_at: float
     reason: str  # "full" (N waited) or "timeout" (oldest waited max_wait_s)
 
     @property
@@ -82,6 +81,10 @@ class WaveRouter:
         self._ids[ticket_id] = key
         return t
 
+    def tickets(self) -> list[Ticket]:
+        """Every queued ticket, oldest first (not removed)."""
+        return sorted((t for q in self._queues.values() for t in q), key=lambda t: t.enqueued_at)
+
     def cancel(self, ticket_id: str) -> bool:
         """Drop a queued request (e.g. DELETE before it ran); False if not queued."""
         key = self._ids.pop(ticket_id, None)
@@ -96,31 +99,33 @@ class WaveRouter:
             del self._queues[key]
         return True
 
-    def _ready(self, q: deque[Ticket], now: float) -> str | None:
-        if len(q) >= self.dp_size:
+    def _ready(self, q: deque[Ticket], now: float, size: int | None = None) -> str | None:
+        if len(q) >= (size or self.dp_size):
             return "full"
         if now - q[0].enqueued_at >= self.max_wait_s:
             return "timeout"
         return None
 
-    def next_wave(self, now: float | None = None) -> Wave | None:
-        """Release the ready key whose head waited longest, or None if no key is ready."""
+    def next_wave(self, now: float | None = None, size: int | None = None) -> Wave | None:
+        """Release the ready key whose head waited longest (at most ``size`` requests, default
+        ``dp_size``), or None if no key is ready."""
         now = time.monotonic() if now is None else now
+        size = size or self.dp_size
         best: tuple[float, str, str] | None = None
         for key, q in self._queues.items():
-            reason = self._ready(q, now)
+            reason = self._ready(q, now, size)
             if reason and (best is None or q[0].enqueued_at < best[0]):
                 best = (q[0].enqueued_at, key, reason)
         if best is None:
             return None
         _, key, reason = best
         q = self._queues[key]
-        tickets = [q.popleft() for _ in range(min(self.dp_size, len(q)))]
+        tickets = [q.popleft() for _ in range(min(size, len(q)))]
         if not q:
             del self._queues[key]
         for t in tickets:
             del self._ids[t.id]
-        return Wave(key, tickets, now, reason)
+        return Wave(key, tickets, reason)
 
     def wake_in(self, now: float | None = None) -> float | None:
         """Seconds until some key becomes ready on its own (0 if one is ready, None if empty)."""

@@ -1,149 +1,240 @@
-"""The dispatcher on real Ray rank groups (gloo, demo model): who fails when a rank dies.
+"""The dispatcher's rules on the fake executor and a fake clock: who runs, who fails, when
+groups are retried, what admission says. Milliseconds each; no sleeps, no Ray.
 
-- rank-local DP2, continuous: every rank is its own group. Killing rank 1 while it runs a
-  request fails that request only; rank 0's request completes, rank 1 alone is rebuilt
-  and the queue goes on.
-- AllGather DP2, waves: a wave takes requests of one key only; a request past its
-  deadline fails with the reason, the group is rebuilt, the next request is exact.
-The AllGather continuous case (a dead rank fails everything the group held) is tested
-through HTTP in tests/api/test_http.py.
+The same rules on real Ray actors (a rank SIGKILLed) are in tests/engine/test_ray_executor.py
+and tests/api/test_http.py.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ray
 
-from service.engine.group import Engine, EngineSpec, Outcome
+from service.engine.spec import Outcome
 from service.models.request import GenerationRequest
-from service.router.dispatcher import Dispatcher
+from service.router.dispatcher import Availability, Dispatcher, Unavailable
 from service.router.policy import DeadlinePolicy
+from service.router.scheduler import ContinuousScheduler, WaveScheduler
 from service.router.waves import Ticket
+from tests.fakes import Clock, FakeExecutor
+
+REQ = GenerationRequest(prompt="p", num_inference_steps=2)  # 4 forwards
+BIG = GenerationRequest(prompt="p", num_inference_steps=2, width=64)
 
 
 class Collect:
-    """A Sink that remembers everything and lets a test wait for a request's end."""
+    """A Sink that remembers everything."""
 
     def __init__(self) -> None:
         self.started: dict[str, dict[str, Any]] = {}
         self.finished: dict[str, Outcome] = {}
         self.progress: dict[str, int] = {}
-        self._cv = threading.Condition()
 
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        with self._cv:
-            self.started[ticket.id] = dict(info)
+        self.started[ticket.id] = dict(info)
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        with self._cv:
-            self.progress[ticket_id] = step
-            self._cv.notify_all()
+        self.progress[ticket_id] = step
 
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
-        with self._cv:
-            self.finished[ticket.id] = outcome
-            self._cv.notify_all()
-
-    def wait(self, ids: list[str], timeout: float = 120) -> list[Outcome]:
-        with self._cv:
-            assert self._cv.wait_for(lambda: all(i in self.finished for i in ids), timeout), self.finished
-            return [self.finished[i] for i in ids]
-
-    def wait_progress(self, tid: str, timeout: float = 60) -> None:
-        with self._cv:
-            assert self._cv.wait_for(lambda: self.progress.get(tid, 0) >= 1, timeout)
+        assert ticket.id not in self.finished, f"{ticket.id} ended twice"
+        self.finished[ticket.id] = outcome
 
 
-def submit(d: Dispatcher, tid: str, req: GenerationRequest) -> None:
-    d.submit(tid, req.compat_key(), req)
+def make(sizes: tuple[int, ...] = (2,), outcomes: dict[int, list[bool]] | None = None, waves: bool = False,
+         **kw: Any) -> tuple[Dispatcher, FakeExecutor, Collect, Clock]:
+    ex, sink, clock = FakeExecutor(sizes, outcomes or {}), Collect(), Clock()
+    sched = WaveScheduler(max(sizes), max_wait_s=0.05) if waves else ContinuousScheduler(64, 30.0)
+    d = Dispatcher(ex, sink, sched, deadlines=DeadlinePolicy(base_s=60, per_forward_s=1.0), clock=clock, **kw)
+    d.open()
+    d.step(0)  # the groups' READY (or START_FAILED) events
+    return d, ex, sink, clock
 
 
-def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
-    end = time.monotonic() + timeout
-    while d.engine.status()["state"] != "ready":
-        assert time.monotonic() < end, d.engine.status()
-        time.sleep(0.1)
+def submit(d: Dispatcher, *ids: str, req: GenerationRequest = REQ) -> None:
+    for i in ids:
+        d.submit(i, req.compat_key(), req)
 
 
-def running(spec: EngineSpec, **kw: object) -> Iterator[tuple[Dispatcher, Collect]]:
-    """A started dispatcher over ``spec``'s groups, ready; stopped afterwards."""
-    sink = Collect()
-    d = Dispatcher(Engine(spec), sink, **kw)
-    d.start()
-    try:
-        wait_ready(d)
-        yield d, sink
-    finally:
-        d.stop()
+def test_a_freed_rank_takes_the_next_request_at_once_and_outcomes_reach_the_sink() -> None:
+    d, ex, sink, _ = make()
+    submit(d, "a", "b", "c")
+    d.step(0)
+    assert [(g, r, j) for g, r, j, _ in ex.assigned] == [("g0", 0, "a"), ("g0", 1, "b")]
+    assert d.depth == 1 and d.held == 2
+    ex.forwards_done("a")  # a's rank is free while a decodes: c starts there
+    d.step(0)
+    d.step(0)
+    assert ex.on("c") == ("g0", 0) and sink.progress["a"] == 2
+    ex.finish("a")
+    ex.run("b")
+    ex.run("c")
+    d.step(0)
+    assert all(sink.finished[i].ok for i in "abc") and sink.finished["a"].mp4 == b"mp4 of a"
+    assert sink.finished["a"].timings["queue_s"] == 0.0 and "denoise_s" in sink.finished["a"].timings
 
 
-@pytest.fixture
-def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
-    spec = EngineSpec(demo_model, dp_size=2, use_allgather=False, cpus_per_rank=0.5, pg_timeout_s=60,
-                      encoders_per_rank=0)
-    yield from running(spec, scheduler="continuous", deadlines=DeadlinePolicy(base_s=120))
+def test_a_dead_rank_fails_its_allgather_groups_requests_and_the_queue_waits_for_the_rebuild() -> None:
+    d, ex, sink, _ = make()
+    submit(d, "a", "b", "c")
+    d.step(0)
+    ex.kill("g0", "rank 1 died: SIGKILL")
+    d.step(0)  # both held requests fail (their gathers cannot finish); a rebuild starts at once
+    assert sink.finished["a"].error == sink.finished["b"].error == "rank 1 died: SIGKILL"
+    assert "c" not in sink.finished and ex.attempts["g0"] == 1
+    d.step(0)  # the retry is due now: rebuild, READY
+    d.step(0)
+    assert ex.attempts["g0"] == 2 and ex.on("c") == ("g0", 0)
+    ex.run("c")
+    d.step(0)
+    assert sink.finished["c"].ok
 
 
-def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> None:  # noqa: ANN001
-    d, sink = ranklocal
-    assert [g.size for g in d.engine.groups] == [1, 1]
-    a = GenerationRequest(prompt="stays", seed=1, num_inference_steps=30)
-    b = GenerationRequest(prompt="doomed", seed=2, num_inference_steps=400)
-    c = GenerationRequest(prompt="queued", seed=3)
-    submit(d, "a", a)
-    submit(d, "b", b)
-    sink.wait_progress("b")
-    submit(d, "c", c)
-    victim = d.engine.groups[sink.started["b"]["rank"]]
-    survivor = d.engine.groups[sink.started["a"]["rank"]]
-    gen = survivor.generation
-    ray.kill(victim.actors[0])
-    out_b = sink.wait(["b"])[0]
-    assert not out_b.ok and f"rank {victim.first_bundle} died" in out_b.error
-    out_a, out_c = sink.wait(["a", "c"])
-    assert out_a.ok and out_a.mp4 == resident.generate(a)
-    assert out_c.ok and out_c.mp4 == resident.generate(c)
-    assert survivor.generation == gen  # the other rank was never touched
-    wait_ready(d)
-    assert victim.generation >= 1 and victim.rebuilds == 1
+def test_rank_local_groups_fail_alone() -> None:
+    d, ex, sink, _ = make(sizes=(1, 1))
+    submit(d, "a", "b")
+    d.step(0)
+    assert {ex.on("a")[0], ex.on("b")[0]} == {"g0", "g1"}
+    dead = ex.on("a")[0]
+    ex.kill(dead)
+    ex.run("b")
+    d.step(0)
+    assert sink.finished["a"].error and sink.finished["b"].ok
 
 
-@pytest.fixture
-def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
-    spec = EngineSpec(demo_model, dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60, encoders_per_rank=1)
-    yield from running(spec, scheduler="waves", max_wait_s=0.5,
-                       deadlines=DeadlinePolicy(base_s=5.0, per_forward_s=0.004))
+def test_a_missed_deadline_fails_the_group_naming_only_each_jobs_own_id() -> None:
+    d, ex, sink, clock = make()
+    submit(d, "late", "other")
+    d.step(0)
+    deadline = sink.started["late"]["deadline_s"]
+    clock.advance(deadline + 1)
+    d.step(0)
+    assert sink.finished["late"].error == f"exceeded its deadline of {deadline:.0f}s"
+    assert "late" not in (sink.finished["other"].error or "") and "deadline" in sink.finished["other"].error
+    d.step(0)
+    assert ex.attempts["g0"] == 2  # rebuilt
 
 
-def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> None:  # noqa: ANN001
-    d, sink = waves
-    x1 = GenerationRequest(prompt="x1", seed=1)
-    x2 = GenerationRequest(prompt="x2", seed=2, guidance_scale=3.0)  # same key: CFG on
-    y = GenerationRequest(prompt="y", seed=3, num_frames=9)
-    for tid, req in (("x1", x1), ("y", y), ("x2", x2)):
-        submit(d, tid, req)
-    outs = sink.wait(["x1", "x2", "y"])
-    assert all(o.ok for o in outs), outs
-    assert [o.mp4 for o in outs] == [resident.generate(r) for r in (x1, x2, y)]
-    info = {t: sink.started[t] for t in ("x1", "x2", "y")}
-    assert info["x1"]["wave"] == info["x2"]["wave"] != info["y"]["wave"]
-    assert info["x1"]["size"] == info["x2"]["size"] == 2 and info["y"]["size"] == 1
-    assert {info["x1"]["rank"], info["x2"]["rank"]} == {0, 1}
+def test_a_rebuild_that_fails_twice_is_retried_with_backoff_and_queued_jobs_complete() -> None:
+    d, ex, sink, clock = make(sizes=(1,), outcomes={0: [True, False, False, True]})
+    submit(d, "held", "queued")
+    d.step(0)
+    ex.kill("g0")
+    d.step(0)  # held fails; rebuild attempt 2 at once ...
+    d.step(0)
+    assert ex.attempts["g0"] == 2  # ... which fails: the next comes at once too
+    assert d.availability()[0] is Availability.RECOVERING
+    submit(d, "during")  # accepted: it will wait
+    d.step(0)
+    d.step(0)
+    assert ex.attempts["g0"] == 3  # failed again: now the service is down, the next try in 1 s
+    avail, why = d.availability()
+    assert avail is Availability.DOWN and "attempt 3 failed" in why
+    with pytest.raises(Unavailable) as refused:
+        submit(d, "refused")
+    assert refused.value.retry_after_s >= 1
+    d.step(0)
+    assert ex.attempts["g0"] == 3
+    clock.advance(1.0)
+    d.step(0)
+    d.step(0)
+    assert ex.attempts["g0"] == 4 and d.availability()[0] is Availability.SERVING
+    assert sink.finished["held"].error and "queued" not in sink.finished
+    ex.run("queued")
+    d.step(0)
+    d.step(0)
+    ex.run("during")
+    d.step(0)
+    assert sink.finished["queued"].ok and sink.finished["during"].ok and "refused" not in sink.finished
 
-    gen = d.engine.groups[0].generation
-    slow = GenerationRequest(prompt="slow", seed=4, num_inference_steps=1000)  # ~20 s; deadline 13 s
-    t0 = time.monotonic()
-    submit(d, "slow", slow)
-    out = sink.wait(["slow"], timeout=60)[0]
-    assert not out.ok and "deadline" in out.error, out
-    assert time.monotonic() - t0 < 13 + 15  # the deadline, then the poll and the kill
-    wait_ready(d)
-    assert d.engine.groups[0].generation == gen + 1
-    after = GenerationRequest(prompt="after the rebuild", seed=5)
-    submit(d, "after", after)
-    assert sink.wait(["after"])[0].mp4 == resident.generate(after)
+
+def test_one_shot_front_ends_give_up_after_max_attempts() -> None:
+    d, ex, sink, _ = make(sizes=(1,), outcomes={0: [False, False]}, max_attempts=2)
+    submit(d, "a")  # the first attempt failed, the retry is due: accepted, waits
+    d.step(0)
+    d.step(0)
+    assert ex.attempts["g0"] == 2 and "attempt 2 failed" in sink.finished["a"].error
+    with pytest.raises(Unavailable):
+        submit(d, "b")
+
+
+def test_cancel_queued_and_running_jobs() -> None:
+    d, ex, sink, _ = make(sizes=(1,))
+    submit(d, "run", "wait")
+    d.step(0)
+    assert d.cancel("wait") == "queued" and d.depth == 0
+    assert d.cancel("run") == "running" and d.cancel("nope") == "missing"
+    d.step(0)
+    assert ex.cancels == [("g0", 0, "run")]
+    ex.run("run", cancelled=True)
+    d.step(0)
+    out = sink.finished["run"]
+    assert out.cancelled and out.error == "cancelled" and not out.ok and "wait" not in sink.finished
+
+
+def test_a_cancel_that_arrives_during_decode_still_ends_cancelled() -> None:
+    d, ex, sink, _ = make(sizes=(1,))
+    submit(d, "a")
+    d.step(0)
+    ex.forwards_done("a")
+    d.step(0)
+    d.cancel("a")
+    ex.finish("a")  # the rank could not stop it any more: its MP4 is dropped
+    d.step(0)
+    assert sink.finished["a"].cancelled and sink.finished["a"].mp4 is None
+
+
+def test_a_refused_assignment_fails_that_request_only() -> None:
+    d, ex, sink, _ = make()
+    submit(d, "a", "b")
+    d.step(0)
+    ex.refuse("a")
+    ex.run("b")
+    d.step(0)
+    assert sink.finished["a"].error == "rank refused: ValueError: nope" and sink.finished["b"].ok
+
+
+def test_queued_jobs_wait_at_most_max_queue_wait() -> None:
+    d, ex, sink, clock = make(sizes=(1,), max_queue_wait_s=30)
+    submit(d, "a", "b")
+    d.step(0)
+    clock.advance(29)
+    d.step(0)
+    assert "b" not in sink.finished
+    clock.advance(2)
+    d.step(0)
+    assert "waited 31 s in the queue" in sink.finished["b"].error and "a" not in sink.finished
+
+
+def test_waves_start_only_on_a_free_group_and_hold_one_key() -> None:
+    d, ex, sink, clock = make(waves=True)
+    submit(d, "a", "b")
+    submit(d, "x", req=BIG)
+    d.step(0)
+    assert [j for _, _, j, _ in ex.assigned] == ["a", "b"] and sink.started["a"]["size"] == 2
+    ex.forwards_done("a")
+    clock.advance(1)
+    d.step(0)
+    assert len(ex.assigned) == 2  # b still forwards: the wave holds the group
+    ex.forwards_done("b")
+    d.step(0)
+    d.step(0)
+    assert ex.assigned[-1][2] == "x" and sink.started["x"]["reason"] == "timeout"
+
+
+def test_stop_fails_what_is_queued_and_held_and_closes_the_executor() -> None:
+    d, ex, sink, _ = make(sizes=(1,))
+    submit(d, "a", "b")
+    d.step(0)
+    d.stop()
+    assert sink.finished["a"].error == sink.finished["b"].error == "service stopped" and ex.closed
+
+
+def test_status_says_which_state_the_engine_is_in() -> None:
+    d, ex, _, _ = make(outcomes={0: [False, False]})
+    st = d.status()
+    assert st["state"] == "failed" and st["availability"] == "recovering"
+    d.step(0)
+    d.step(0)
+    assert d.status()["state"] == "down"

@@ -1,0 +1,25 @@
+"""The rank placement and scheduling flags ``serve`` and the batch job share (argparse only:
+the CLIs build their parsers without importing torch or Ray)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> None:
+    """Where the ranks run and how they are scheduled: shared by ``serve`` and the batch job."""
+    g = p.add_argument_group("rank placement and scheduling")
+    g.add_argument("--gpus-per-rank", type=float, default=None,
+                   help="default: 1 if the cluster has GPUs, else 0")
+    g.add_argument("--cpus-per-rank", type=float, default=1.0)
+    g.add_argument("--placement-strategy", default="STRICT_PACK",
+                   choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
+    g.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
+                   help="continuous: a freed rank starts the next request at the next forward; "
+                        "waves: request-level waves of one compatibility key")
+    g.add_argument("--encoders-per-rank", type=int, default=1,
+                   help="MP4 encoder processes beside each rank (0: encode on the rank)")
+    g.add_argument("--wave-deadline-base-s", type=float, default=deadline_base_s,
+                   help="fixed part of each request's deadline")
+    g.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,
+                   help="deadline = base + this x forwards x (pixels*frames / 832*480*81)")

@@ -1,0 +1,174 @@
+"""The in-memory executor and clock the scheduling tests drive (no Ray, no processes).
+
+A fake is right here: the dispatcher's rules (deadlines, rebuilds, cancel, lost groups,
+retries) are about what the executor *reports*, and the real executors' reports are tested
+on real Ray actors and processes elsewhere. Every event is one the test asks for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.engine.events import Event, EventKind
+from service.engine.executor import Executor, GroupInfo, GroupState
+
+
+@dataclass
+class Clock:
+    """A monotonic clock that moves only when the test says so."""
+
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class FakeExecutor(Executor):
+    """Groups of the given sizes; ``collective`` as an AllGather group (size > 1) would be.
+
+    ``outcomes[group]``: results of its next start/rebuild attempts (True: ready), popped in
+    order; when empty, attempts succeed. Nothing happens by itself: the test calls
+    ``run``/``finish``/``kill`` and then the dispatcher's ``step``.
+    """
+
+    sizes: tuple[int, ...] = (2,)
+    outcomes: dict[int, list[bool]] = field(default_factory=dict)
+    assigned: list[tuple[str, int, str, Any]] = field(default_factory=list)
+    cancels: list[tuple[str, int, str]] = field(default_factory=list)
+    attempts: dict[str, int] = field(default_factory=dict)
+    closed: bool = False
+    started: bool = False
+    _infos: list[GroupInfo] = field(default_factory=list)
+    _states: dict[str, GroupState] = field(default_factory=dict)
+    _events: deque[Event] = field(default_factory=deque)
+    _where: dict[str, tuple[str, int]] = field(default_factory=dict)  # job -> (group, rank)
+    _cv: threading.Condition = field(default_factory=threading.Condition)  # a dispatcher thread may poll
+
+    def __post_init__(self) -> None:
+        first = 0
+        for i, size in enumerate(self.sizes):
+            info = GroupInfo(f"g{i}", size, first, size > 1)
+            self._infos.append(info)
+            self._states[info.id] = GroupState.NEW
+            first += size
+
+    # -- Executor ---------------------------------------------------------------------
+    def start(self) -> None:
+        self.started = True
+        for info in self._infos:
+            self._attempt(info.id)
+
+    def groups(self) -> list[GroupInfo]:
+        return list(self._infos)
+
+    def state(self, group: str) -> GroupState:
+        return self._states[group]
+
+    def assign(self, group: str, rank: int, job_id: str, req: Any) -> None:
+        if self._states[group] is not GroupState.READY:
+            raise RuntimeError(f"group {group} is {self._states[group].value}")
+        with self._cv:
+            self.assigned.append((group, rank, job_id, req))
+            self._where[job_id] = (group, rank)
+            self._cv.notify_all()
+
+    def cancel(self, group: str, rank: int, job_id: str) -> None:
+        with self._cv:
+            self.cancels.append((group, rank, job_id))
+            self._cv.notify_all()
+
+    def wait_cancelled(self, job_id: str, timeout: float = 10.0) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: any(c[2] == job_id for c in self.cancels), timeout)
+
+    def poll(self, timeout: float) -> list[Event]:
+        with self._cv:
+            if not self._events and timeout > 0:
+                self._cv.wait(timeout)
+            out = list(self._events)
+            self._events.clear()
+            return out
+
+    def fail(self, group: str, reason: str) -> None:
+        self._states[group] = GroupState.BROKEN
+
+    def rebuild(self, group: str) -> bool:
+        if self.closed or self._states[group] not in (GroupState.BROKEN, GroupState.FAILED):
+            return False
+        self._attempt(group)
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {"groups": [{"group": g.id, "state": self._states[g.id].value, "size": g.size,
+                            "generation": self.attempts[g.id] - 1, "rebuilds": self.attempts[g.id] - 1,
+                            "first_rank": g.first_rank, "last_error": None, "workers": []}
+                           for g in self._infos],
+                "dp_size": sum(self.sizes), "sp_size": 1, "offload_mode": {"mode": "fake", "reason": "test"}}
+
+    def close(self) -> None:
+        self.closed = True
+        for g in self._infos:
+            self._states[g.id] = GroupState.CLOSED
+
+    # -- what the test makes happen ---------------------------------------------------
+    def run(self, job_id: str, steps: int = 2, mp4: bytes | None = None, error: str | None = None,
+            cancelled: bool = False) -> None:
+        """The job's rank reports its steps, its last forward and its end."""
+        self.forwards_done(job_id, steps)
+        self.finish(job_id, mp4=mp4, error=error, cancelled=cancelled)
+
+    def forwards_done(self, job_id: str, steps: int = 2) -> None:
+        group, rank = self._where[job_id]
+        self._push(Event(EventKind.STARTED, group=group, rank=rank, job_id=job_id),
+                   *(Event(EventKind.STEP, group=group, rank=rank, job_id=job_id, step=s, total=steps)
+                     for s in range(1, steps + 1)),
+                   Event(EventKind.FORWARDS_DONE, group=group, rank=rank, job_id=job_id))
+
+    def finish(self, job_id: str, mp4: bytes | None = None, error: str | None = None,
+               cancelled: bool = False) -> None:
+        group, rank = self._where[job_id]
+        data = None if error or cancelled else (mp4 or f"mp4 of {job_id}".encode())
+        self._push(Event(EventKind.FINISHED, group=group, rank=rank, job_id=job_id, mp4=data,
+                         error="cancelled" if cancelled else error, cancelled=cancelled, seconds=1.0,
+                         timings={"text_encode_s": 0.1, "denoise_s": 0.5, "decode_s": 0.1, "encode_s": 0.2}))
+
+    def kill(self, group: str, why: str = "rank 1 died: killed") -> None:
+        """A rank of ``group`` died: the executor reports the group failed."""
+        self._states[group] = GroupState.BROKEN
+        self._push(Event(EventKind.GROUP_FAILED, group=group, error=why))
+
+    def refuse(self, job_id: str, why: str = "ValueError: nope") -> None:
+        group, rank = self._where[job_id]
+        self._push(Event(EventKind.REFUSED, group=group, rank=rank, job_id=job_id, error=why))
+
+    def on(self, job_id: str) -> tuple[str, int]:
+        """Where the job was assigned (group, rank)."""
+        return self._where[job_id]
+
+    def wait_assigned(self, job_id: str, timeout: float = 10.0) -> tuple[str, int]:
+        """For tests with a dispatcher thread: block until ``job_id`` reached a rank."""
+        with self._cv:
+            assert self._cv.wait_for(lambda: job_id in self._where, timeout), f"{job_id} never assigned"
+            return self._where[job_id]
+
+    # -- internals --------------------------------------------------------------------
+    def _attempt(self, group: str) -> None:
+        self.attempts[group] = self.attempts.get(group, 0) + 1
+        index = int(group[1:])
+        planned = self.outcomes.get(index, [])
+        ok = planned.pop(0) if planned else True
+        self._states[group] = GroupState.READY if ok else GroupState.FAILED
+        kind = EventKind.GROUP_READY if ok else EventKind.START_FAILED
+        self._push(Event(kind, group=group, error=None if ok else f"attempt {self.attempts[group]} failed"))
+
+    def _push(self, *events: Event) -> None:
+        with self._cv:
+            self._events.extend(events)
+            self._cv.notify_all()
