@@ -19,8 +19,6 @@ import sys
 import time
 from collections.abc import Sequence
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     from service.models.demo import PRESETS
@@ -33,6 +31,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from service.models.options import add_offload_arguments
     from service.models.request import GenerationRequest
 
     d = GenerationRequest(prompt="x")
@@ -50,22 +49,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--guidance-scale", type=float, default=d.guidance_scale)
     p.add_argument("--flow-shift", type=float, default=None, help="override the scheduler's shift")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="transformer dtype (auto: checkpoint's)")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="local ranks (processes)")
-    p.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
-                   help="split the request's tokens across S local ranks (Ulysses); DLO gathers over them")
-    p.add_argument(
-        "--enable-distributed-layerwise-offload",
-        action="store_true",
-        help="stream transformer blocks from host memory (AllGather of 1/N shards by default)",
-    )
-    p.add_argument(
-        "--dlo-no-use-allgather",
-        action="store_true",
-        help="rank-local offload: each rank streams whole blocks, no sharding",
-    )
-    from service.models.options import add_offload_arguments
-
     add_offload_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -95,29 +78,18 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from service.engine.local import generate_local
-    from service.models.adapter import load_adapter
-    from service.models.demo import ensure_demo_model
-    from service.models.options import check_flags, offload_options
-    from service.models.pipeline import OffloadConfig
+    from service.models.options import FlagError, settings_from_args
+    from service.models.registry import load_adapter, resolve_model
     from service.models.request import GenerationRequest
 
-    n = args.data_parallel_size
-    if n < 1:
-        return _fail("--data-parallel-size must be >= 1")
-    if args.dlo_no_use_allgather and not args.enable_distributed_layerwise_offload:
-        return _fail("--dlo-no-use-allgather needs --enable-distributed-layerwise-offload")
-    sp = args.sequence_parallel_size
-    err = check_flags(sp, args.dlo_no_use_allgather)
-    if err:
-        return _fail(err)
-    if sp > 1 and n > 1:
+    try:
+        settings = settings_from_args(args)
+    except FlagError as e:
+        return _fail(str(e))
+    sp, dp = args.sequence_parallel_size, args.data_parallel_size
+    if sp > 1 and dp > 1:
         return _fail("--sequence-parallel-size with --data-parallel-size: generate runs one request on "
                      "one SP group; D SP groups are for 'dloserve serve' and the batch job")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        return _fail("--device cuda: no CUDA device is available")
     req = GenerationRequest(
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
@@ -131,32 +103,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         flow_shift=args.flow_shift,
     )
     req.check()  # model-independent checks first: no demo model is written for a bad request
-    model = args.model or str(ensure_demo_model())
-    load_adapter(model, sequence_parallel=sp).validate(req)  # bad input: refused before any process
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    try:
-        options = offload_options(args, args.enable_distributed_layerwise_offload)
-    except ValueError as e:
-        return _fail(str(e))
-    from service.models.options import probe_problem, sequence_parallel_problem
+    import torch
 
-    problem = sequence_parallel_problem(options, sp) or \
-        probe_problem(load_adapter(model), options, args.device)
+    if args.device == "cuda" and torch.cuda.device_count() < max(dp, sp):
+        return _fail(f"--device cuda: {max(dp, sp)} rank(s) need as many CUDA devices, "
+                     f"found {torch.cuda.device_count()}")
+    model = resolve_model(args.model)
+    adapter = load_adapter(model, sequence_parallel=sp)
+    adapter.validate(req)  # bad input: refused before any process starts
+    problem = settings.probe_problem(adapter, args.device)
     if problem:
         return _fail(problem)
-    options.setdefault("probe_shape", [req.height, req.width, req.num_frames])
-    offload = OffloadConfig.from_options(
-        args.enable_distributed_layerwise_offload, not args.dlo_no_use_allgather, options, dtype
-    )
+    if settings.enabled and settings.probe_shape is None:
+        from dataclasses import replace
+
+        settings = replace(settings, probe_shape=(req.height, req.width, req.num_frames))
+    from service.engine.local import generate
+
     t0 = time.perf_counter()
-    generate_local(
-        model, req, args.out, world=max(n, sp), device=args.device, offload=offload,
-        progress=not args.quiet, sequence_parallel=sp,
-    )
+    try:
+        generate(model, req, args.out, dp_size=dp, sp_size=sp, settings=settings, device=args.device,
+                 progress=not args.quiet)
+    except RuntimeError as e:
+        return _fail(str(e))
     size = os.path.getsize(args.out)
     print(
         f"wrote {args.out} ({size} bytes, {req.num_frames} frames {req.width}x{req.height}) "
-        f"in {time.perf_counter() - t0:.1f} s [{offload.strategy}, {f'SP{sp}' if sp > 1 else f'DP{n}'}, "
+        f"in {time.perf_counter() - t0:.1f} s [{settings.mode.value}, {f'SP{sp}' if sp > 1 else f'DP{dp}'}, "
         f"{args.device}]"
     )
     return 0
@@ -173,6 +146,20 @@ def cmd_serve(argv: Sequence[str]) -> int:
     return int(result or 0)
 
 
+def _stop_before_start() -> None:
+    """A signal while ``serve`` is still importing: nothing has started, so exit 0 at once
+    (launch.run installs the handlers that stop a started service)."""
+    import signal
+
+    def stop(signum: int, _frame: object) -> None:
+        print(f"dloserve serve: {signal.Signals(signum).name} before start-up: nothing started",
+              file=sys.stderr, flush=True)
+        raise SystemExit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 def _fail(message: str) -> int:
     print(f"dloserve: error: {message}", file=sys.stderr)
     return 2
@@ -183,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
+        _stop_before_start()
         return cmd_serve(argv[1:])  # its own parser owns every flag after "serve"
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging

@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.api.openapi import body_rules, instance_openapi
+from service.api.records import JobRecord, JobStatus
 from service.api.schemas import (
     BodyError,
     ErrorResponse,
@@ -39,6 +40,7 @@ from service.api.schemas import (
 )
 from service.api.service import AuthError, ServiceConfig, VideoService, video_object
 from service.engine.metrics import metrics
+from service.router.dispatcher import Unavailable
 from service.router.waves import QueueFull
 
 log = logging.getLogger("dloserve.api")
@@ -59,7 +61,7 @@ _CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body over the size limi
                   415: {**_ERR, "description": "not JSON or a form"},
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
                   429: {**_ERR, "description": "queue full; see Retry-After"},
-                  503: {**_ERR, "description": "draining; see Retry-After"}}
+                  503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
 
 
@@ -146,7 +148,7 @@ class VideoIngress:
         except AuthError as e:
             return _error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    async def _create(self, request: Request) -> dict[str, Any] | JSONResponse:
+    async def _create(self, request: Request) -> JobRecord | JSONResponse:
         """The job record as accepted, or the 401/413/415/422/429/503 answer."""
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
@@ -175,6 +177,10 @@ class VideoIngress:
             metrics()["requests"].inc(1, tags={"status": "throttled"})
             return _error(429, str(e), kind="rate_limit_error", code="queue_full",
                           headers={"Retry-After": str(e.retry_after_s)})
+        except Unavailable as e:
+            metrics()["requests"].inc(1, tags={"status": "refused_down"})
+            return _error(503, str(e), kind="server_error", code="engine_down",
+                          headers={"Retry-After": str(e.retry_after_s)})
 
     @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY, response_model=Video,
               responses=_CREATE_ERRORS)
@@ -197,18 +203,18 @@ class VideoIngress:
         rec = await self._create(request)
         if isinstance(rec, JSONResponse):
             return rec
-        vid, owner = rec["id"], rec.get("owner")
+        vid, owner = rec.id, rec.owner
         while True:
             final = await asyncio.to_thread(self.svc.get, vid, owner)  # a call to the job store
             if final is None:
                 return _error(404, f"video {vid} was deleted before it finished", "video_id",
                               code="not_found")
-            if final["status"] in ("completed", "failed"):
+            if final.final:
                 break
             await asyncio.sleep(0.1)
         headers = {"x-video-id": vid}
-        if final["status"] == "failed":
-            err = final.get("error") or {}
+        if final.status is not JobStatus.COMPLETED:
+            err = final.error or {}
             return _error(500, err.get("message", "generation failed"), None, kind="server_error",
                           code=err.get("code", "generation_failed"), headers=headers)
         gone = f"video {vid} has no content (expired or deleted)"
@@ -258,7 +264,7 @@ class VideoIngress:
         rec = self.svc.get(video_id, owner)
         if rec is None:
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
-        headers = {"openai-poll-after-ms": "250"} if rec["status"] in ("queued", "in_progress") else {}
+        headers = {"openai-poll-after-ms": "250"} if not rec.final else {}
         return JSONResponse(video_object(rec), headers=headers)
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
@@ -271,24 +277,22 @@ class VideoIngress:
         rec = self.svc.get(video_id, owner)
         if rec is None:
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
-        if rec["status"] != "completed":
-            return _error(409, f"video {video_id} is {rec['status']}", "video_id", code="not_ready")
+        if rec.status is not JobStatus.COMPLETED:
+            return _error(409, f"video {video_id} is {rec.status.value}", "video_id", code="not_ready")
         return self._video(video_id) or _error(
             404, f"video {video_id} has no content (expired or deleted)", "video_id", code="not_found")
 
-    @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted,
-                responses={**_BY_ID, 409: {**_ERR, "description": "being generated"}})
+    @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=_BY_ID)
     def delete_video(self, request: Request, video_id: str) -> Any:
+        """Delete a job; one that is running is cancelled instead (``deleted`` false): it stops
+        at its next transformer forward and ends ``cancelled``."""
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
             return owner
         result = self.svc.delete(video_id, owner)
         if result == "missing":
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
-        if result == "running":
-            return _error(409, "video is being generated; delete it when it ends", "video_id",
-                          code="in_progress")
-        return VideoDeleted(id=video_id)
+        return VideoDeleted(id=video_id, deleted=result == "deleted")
 
     @app.get("/v1/waves", responses=_AUTH)
     def waves(self, request: Request) -> Any:

@@ -40,67 +40,59 @@ def head_node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-class JobStoreActor:
-    """Threaded actor (calls from many replicas at once); the JobTable holds the lock."""
+class JobStore(JobTable):
+    """The job table plus the replicas' heartbeats and the reaper of lost DP groups: what
+    every replica talks to. On a cluster it runs as a threaded actor (calls from many
+    replicas at once; the table holds the lock); a test may use one in-process."""
 
     def __init__(self, url: str, storage_options: dict[str, Any], ttl_s: float, max_jobs: int,
                  group_timeout_s: float) -> None:
-        self.table = JobTable(ResultStorage(url, storage_options), ttl_s, max_jobs, exclusive=True)
+        super().__init__(ResultStorage(url, storage_options), ttl_s, max_jobs, exclusive=True)
         self.group_timeout_s = group_timeout_s
         self.started = time.monotonic()
         self._seen: dict[str, tuple[float, str]] = {}  # dp group -> (last heartbeat, node id)
         self._cancelled: dict[str, list[str]] = {}  # dp group -> queued jobs deleted elsewhere
-        self._lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self.groups_lost: list[dict[str, Any]] = []
-        threading.Thread(target=self._reap_loop, name="dloserve-reaper", daemon=True).start()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="dloserve-reaper", daemon=True)
+        self._reaper.start()
 
-    # -- jobs --------------------------------------------------------------------------
-    def put(self, rec: dict[str, Any]) -> None:
-        self.table.put(rec)
-
-    def get(self, job_id: str) -> dict[str, Any] | None:
-        return self.table.get(job_id)
-
-    def update(self, job_id: str, persist: bool, fields: dict[str, Any]) -> dict[str, Any] | None:
-        return self.table.update(job_id, persist=persist, **fields)
-
-    def finish(self, job_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
-        return self.table.finish(job_id, **fields)
-
-    def progress(self, updates: dict[str, int]) -> None:
-        """Several jobs' progress at once (kept in memory: not worth a write each)."""
-        for job_id, pct in updates.items():
-            self.table.update(job_id, persist=False, progress=pct)
+    def close(self) -> None:
+        """Stop the reaper (an in-process store; the actor's ends with its process)."""
+        self._stop.set()
+        self._reaper.join(timeout=5)
 
     def delete(self, job_id: str) -> bool:
-        rec = self.table.get(job_id)
-        if rec and rec.get("status") == "queued" and rec.get("dp_group"):
-            with self._lock:  # its group drops it from its queue at the next heartbeat
-                self._cancelled.setdefault(str(rec["dp_group"]), []).append(job_id)
-        return self.table.delete(job_id)
+        rec = self.get(job_id)
+        if rec is not None and rec.status.value == "queued":
+            self.request_cancel(job_id)  # its group drops it from its queue at the next heartbeat
+        return super().delete(job_id)
 
-    def page(self, owner: str | None, by_owner: bool, after: str | None, limit: int,
-             order: str) -> tuple[list[dict[str, Any]], bool]:
-        return self.table.page(owner, by_owner, after, limit, order)
+    def request_cancel(self, job_id: str) -> None:
+        """Tell the job's DP group, at its next heartbeat, to cancel it."""
+        rec = self.get(job_id)
+        if rec is not None and rec.dp_group and not rec.final:
+            with self._beat_lock:
+                self._cancelled.setdefault(str(rec.dp_group), []).append(job_id)
 
     # -- groups ------------------------------------------------------------------------
     def heartbeat(self, dp_group: str, node_id: str) -> list[str]:
-        """A replica is alive; answers the ids of its queued jobs that were deleted."""
-        with self._lock:
+        """A replica is alive; answers the ids of its jobs deleted or cancelled elsewhere."""
+        with self._beat_lock:
             self._seen[dp_group] = (time.monotonic(), node_id)
             return self._cancelled.pop(dp_group, [])
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        with self._lock:
+        with self._beat_lock:
             groups = {g: {"node_id": n, "last_heartbeat_s": round(now - t, 1)}
                       for g, (t, n) in self._seen.items()}
-        return {"groups": groups, "groups_lost": list(self.groups_lost), "jobs": len(self.table.list()),
-                "unfinished": len(self.table.unfinished())}
+        return {"groups": groups, "groups_lost": list(self.groups_lost), "jobs": len(self.list()),
+                "unfinished": len(self.unfinished())}
 
     def _reap_loop(self) -> None:
-        while True:
-            time.sleep(0.5)
+        while not self._stop.wait(0.5):
             try:
                 self.reap()
             except Exception:  # noqa: BLE001 - keep noticing; the next round retries
@@ -109,16 +101,16 @@ class JobStoreActor:
     def reap(self) -> int:
         """Fail the jobs of groups silent for ``group_timeout_s``; returns how many."""
         now, failed = time.monotonic(), 0
-        for g in self.table.live_groups():
-            with self._lock:
+        for g in self.live_groups():
+            with self._beat_lock:
                 last, node = self._seen.get(g, (self.started, "unknown"))
             silent = now - last
             if silent <= self.group_timeout_s:
                 continue
-            ids = self.table.unfinished(g)
+            ids = self.unfinished(g)
             why = (f"DP group {g} on node {node} stopped answering ({silent:.0f} s without a heartbeat: "
                    "its replica or node is gone) before this job ended; submit it again")
-            n = self.table.fail(ids, "dp_group_lost", why)
+            n = self.fail(ids, "dp_group_lost", why)
             if n:
                 from service.engine.metrics import metrics
 
@@ -131,50 +123,29 @@ class JobStoreActor:
 
 
 class JobStoreClient:
-    """What a replica holds: blocking calls on the store actor (Ray retries them across an
-    actor restart)."""
+    """What a replica holds: the store's methods (JobStore's, so JobTable's), each a
+    blocking call on the actor; Ray retries them across an actor restart."""
 
     def __init__(self, handle: Any, timeout_s: float = 60.0) -> None:
         self.handle = handle
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, *args: Any) -> Any:
-        return ray.get(getattr(self.handle, method).remote(*args), timeout=self.timeout_s)
+    def __getattr__(self, method: str) -> Any:
+        if method.startswith("_") or not callable(getattr(JobStore, method, None)):
+            raise AttributeError(method)
+        remote = getattr(self.handle, method)
 
-    def put(self, rec: dict[str, Any]) -> None:
-        self._call("put", rec)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return ray.get(remote.remote(*args, **kwargs), timeout=self.timeout_s)
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
-        return self._call("get", job_id)
-
-    def update(self, job_id: str, persist: bool = True, **fields: Any) -> dict[str, Any] | None:
-        return self._call("update", job_id, persist, fields)
-
-    def finish(self, job_id: str, **fields: Any) -> dict[str, Any] | None:
-        return self._call("finish", job_id, fields)
-
-    def progress(self, updates: dict[str, int]) -> None:
-        self._call("progress", updates)
-
-    def delete(self, job_id: str) -> bool:
-        return self._call("delete", job_id)
-
-    def page(self, owner: str | None, by_owner: bool, after: str | None, limit: int,
-             order: str) -> tuple[list[dict[str, Any]], bool]:
-        return self._call("page", owner, by_owner, after, limit, order)
-
-    def heartbeat(self, dp_group: str, node_id: str) -> list[str]:
-        return self._call("heartbeat", dp_group, node_id)
-
-    def status(self) -> dict[str, Any]:
-        return self._call("status")
+        return call
 
 
 def connect_store(url: str, storage_options: dict[str, Any] | None = None, ttl_s: float = 86400.0,
                   max_jobs: int = 1000, group_timeout_s: float = 30.0) -> JobStoreClient:
     """The cluster's store for ``url``, started on the head node if it is not running yet
     (the first caller's retention settings are the ones it keeps)."""
-    actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=32)(JobStoreActor)
+    actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=32)(JobStore)
     handle = actor.options(
         name=store_name(url), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
@@ -191,3 +162,6 @@ def stop_store(url: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+__all__ = ["JobStore", "JobStoreClient", "connect_store", "stop_store", "store_name"]

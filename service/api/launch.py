@@ -62,24 +62,12 @@ def _install_handlers() -> None:
 def run(args: argparse.Namespace) -> int:
     """Deploy and block until SIGINT/SIGTERM; exit code 2 on bad flags, a busy port, a model
     that cannot load or a cluster that cannot be joined."""
-    if args.data_parallel_size < 1:
-        print("dloserve serve: --data-parallel-size must be >= 1", file=sys.stderr)
-        return 2
-    if args.dlo_no_use_allgather and not args.enable_distributed_layerwise_offload:
-        print("dloserve serve: --dlo-no-use-allgather needs "
-              "--enable-distributed-layerwise-offload", file=sys.stderr)
-        return 2
-    from service.models.options import check_flags
+    from service.models.options import FlagError, settings_from_args
 
-    err = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather)
-    if err:
-        print(f"dloserve serve: {err}", file=sys.stderr)
-        return 2
-    from service.models.options import check_serving_options
-
-    problem = check_serving_options(args, args.enable_distributed_layerwise_offload)
-    if problem:
-        print(f"dloserve serve: {problem}", file=sys.stderr)
+    try:
+        settings_from_args(args)  # every flag checked, in one order, before anything starts
+    except FlagError as e:
+        print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
     # Signals stop the service from the very first moment, not only once it is ready.
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -99,19 +87,18 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from service.api.hostproc import port_free, port_holder
-    from service.models.adapter import ModelError, load_adapter
-    from service.models.demo import resolve_model
+    from service.models.adapter import ModelError
+    from service.models.options import settings_from_args
+    from service.models.registry import load_adapter, resolve_model
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     t0 = time.monotonic()
     try:
         args.model = resolve_model(args.model)  # the demo is written once, here
-        from service.models.options import offload_options, probe_problem
-
-        problem = probe_problem(load_adapter(args.model, args.sequence_parallel_size),
-                                offload_options(args, args.enable_distributed_layerwise_offload),
-                                "cpu" if args.gpus_per_rank == 0 else "cuda")
+        adapter = load_adapter(args.model, args.sequence_parallel_size)
+        device = "cpu" if args.gpus_per_rank == 0 else "cuda"
+        problem = settings_from_args(args).probe_problem(adapter, device)
         if problem:
             raise ModelError(problem)
     except ModelError as e:
@@ -163,9 +150,10 @@ def _run(args: argparse.Namespace) -> int:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     cfg = config_from_args(args, gpus)
     _store_url["url"] = cfg.results_url
+    mode = cfg.offload.mode.value
     print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "
-          f"[{'DLO ' + ('allgather' if cfg.use_allgather else 'rank-local') if cfg.offload else 'resident'}"
-          f", {cfg.scheduler}, {'cuda' if gpus else 'cpu'}] ...", flush=True)
+          f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
+          f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
     deploy(cfg, args.host, args.port)
     url = f"http://{args.host}:{args.port}"
     try:

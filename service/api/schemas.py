@@ -109,12 +109,29 @@ class VideoError(BaseModel):
     param: str | None = None
 
 
+class Timings(BaseModel):
+    """Seconds per stage of one request (they add up to its latency, within the hand-offs)."""
+
+    queue_s: float | None = Field(None, description="accepted until a rank took it")
+    text_encode_s: float | None = Field(None, description="prompt encoding, up to the first forward")
+    denoise_s: float | None = Field(None, description="all denoising steps (waits at the lock-step included)")
+    step_s: list[float] = Field(default_factory=list, description="each denoising step")
+    decode_s: float | None = Field(None, description="VAE decode to uint8 frames")
+    encode_s: float | None = Field(None, description="MP4 encoding")
+    store_s: float | None = Field(None, description="writing the MP4 and the record (an upload on S3)")
+
+
 class Video(BaseModel):
-    """The OpenAI video object, plus the generation parameters and where it ran."""
+    """The OpenAI video object, plus the generation parameters and where it ran.
+
+    ``status`` adds ``cancelled`` to OpenAI's four: a job stopped by DELETE while it ran
+    (its ``error.code`` is "cancelled" too, for clients that know only the four)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     id: str
     object: Literal["video"] = "video"
-    status: Literal["queued", "in_progress", "completed", "failed"]
+    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
     progress: int = 0
     created_at: int
     completed_at: int | None = None
@@ -134,6 +151,7 @@ class Video(BaseModel):
     wave: int | None = None
     dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
     node_id: str | None = Field(None, description="the Ray node of that DP group")
+    timings: Timings | None = Field(None, description="where its time went (once it ended)")
 
 
 class VideoList(BaseModel):
@@ -145,6 +163,9 @@ class VideoList(BaseModel):
 
 
 class VideoDeleted(BaseModel):
+    """``deleted`` false: the job was running and is being cancelled (it ends ``cancelled``
+    at its next forward; DELETE it again to remove it)."""
+
     id: str
     object: Literal["video.deleted"] = "video.deleted"
     deleted: bool = True

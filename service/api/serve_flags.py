@@ -11,46 +11,29 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="diffusers pipeline dir (default: demo)")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="DP ranks per group (N)")
-    p.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
-                   help="ranks per request (S, Ulysses); with --data-parallel-size D: D groups of S")
-    p.add_argument("--enable-distributed-layerwise-offload", action="store_true",
-                   help="stream transformer blocks from host memory (DLO)")
-    p.add_argument("--dlo-no-use-allgather", action="store_true",
-                   help="rank-local DLO: every rank keeps whole blocks, no AllGather")
     from service.models.options import add_offload_arguments
+    from service.router.flags import add_engine_arguments
 
+    p.add_argument("model", nargs="?", default=None, help="diffusers pipeline dir (default: demo)")
     add_offload_arguments(p)
+    add_engine_arguments(p, deadline_base_s=60.0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="Ray cluster to join (default: start a local one)")
     p.add_argument("--num-replicas", type=int, default=1, help="DP groups (one per replica)")
-    p.add_argument("--gpus-per-rank", type=float, default=None,
-                   help="default: 1 if the cluster has GPUs, else 0")
-    p.add_argument("--cpus-per-rank", type=float, default=1.0)
-    p.add_argument("--placement-strategy", default="STRICT_PACK",
-                   choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
     p.add_argument("--max-wait-ms", type=float, default=50.0,
                    help="how long a partial wave waits for more compatible requests")
     p.add_argument("--queue-size", type=int, default=64, help="queued requests before 429")
-    p.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
-                   help="continuous: a freed rank starts the next request at the next forward; "
-                        "waves: request-level waves of one compatibility key")
+    p.add_argument("--max-queue-wait-s", type=float, default=1800.0,
+                   help="a queued job waits at most this long for a rank (e.g. through a rebuild)")
     p.add_argument("--starve-s", type=float, default=30.0,
                    help="continuous: a request queued this long goes next, whatever its cost")
-    p.add_argument("--encoders-per-rank", type=int, default=1,
-                   help="MP4 encoder processes beside each rank (0: encode on the rank)")
     p.add_argument("--max-width", type=int, default=1280)
     p.add_argument("--max-height", type=int, default=1280)
     p.add_argument("--max-pixels", type=int, default=1280 * 720)
     p.add_argument("--max-frames", type=int, default=129)
     p.add_argument("--max-steps", type=int, default=100)
-    p.add_argument("--wave-deadline-base-s", type=float, default=60.0,
-                   help="fixed part of each request's deadline")
-    p.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,
-                   help="deadline = base + this x forwards x (pixels*frames / 832*480*81)")
     p.add_argument("--results-url", "--results-dir", dest="results_url", default=None,
                    help="folder or fsspec URL (s3://bucket/prefix) for job records and MP4s, seen "
                         "by every replica (default ~/.cache/dloserve/results/port-PORT; locked)")
@@ -74,24 +57,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
+    """The ServiceConfig of the flags (FlagError naming a bad one)."""
     from service.api.service import ServiceConfig
-    from service.models.options import offload_options
+    from service.models.options import settings_from_args
 
     extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
                              "storage_options": args.storage_options}
-    extra["offload_options"] = offload_options(args, args.enable_distributed_layerwise_offload)
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
         sp_size=args.sequence_parallel_size,
-        offload=args.enable_distributed_layerwise_offload,
-        use_allgather=not args.dlo_no_use_allgather,
+        offload=settings_from_args(args),
         cpus_per_rank=args.cpus_per_rank,
         gpus_per_rank=gpus_per_rank,
         strategy=args.placement_strategy,
         num_replicas=args.num_replicas,
         max_wait_ms=args.max_wait_ms,
         queue_size=args.queue_size,
+        max_queue_wait_s=args.max_queue_wait_s,
         scheduler=args.scheduler,
         starve_s=args.starve_s,
         encoders_per_rank=args.encoders_per_rank,

@@ -19,17 +19,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from service.api.jobs import JobStoreClient, connect_store
+from service.api.records import JobRecord, JobStatus
 from service.api.results import open_storage
 from service.api.schemas import BodyError, Video, validate_create
-from service.engine.group import Engine, EngineSpec, Outcome
+from service.api.store import JobTable
+from service.engine.executor import Executor
 from service.engine.metrics import metrics
-from service.models.adapter import load_adapter
-from service.models.demo import resolve_model
+from service.engine.spec import EngineSpec, Outcome
+from service.models.options import Mode, OffloadSettings
+from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
-from service.router.dispatcher import Dispatcher
+from service.router.build import build_dispatcher
 from service.router.policy import DeadlinePolicy, Limits
 from service.router.waves import Ticket
 
@@ -49,17 +51,18 @@ class ServiceConfig(BaseModel):
     model_name: str | None = None
     dp_size: int = Field(1, ge=1)
     sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
-    offload: bool = True
-    use_allgather: bool = True
-    offload_options: dict[str, Any] = Field(
-        default_factory=dict, description="--dlo-mode, resident layers, memory budget, components "
-                                          "(service.models.options)")
+    offload: OffloadSettings = Field(default_factory=lambda: OffloadSettings(Mode.AUTO),
+                                     description="where the weights live: mode (resident, allgather, "
+                                                 "rank-local, auto), resident_layers, device_memory_gb, "
+                                                 "components, probe_shape, dtype (service.models.options)")
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
     num_replicas: int = 1
     max_wait_ms: float = 50.0
     queue_size: int = 64
+    max_queue_wait_s: float = Field(1800.0, gt=0, description="a queued job waits at most this long "
+                                    "for a rank (e.g. while its group is rebuilt)")
     results_url: str = Field(str(Path.home() / ".cache" / "dloserve" / "results"),
                              description="folder or fsspec URL (s3://...) for job records and MP4s")
     storage_options: dict[str, Any] = Field(default_factory=dict,
@@ -81,28 +84,27 @@ class ServiceConfig(BaseModel):
     deadline: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _sp_always_gathers(self) -> ServiceConfig:
+        """An SP group gathers over its ranks: auto has one mode to choose from."""
+        if self.sp_size > 1 and self.offload.mode is Mode.AUTO:
+            self.offload = self.offload.resolved(Mode.ALLGATHER)
+        return self
+
     def engine_spec(self, model_dir: str) -> EngineSpec:
-        return EngineSpec(
-            model_dir=model_dir,
-            dp_size=self.dp_size,
-            offload=self.offload,
-            use_allgather=self.use_allgather,
-            offload_options=self.offload_options,
-            cpus_per_rank=self.cpus_per_rank,
-            gpus_per_rank=self.gpus_per_rank,
-            strategy=self.strategy,
-            pg_timeout_s=self.pg_timeout_s,
-            encoders_per_rank=self.encoders_per_rank,
-            sp_size=self.sp_size,
-        )
+        return EngineSpec(model_dir=model_dir, dp_size=self.dp_size, sp_size=self.sp_size,
+                          settings=self.offload, cpus_per_rank=self.cpus_per_rank,
+                          gpus_per_rank=self.gpus_per_rank, strategy=self.strategy,
+                          pg_timeout_s=self.pg_timeout_s, encoders_per_rank=self.encoders_per_rank)
 
 
 class VideoService:
     """One DP group, its dispatcher and the job store; the Sink the dispatcher reports to."""
 
-    def __init__(self, cfg: ServiceConfig, placement_group: Any = None, dp_group: str | None = None) -> None:
-        import ray
-
+    def __init__(self, cfg: ServiceConfig, placement_group: Any = None, dp_group: str | None = None, *,
+                 executor: Executor | None = None, store: Any = None, node_id: str | None = None) -> None:
+        """``executor`` and ``store`` default to Ray's (rank actors, the cluster's job-store
+        actor); tests pass the fake executor and an in-process ``JobStore``."""
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
@@ -110,16 +112,23 @@ class VideoService:
         self.limits = Limits(**cfg.limits)
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
-        self.node_id = ray.get_runtime_context().get_node_id()
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
-        self.store: JobStoreClient = connect_store(
-            self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
-            group_timeout_s=cfg.group_timeout_s,
-        )
-        self.engine = Engine(cfg.engine_spec(self.model_dir), pg=placement_group)
-        self.dispatcher = Dispatcher(
-            self.engine, self, scheduler=cfg.scheduler, max_wait_s=cfg.max_wait_ms / 1000.0,
-            max_queue=cfg.queue_size, deadlines=DeadlinePolicy(**cfg.deadline), starve_s=cfg.starve_s,
+        if node_id is None:
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+        self.node_id = node_id
+        if store is None:
+            from service.api.jobs import connect_store
+
+            store = connect_store(self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s,
+                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s)
+        self.store: JobTable = store  # JobStore's methods, in-process or through its actor
+        self.dispatcher = build_dispatcher(
+            cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,
+            scheduler=cfg.scheduler, queue_size=cfg.queue_size, starve_s=cfg.starve_s,
+            max_wait_s=cfg.max_wait_ms / 1000.0, deadlines=DeadlinePolicy(**cfg.deadline),
+            max_queue_wait_s=cfg.max_queue_wait_s,
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -130,7 +139,8 @@ class VideoService:
         # thread, which must get back to scheduling at once.
         self._finisher = ThreadPoolExecutor(2, thread_name_prefix="dloserve-finish")
         self.dispatcher.start()
-        threading.Thread(target=self._heartbeat, name="dloserve-heartbeat", daemon=True).start()
+        self._beat = threading.Thread(target=self._heartbeat, name="dloserve-heartbeat", daemon=True)
+        self._beat.start()
 
     def _heartbeat(self) -> None:
         """Tell the store this DP group lives (or its jobs fail); drop queued jobs that were
@@ -150,8 +160,9 @@ class VideoService:
                 log.warning("heartbeat to the job store failed: %s", e)
 
     # -- requests ----------------------------------------------------------------------
-    def create(self, fields: dict[str, Any], owner: str | None = None) -> dict[str, Any]:
-        """Validate fully, record, queue. Raises BodyError (422) or QueueFull (429)."""
+    def create(self, fields: dict[str, Any], owner: str | None = None) -> JobRecord:
+        """Validate fully, record, queue. Raises BodyError (422), QueueFull (429) or
+        Unavailable (503: no rank group can serve and none is about to)."""
         body = validate_create(fields)
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
@@ -165,57 +176,58 @@ class VideoService:
         except RequestError as e:
             field = "max_sequence_length" if e.field == "extra.max_sequence_length" else e.field
             raise BodyError(field, e.message) from None
-        job_id = f"video_{uuid.uuid4().hex}"
-        rec = {
-            "id": job_id,
-            "object": "video",
-            "status": "queued",
-            "progress": 0,
-            "created_at": int(time.time()),
-            "model": self.model_name,
-            "prompt": req.prompt,
-            "seconds": f"{(req.num_frames - 1) / req.fps:g}",
-            "size": f"{req.width}x{req.height}",
-            "seed": req.seed,
-            "num_frames": req.num_frames,
-            "fps": req.fps,
-            "num_inference_steps": req.num_inference_steps,
-            "guidance_scale": req.guidance_scale,
-            "owner": owner,  # who may see it (the API key's id); never in the video object
-            "dp_group": self.dp_group,  # the replica whose DP group runs it, and its node
-            "node_id": self.node_id,
-        }
+        now = time.time()
+        rec = JobRecord(
+            id=f"video_{uuid.uuid4().hex}",
+            created_at=int(now),
+            created=now,
+            model=self.model_name,
+            prompt=req.prompt,
+            seconds=f"{(req.num_frames - 1) / req.fps:g}",
+            size=f"{req.width}x{req.height}",
+            seed=req.seed,
+            num_frames=req.num_frames,
+            fps=req.fps,
+            num_inference_steps=req.num_inference_steps,
+            guidance_scale=req.guidance_scale,
+            owner=owner,  # who may see it (the API key's id); never in the video object
+            dp_group=self.dp_group,  # the replica whose DP group runs it, and its node
+            node_id=self.node_id,
+        )
         self.store.put(rec)
-        accepted = dict(rec)  # the job as accepted; the dispatcher may move it on at once
         try:
-            self.dispatcher.submit(job_id, req.compat_key(), req)
+            self.dispatcher.submit(rec.id, req.compat_key(), req)
         except Exception:
-            self.store.delete(job_id)
+            self.store.delete(rec.id)
             raise
-        return accepted
+        return rec  # the job as accepted; the dispatcher may move it on at once
 
-    def get(self, job_id: str, owner: str | None = None) -> dict[str, Any] | None:
+    def get(self, job_id: str, owner: str | None = None) -> JobRecord | None:
         """The job if it exists and belongs to ``owner`` (with API keys on, jobs are private)."""
         rec = self.store.get(job_id)
-        if rec is None or (self.cfg.api_key_hashes and rec.get("owner") != owner):
+        if rec is None or (self.cfg.api_key_hashes and rec.owner != owner):
             return None  # another key's job is "not found": its existence is not told either
         return rec
 
     def delete(self, job_id: str, owner: str | None = None) -> str:
-        """'deleted', 'missing', or 'running' (a request a rank holds cannot be dropped)."""
+        """'deleted', 'missing', or 'cancelling': it was running, so it stops at its next
+        forward and ends ``cancelled`` (a second DELETE removes the record). A job another
+        replica holds is cancelled there at its next heartbeat."""
         rec = self.get(job_id, owner)
         if rec is None:
             return "missing"
-        if rec["status"] == "in_progress":
-            return "running"
-        if (rec["status"] == "queued" and rec.get("dp_group") == self.dp_group
-                and not self.dispatcher.cancel(job_id)):
-            return "running"  # a rank took it just now (another group's: the store tells it)
-        self.store.delete(job_id)
+        if not rec.final:
+            if rec.dp_group == self.dp_group:
+                if self.dispatcher.cancel(job_id) == "running":
+                    return "cancelling"
+            elif rec.status is JobStatus.IN_PROGRESS:
+                self.store.request_cancel(job_id)
+                return "cancelling"
+        self.store.delete(job_id)  # a queued job of another replica: it hears at its next beat
         return "deleted"
 
     def list(self, after: str | None, limit: int, order: str, owner: str | None = None,
-             ) -> tuple[list[dict], bool]:
+             ) -> tuple[list[JobRecord], bool]:
         return self.store.page(owner, bool(self.cfg.api_key_hashes), after, limit, order)
 
     def owner_of(self, authorization: str | None) -> str | None:
@@ -236,7 +248,7 @@ class VideoService:
         return match[:16]
 
     def readiness(self) -> dict[str, Any]:
-        st = self.engine.status()
+        st = self.dispatcher.status()
         if self._draining:
             st["state"], st["last_error"] = "draining", self._draining
         return {
@@ -267,7 +279,7 @@ class VideoService:
         since = self.dispatcher.unavailable_since
         if since is not None and time.monotonic() - since > self.cfg.unhealthy_after_s:
             return f"no rank group could start for {time.monotonic() - since:.0f} s: " \
-                   f"{self.engine.status()['last_error']}"
+                   f"{self.dispatcher.status()['last_error']}"
         return None
 
     def draining(self) -> str | None:
@@ -297,10 +309,11 @@ class VideoService:
         self._closed.set()
         self.dispatcher.stop()
         self._finisher.shutdown(wait=True)
+        self._beat.join(timeout=5)
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        self.store.update(ticket.id, status="in_progress", wave=info["wave"], dp_rank=info["rank"])
+        self.store.update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"])
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:
@@ -319,22 +332,30 @@ class VideoService:
             log.exception("could not store the outcome of %s", ticket.id)
             err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
             try:
-                self.store.finish(ticket.id, status="failed", error=err)
+                self.store.finish(ticket.id, status=JobStatus.FAILED, error=err)
             except Exception:  # noqa: BLE001 - the store is unreachable too
                 log.exception("could not fail %s", ticket.id)
 
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
+        t0 = time.monotonic()
         if outcome.ok:
             assert outcome.mp4 is not None
             self.storage.write_video(ticket.id, outcome.mp4)  # the video lands before the status
-            ended = self.store.finish(ticket.id, status="completed", progress=100, dp_rank=outcome.dp_rank)
-            status = "completed"
+            fields: dict[str, Any] = {"status": JobStatus.COMPLETED, "progress": 100,
+                                      "dp_rank": outcome.dp_rank}
+        elif outcome.cancelled:
+            fields = {"status": JobStatus.CANCELLED,
+                      "error": {"code": "cancelled", "message": "cancelled (DELETE) while it ran"}}
         else:
-            err = {"code": "generation_failed", "message": outcome.error or "unknown error"}
-            ended = self.store.finish(ticket.id, status="failed", error=err)
-            status = "failed"
+            fields = {"status": JobStatus.FAILED,
+                      "error": {"code": "generation_failed", "message": outcome.error or "unknown error"}}
+        timings = dict(outcome.timings)
+        if timings:
+            timings["store_s"] = time.monotonic() - t0
+        ended = self.store.finish(ticket.id, timings=timings or None, **fields)
+        status = fields["status"].value
         if ended is None:  # deleted meanwhile, or already failed (this group was declared lost)
             log.warning("job %s ended (%s) after its record was deleted or failed; output dropped",
                         ticket.id, status)
@@ -342,11 +363,18 @@ class VideoService:
                 self.storage.remove(f"{ticket.id}.mp4")
             return
         metrics()["requests"].inc(1, tags={"status": status})
-        created = ended.get("created_at")
-        if created:
-            metrics()["request_latency"].observe(max(0.0, time.time() - created), tags={"status": status})
+        observe_stages(timings)
+        latency = max(0.0, time.time() - ended.created_at)
+        metrics()["request_latency"].observe(latency, tags={"status": status})
 
 
-def video_object(rec: dict[str, Any]) -> dict[str, Any]:
+def observe_stages(timings: dict[str, Any]) -> None:
+    """Each stage's seconds into the ``dloserve_stage_seconds`` histogram."""
+    for key, value in timings.items():
+        if key.endswith("_s") and key != "step_s" and isinstance(value, int | float):
+            metrics()["stage"].observe(float(value), tags={"stage": key[:-2]})
+
+
+def video_object(rec: JobRecord) -> dict[str, Any]:
     """The public shape of a record (drops nothing the client needs, adds nothing private)."""
-    return Video.model_validate(rec).model_dump()
+    return Video.model_validate(rec.to_json()).model_dump()

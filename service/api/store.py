@@ -1,5 +1,9 @@
 """The job table: every job's record, its retention, and who (which DP group) holds it.
 
+``JobTable`` is also the store interface: the job-store actor (``service.api.jobs``) is a
+JobTable with heartbeats, and the replicas' client forwards these same methods to it, so
+a test (or one process) can use a JobTable directly where a service expects a store.
+
 One process owns a table (the job-store actor in ``service.api.jobs``): it is the single
 writer for its storage URL, so create/get/list/delete and progress read the same from any
 replica on any node. Records are written through to the storage (``ResultStorage``) on
@@ -18,9 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage, safe_id
-
-FINAL = ("completed", "failed")
 
 
 class StoreLocked(RuntimeError):
@@ -59,63 +62,71 @@ class JobTable:
         self._lock_file = (lock_folder(storage.local_path)
                            if exclusive and storage.local_path is not None else None)
         self._lock = threading.RLock()
-        self._jobs: dict[str, dict[str, Any]] = {r["id"]: r for r in storage.read_records()}
+        self._jobs: dict[str, JobRecord] = {}
+        for d in storage.read_records():
+            try:
+                rec = JobRecord.from_json(d)
+            except (TypeError, ValueError):
+                continue  # a record this version cannot read: not a job it knows
+            self._jobs[rec.id] = rec
 
-    def put(self, rec: dict[str, Any]) -> None:
+    def put(self, rec: JobRecord) -> None:
         with self._lock:
-            self._jobs[rec["id"]] = dict(rec)
-            self.storage.write_record(rec)
+            self._jobs[rec.id] = rec
+            self.storage.write_record(rec.to_json())
             self._prune()
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> JobRecord | None:
         with self._lock:
-            rec = self._jobs.get(job_id)
-            return dict(rec) if rec else None
+            return self._jobs.get(job_id)
 
-    def update(self, job_id: str, persist: bool = True, **fields: Any) -> dict[str, Any] | None:
+    def update(self, job_id: str, persist: bool = True, **fields: Any) -> JobRecord | None:
         """Change a live job; a final one is left as it is (and returned as it is)."""
         with self._lock:
             rec = self._jobs.get(job_id)
-            if rec is None:
-                return None
-            if rec.get("status") not in FINAL:
-                rec.update(fields)
-                if persist:
-                    self.storage.write_record(rec)
-            return dict(rec)
+            if rec is None or rec.final:
+                return rec
+            rec = self._jobs[job_id] = rec.with_(**fields)
+            if persist:
+                self.storage.write_record(rec.to_json())
+            return rec
 
-    def finish(self, job_id: str, **fields: Any) -> dict[str, Any] | None:
+    def progress(self, updates: dict[str, int]) -> None:
+        """Several jobs' progress at once (kept in memory: not worth a write each)."""
+        for job_id, pct in updates.items():
+            self.update(job_id, persist=False, progress=pct)
+
+    def finish(self, job_id: str, **fields: Any) -> JobRecord | None:
         """End a job (its video, if any, is already stored): its final record, or None if it
         is gone or had ended already."""
         with self._lock:
             rec = self._jobs.get(job_id)
-            if rec is None or rec.get("status") in FINAL:
+            if rec is None or rec.final:
                 return None
             fields.setdefault("completed_at", int(time.time()))
             fields["expires_at"] = int(fields["completed_at"] + self.ttl_s)
-            rec.update(fields)
-            self.storage.write_record(rec)
-            final = dict(rec)
+            rec = rec.with_(**fields)
+            if not rec.final:
+                raise ValueError(f"finish() needs a final status, got {rec.status.value}")
+            self._jobs[job_id] = rec
+            self.storage.write_record(rec.to_json())
             self._prune()
-            return final
+            return rec
 
     def fail(self, ids: list[str], code: str, message: str) -> int:
         """Fail these jobs if still live; returns how many were."""
         err = {"code": code, "message": message}
-        return sum(self.finish(i, status="failed", error=err) is not None for i in ids)
+        return sum(self.finish(i, status=JobStatus.FAILED, error=err) is not None for i in ids)
 
     def unfinished(self, dp_group: str | None = None) -> list[str]:
         with self._lock:
-            return [r["id"] for r in self._jobs.values() if r.get("status") not in FINAL
-                    and (dp_group is None or r.get("dp_group") == dp_group)]
+            return [r.id for r in self._jobs.values() if not r.final
+                    and (dp_group is None or r.dp_group == dp_group)]
 
     def live_groups(self) -> set[str]:
         """DP groups that hold unfinished jobs."""
         with self._lock:
-            return {str(r.get("dp_group")) for r in self._jobs.values() if r.get("status") not in FINAL}
-
-    def fail_unfinished(self, code: str, message: str) -> int:
-        return self.fail(self.unfinished(), code, message)
+            return {str(r.dp_group) for r in self._jobs.values() if not r.final}
 
     def delete(self, job_id: str) -> bool:
         if not safe_id(job_id):
@@ -125,32 +136,30 @@ class JobTable:
             self.storage.drop(job_id)
             return found
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> list[JobRecord]:
         with self._lock:
-            return sorted((dict(r) for r in self._jobs.values()), key=lambda r: (r["created_at"], r["id"]))
+            return sorted(self._jobs.values(), key=lambda r: (r.created_at, r.created, r.id))
 
     def page(self, owner: str | None, by_owner: bool, after: str | None, limit: int,
-             order: str) -> tuple[list[dict[str, Any]], bool]:
+             order: str) -> tuple[list[JobRecord], bool]:
         """One page of jobs (OpenAI's ``after``/``limit``/``order``), the caller's only when
         ``by_owner``; the flag says whether more follow."""
         recs = self.list()
         if by_owner:
-            recs = [r for r in recs if r.get("owner") == owner]
+            recs = [r for r in recs if r.owner == owner]
         if order == "desc":
             recs.reverse()
         if after:
-            ids = [r["id"] for r in recs]
+            ids = [r.id for r in recs]
             recs = recs[ids.index(after) + 1 :] if after in ids else []
         return recs[:limit], len(recs) > limit
 
     def _prune(self) -> None:
         now = time.time()
-        done = sorted(
-            (r for r in self._jobs.values() if r.get("status") in FINAL),
-            key=lambda r: r.get("completed_at") or r["created_at"],
-        )
-        expired = [r for r in done if (r.get("expires_at") or now + 1) <= now]
+        done = sorted((r for r in self._jobs.values() if r.final),
+                      key=lambda r: r.completed_at or r.created_at)
+        expired = [r for r in done if (r.expires_at or now + 1) <= now]
         excess = max(0, len(self._jobs) - len(expired) - self.max_jobs)
         for r in expired + [r for r in done if r not in expired][:excess]:
-            self._jobs.pop(r["id"], None)
-            self.storage.drop(r["id"])
+            self._jobs.pop(r.id, None)
+            self.storage.drop(r.id)

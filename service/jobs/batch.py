@@ -10,6 +10,9 @@ optional ``id`` (default: ``item-<line>``). Every line is validated before any w
 starts. Outputs go to ``OUT/<id>.mp4``; ``OUT/manifest.jsonl`` gets one line per
 finished item with the file's SHA-256. Re-running skips items whose manifest entry is
 completed and whose file still has that hash (resumable); failed items are retried.
+Each entry carries the item's ``timings`` (seconds per stage). Stopping the job (``ray job
+stop``, SIGTERM, Ctrl-C) cancels running items at their next transformer forward (recorded
+``cancelled``) and leaves queued ones for the next run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -87,11 +91,16 @@ class ManifestSink:
         self.failed = 0
         self.all_done = threading.Event()
         self._lock = threading.Lock()
+        self._ended: set[str] = set()
         if todo == 0:
             self.all_done.set()
 
     def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
         self.bar.set_postfix_str(f"{ticket.id} on rank {info['rank']}")
+
+    def ended(self, ids: list[str]) -> bool:
+        with self._lock:
+            return set(ids) <= self._ended
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         pass
@@ -106,6 +115,7 @@ class ManifestSink:
             "node_id": info.get("node_id"),
             "finished_at": time.time(),
         }
+        t0 = time.monotonic()
         if outcome.ok:
             name = f"{ticket.id}.mp4"
             tmp = self.out / f".{name}.tmp"
@@ -115,13 +125,16 @@ class ManifestSink:
                          sha256=hashlib.sha256(outcome.mp4).hexdigest(), dp_rank=outcome.dp_rank,
                          seconds=round(outcome.seconds, 3))
         else:
-            entry.update(status="failed", error=outcome.error)
+            entry.update(status="cancelled" if outcome.cancelled else "failed", error=outcome.error)
+        if outcome.timings:
+            entry["timings"] = {**outcome.timings, "store_s": round(time.monotonic() - t0, 4)}
         with self._lock:
             with open(self.out / "manifest.jsonl", "a") as f:
                 f.write(json.dumps(entry) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             self.failed += 0 if outcome.ok else 1
+            self._ended.add(ticket.id)
             self.left -= 1
             self.bar.update(1)
             if self.left == 0:
@@ -133,15 +146,15 @@ class GroupSink:
 
     def __init__(self, sink: ManifestSink, index: int) -> None:
         self.sink, self.index = sink, index
-        self.engine: Any = None
+        self.dispatcher: Any = None
         self._node: str | None = None  # where the group's placement group landed (asked once)
 
     def _stamp(self, info: dict[str, Any]) -> dict[str, Any]:
-        pg = getattr(self.engine, "pg", None)
-        if self._node is None and pg is not None:
+        placement = getattr(self.dispatcher.executor, "placement", None) if self.dispatcher else None
+        if self._node is None and placement is not None:
             import ray
 
-            self._node = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).get(0)
+            self._node = ray.util.placement_group_table(placement).get("bundles_to_node_id", {}).get(0)
         return {**info, "group": self.index, "node_id": self._node}
 
     def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
@@ -155,29 +168,18 @@ class GroupSink:
 
 
 def parser() -> argparse.ArgumentParser:
+    from service.models.options import add_offload_arguments
+    from service.router.flags import add_engine_arguments
+
     p = argparse.ArgumentParser(prog="python -m service.jobs.batch", description=__doc__.split("\n")[0])
     p.add_argument("--prompts", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--model", default=None, help="diffusers pipeline dir (default: demo model)")
-    p.add_argument("--data-parallel-size", type=int, default=1, help="D: requests at once per group")
-    p.add_argument("--sequence-parallel-size", "--usp", type=int, default=1, dest="sequence_parallel_size",
-                   help="S ranks per request (Ulysses); D x S ranks in all")
     p.add_argument("--num-groups", type=int, default=1,
                    help="DP groups (each its own placement group; on a cluster, a node each)")
-    p.add_argument("--no-offload", action="store_true", help="resident transformer on every rank")
-    p.add_argument("--dlo-no-use-allgather", action="store_true")
-    from service.models.options import add_offload_arguments
-
-    add_offload_arguments(p)
-    p.add_argument("--cpus-per-rank", type=float, default=1.0)
-    p.add_argument("--gpus-per-rank", type=float, default=None, help="default: 1 if GPUs exist")
-    p.add_argument("--placement-strategy", default="STRICT_PACK")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or local)")
-    p.add_argument("--wave-deadline-base-s", type=float, default=600.0,
-                   help="fixed part of each request's deadline")
-    p.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
-                   help="continuous: a freed rank starts the next item at once; waves: N of one key")
-    p.add_argument("--encoders-per-rank", type=int, default=1, help="MP4 encoder processes per rank")
+    add_offload_arguments(p, offload_default=True)
+    add_engine_arguments(p, deadline_base_s=600.0)
     return p
 
 
@@ -185,38 +187,57 @@ def feed(groups: list[Any], todo: list[tuple[str, GenerationRequest]], done: thr
          ahead: int) -> None:
     """Hand items to whichever group has room (``ahead`` queued beyond what it runs), so a
     faster or less loaded group takes more; with one group everything is queued at once."""
+    from service.engine.spec import Outcome
+    from service.router.dispatcher import Unavailable
+    from service.router.waves import Ticket
+
+    def submit(d: Any, item_id: str, req: GenerationRequest) -> None:
+        try:
+            d.submit(item_id, req.compat_key(), req)
+        except Unavailable as e:  # its group gave up starting: the item fails with the reason
+            d.sink.on_finish(Ticket(item_id, req.compat_key(), req, time.monotonic()),
+                             Outcome(-1, error=str(e)), {})
+
     if len(groups) == 1:
         for item_id, req in todo:  # all queued before the loop runs (waves: full waves form)
-            groups[0].submit(item_id, req.compat_key(), req)
+            submit(groups[0], item_id, req)
         return
     items = list(todo)
     while items and not done.is_set():
         for d in sorted(groups, key=lambda d: d.depth + d.held):
             if items and d.depth < ahead:
                 item_id, req = items.pop(0)
-                d.submit(item_id, req.compat_key(), req)
+                submit(d, item_id, req)
         time.sleep(0.02)
+
+
+def cancel_all(groups: list[Any], sink: ManifestSink, todo: list[tuple[str, GenerationRequest]],
+               grace_s: float = 60.0) -> None:
+    """Stop the run: queued items are dropped (not in the manifest: a re-run does them), running
+    ones stop at their next forward and are recorded ``cancelled``."""
+    running = [i for i, _ in todo for d in groups if d.cancel(i) == "running"]
+    print(f"batch: stopping: {len(running)} running item(s) cancelled at their next forward", flush=True)
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and not sink.ended(running):
+        time.sleep(0.1)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from service.models.adapter import ModelError, load_adapter
-    from service.models.demo import resolve_model  # model resolution shared with serve
+    from service.models.adapter import ModelError
+    from service.models.options import settings_from_args
+    from service.models.registry import load_adapter, resolve_model
 
     try:
         items = read_prompts(args.prompts)
-        from service.models.options import check_flags, check_serving_options, offload_options, probe_problem
-
-        problem = check_flags(args.sequence_parallel_size, args.dlo_no_use_allgather) or \
-            check_serving_options(args, not args.no_offload, "conflicts with --no-offload")
-        if problem:
-            raise ValueError(problem)
+        settings = settings_from_args(args)
+        if args.num_groups < 1:
+            raise ValueError(f"--num-groups must be >= 1, got {args.num_groups}")
         model = resolve_model(args.model)
         adapter = load_adapter(model, args.sequence_parallel_size)
-        problem = probe_problem(adapter, offload_options(args, not args.no_offload),
-                                "cuda" if args.gpus_per_rank != 0 else "cpu")
+        problem = settings.probe_problem(adapter, "cuda" if args.gpus_per_rank != 0 else "cpu")
         if problem:
             raise ValueError(problem)
         for item_id, req in items:
@@ -227,9 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ModelError) as e:
         print(f"batch: error: {e}", file=sys.stderr)
         return 2
-    if args.num_groups < 1 or args.data_parallel_size < 1:
-        print("batch: error: --num-groups and --data-parallel-size must be >= 1", file=sys.stderr)
-        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     done = finished(args.out)
     todo = [(i, r) for i, r in items if i not in done]
@@ -237,51 +255,54 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(todo)} to run", flush=True)
     if not todo:
         return 0
-    return _run(args, model, todo)
+    return _run(args, model, settings, todo)
 
 
-def _run(args: argparse.Namespace, model: str, todo: list[tuple[str, GenerationRequest]]) -> int:
+def _run(args: argparse.Namespace, model: str, settings: Any,
+         todo: list[tuple[str, GenerationRequest]]) -> int:
     import ray
     from tqdm import tqdm
 
-    from service.engine.group import Engine, EngineSpec
-    from service.models.options import offload_options
-    from service.router.dispatcher import Dispatcher
+    from service.engine.spec import EngineSpec
+    from service.router.build import build_dispatcher
     from service.router.policy import DeadlinePolicy
 
     ray.init(address=args.address, log_to_driver=False)
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    spec = EngineSpec(
-        model_dir=model, dp_size=args.data_parallel_size, offload=not args.no_offload,
-        use_allgather=not args.dlo_no_use_allgather, cpus_per_rank=args.cpus_per_rank,
-        offload_options=offload_options(args, not args.no_offload),
-        gpus_per_rank=gpus, strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
-        sp_size=args.sequence_parallel_size,
-    )
+    spec = EngineSpec(model_dir=model, dp_size=args.data_parallel_size, sp_size=args.sequence_parallel_size,
+                      settings=settings, cpus_per_rank=args.cpus_per_rank, gpus_per_rank=gpus,
+                      strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank)
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
     sink = ManifestSink(args.out, len(todo), bar)
     groups = []
+    deadlines = DeadlinePolicy(args.wave_deadline_base_s, args.wave_deadline_per_forward_s)
     for i in range(args.num_groups):
-        gsink, engine = GroupSink(sink, i), Engine(spec)
-        gsink.engine = engine
-        deadlines = DeadlinePolicy(base_s=args.wave_deadline_base_s)
-        groups.append(Dispatcher(engine, gsink, scheduler=args.scheduler, max_wait_s=0.0,
-                                 max_queue=len(todo), deadlines=deadlines))
+        gsink = GroupSink(sink, i)
+        gsink.dispatcher = build_dispatcher(spec, gsink, "ray", scheduler=args.scheduler,
+                                            queue_size=len(todo), max_wait_s=0.0, deadlines=deadlines,
+                                            max_attempts=3)
+        groups.append(gsink.dispatcher)
+    stop = threading.Event()  # SIGTERM (``ray job stop``) or SIGINT: cancel, record, leave
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: (stop.set(), sink.all_done.set()))
     for d in groups:
         d.start()
     try:
-        feed(groups, todo, sink.all_done, ahead=max(1, args.data_parallel_size))
+        threading.Thread(target=feed, args=(groups, todo, sink.all_done, max(1, args.data_parallel_size)),
+                         name="batch-feed", daemon=True).start()
         sink.all_done.wait()
+        if stop.is_set():
+            cancel_all(groups, sink, todo)
     finally:
         bar.close()
         for d in groups:
             d.stop()
     for d in groups:
-        if d.engine.mode_choice:
-            choice = d.engine.mode_choice
+        choice = d.executor.mode_choice
+        if choice:
             print(f"batch: --dlo-mode auto chose {choice['mode']}: {choice['reason']}", flush=True)
     print(f"batch: {len(todo) - sink.failed} completed, {sink.failed} failed in "
           f"{time.monotonic() - t0:.1f} s; manifest {args.out / 'manifest.jsonl'}", flush=True)

@@ -72,7 +72,7 @@ def wait_final(url: str, vid: str, timeout: float = 120, headers: dict | None = 
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         v = httpx.get(f"{url}/v1/videos/{vid}", timeout=10, headers=headers).json()
-        if v["status"] in ("completed", "failed"):
+        if v["status"] in ("completed", "failed", "cancelled"):
             return v
         time.sleep(0.1)
     raise AssertionError(f"{vid} not final after {timeout}s: {v}")

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from service.api.launch import add_arguments, config_from_args, run
+from service.api.service import ServiceConfig
+from service.models.options import Mode, OffloadSettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -20,17 +22,18 @@ def test_flags_map_onto_the_service_config() -> None:
     args = parse("/m", "--data-parallel-size", "4", "--enable-distributed-layerwise-offload",
                  "--dlo-no-use-allgather", "--max-wait-ms", "20", "--queue-size", "9", "--max-steps", "7")
     cfg = config_from_args(args, gpus_per_rank=1.0)
-    assert (cfg.dp_size, cfg.offload, cfg.use_allgather, cfg.queue_size) == (4, True, False, 9)
+    assert (cfg.dp_size, cfg.offload, cfg.queue_size) == (4, OffloadSettings(Mode.RANK_LOCAL), 9)
     assert cfg.limits["max_steps"] == 7 and cfg.max_wait_ms == 20
     assert cfg.engine_spec("/m").bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
     assert cfg.engine_spec("/m").device == "cuda"
-    assert cfg.offload_options == {"mode": "rank_local"}
     args = parse("/m", "--enable-distributed-layerwise-offload", "--dlo-mode", "auto",
                  "--dlo-resident-layers", "3", "--dlo-components", "vae,dit",
-                 "--dlo-probe-size", "1280x720x81")
-    spec = config_from_args(args, gpus_per_rank=1.0).engine_spec("/m")
-    assert spec.offload_options == {"mode": "auto", "resident_layers": 3, "components": ["dit", "vae"],
-                                    "probe_shape": [720, 1280, 81]}
+                 "--dlo-probe-size", "1280x720x81", "--dtype", "bfloat16")
+    cfg = config_from_args(args, gpus_per_rank=1.0)
+    want = OffloadSettings(Mode.AUTO, resident_layers=3, components=("dit", "vae"),
+                           probe_shape=(720, 1280, 81), dtype="bfloat16")
+    assert cfg.engine_spec("/m").settings == want  # the same object all the way down
+    assert ServiceConfig(**cfg.model_dump()).offload == want  # through Serve's args and back
 
 
 @pytest.mark.parametrize(
@@ -40,12 +43,12 @@ def test_flags_map_onto_the_service_config() -> None:
         (["--dlo-no-use-allgather"], "--enable-distributed-layerwise-offload"),
         (["/does/not/exist"], "does not exist"),
         (["--dlo-mode", "auto"], "--dlo-mode: needs --enable-distributed-layerwise-offload"),
+        (["--sequence-parallel-size", "2", "--enable-distributed-layerwise-offload",
+          "--dlo-no-use-allgather"], "gathers each block over the SP group"),
         (["--enable-distributed-layerwise-offload", "--dlo-components", "dit,unet"], "--dlo-components"),
         (["--enable-distributed-layerwise-offload", "--dlo-device-memory-gb", "-1"],
          "--dlo-device-memory-gb"),
         (["--enable-distributed-layerwise-offload", "--dlo-probe-size", "832x480"], "--dlo-probe-size"),
-        (["--enable-distributed-layerwise-offload", "--dlo-mode", "auto", "--scheduler", "waves"],
-         "--dlo-mode auto needs --scheduler continuous"),
         (["--enable-distributed-layerwise-offload", "--dlo-no-use-allgather", "--dlo-mode", "allgather"],
          "contradicts"),
     ],

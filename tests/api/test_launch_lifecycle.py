@@ -64,18 +64,28 @@ def test_stale_current_cluster_is_not_joined_and_sigterm_cleans_up(ray_tmp: Path
 def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment: str) -> None:
     s = Serve(ray_tmp, "--port", str(free_port()))
     if moment == "while Python starts":
-        s.watch_until(lambda: True, timeout=1)
-        time.sleep(0.3)
+        # Once dloserve catches SIGTERM (Python itself does not) it is ours to stop: the
+        # signal lands while it still imports.
+        s.watch_until(lambda: catches(s.proc.pid, signal.SIGTERM), timeout=60)
     elif moment == "while Ray starts":
         s.watch_until(lambda: bool(matching(s.proc.pid, "gcs_server")), timeout=120)
     elif moment == "while the model loads":
         s.watch_until(lambda: "deploying" in s.output, timeout=180)
     else:
         s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
-    t0 = time.monotonic()
     assert s.stop(sig) == 0, s.output[-2000:]
-    assert time.monotonic() - t0 < 90
     assert not s.survivors(), s.survivors()
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (SigCgt in /proc/PID/status)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except OSError:
+        pass
+    return False
 
 
 
@@ -93,7 +103,7 @@ def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
     s = Serve(ray_tmp, "--port", str(port), "--results-dir", str(tmp_path), "--drain-timeout-s", "120",
               "--max-steps", "1000")
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
-    running = _post(url, {"prompt": "finishes during the drain", "num_inference_steps": 400}).json()["id"]
+    running = _post(url, {"prompt": "finishes during the drain", "num_inference_steps": 1000}).json()["id"]
     queued = _post(url, {"prompt": "never starts"}).json()["id"]
     s.watch_until(lambda: httpx.get(f"{url}/v1/videos/{running}").json()["progress"] > 0, timeout=120)
     s.seen |= set(descendants(s.proc.pid))

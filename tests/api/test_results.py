@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage, open_storage
 from service.api.store import JobTable
 
@@ -20,12 +21,12 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> ResultStorage:
 
 def test_records_and_videos_round_trip(storage: ResultStorage) -> None:
     t = JobTable(storage)
-    t.put({"id": "video_a", "status": "queued", "created_at": 1, "dp_group": "g"})
+    t.put(JobRecord("video_a", 1, dp_group="g"))
     big = bytes(range(256)) * 9000  # over one 1 MiB chunk
     storage.write_video("video_a", big)
-    assert t.finish("video_a", status="completed")
+    assert t.finish("video_a", status=JobStatus.COMPLETED)
     again = JobTable(ResultStorage(storage.url, _options(storage)))  # a restarted store
-    assert again.get("video_a")["status"] == "completed"
+    assert again.get("video_a").status is JobStatus.COMPLETED
     assert storage.has_video("video_a") and storage.size("video_a.mp4") == len(big)
     assert b"".join(storage.chunks("video_a.mp4")) == big
     assert (storage.video_path("video_a") is not None) == storage.is_local

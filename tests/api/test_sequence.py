@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import ray
 
+from service.api.records import JobRecord, JobStatus
 from service.api.schemas import BodyError
 from service.models.request import GenerationRequest
 
 
-def wait_final(svc, job_id: str, timeout: float = 180) -> dict:  # noqa: ANN001
+def wait_final(svc, job_id: str, timeout: float = 180) -> JobRecord:  # noqa: ANN001
     end = time.monotonic() + timeout
-    while (rec := svc.get(job_id))["status"] not in ("completed", "failed"):
+    while not (rec := svc.get(job_id)).final:
         assert time.monotonic() < end, svc.readiness()
         time.sleep(0.1)
     return rec
@@ -35,8 +36,9 @@ def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, de
                         deadline={"base_s": 120, "per_forward_s": 1.0})
     svc = VideoService(cfg)
     try:
-        assert [(g.size, g.world) for g in svc.engine.groups] == [(1, 2)]
-        assert len(svc.engine.spec.bundles()) == 2
+        ex = svc.dispatcher.executor
+        assert [(g.size, g.world) for g in ex._groups.values()] == [(1, 2)]
+        assert len(ex.spec.bundles()) == 2 and ex.spec.settings.mode.value == "allgather"  # SP: no auto
         with pytest.raises(BodyError) as e:  # 48x48x9: 3 x 3 x 3 = 27 tokens
             svc.create({"prompt": "odd", "width": 48, "height": 48, "num_frames": 9, "seed": 1})
         assert e.value.field == "num_frames" and "27 tokens" in e.value.message
@@ -44,22 +46,22 @@ def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, de
 
         ok = GenerationRequest(prompt="a red fox", seed=3, height=48, width=48, num_frames=5)
         rec = svc.create({"prompt": ok.prompt, "seed": 3, "width": 48, "height": 48, "num_frames": 5})
-        done = wait_final(svc, rec["id"])
-        assert done["status"] == "completed", done
-        assert svc.storage.video_path(rec["id"]).read_bytes() == resident.generate(ok)
-        g = svc.engine.groups[0]
+        done = wait_final(svc, rec.id)
+        assert done.status is JobStatus.COMPLETED, done
+        assert svc.storage.video_path(rec.id).read_bytes() == resident.generate(ok)
+        (g,) = ex._groups.values()
         assert svc.readiness()["sp_size"] == 2 and g.generation == 0
 
         long = svc.create({"prompt": "doomed", "seed": 4, "num_inference_steps": 400})
-        while svc.get(long["id"])["progress"] < 1:
+        while svc.get(long.id).progress < 1:
             time.sleep(0.05)
-        ray.kill(g.actors[1])  # the non-lead actor: the lead alone cannot go on
-        failed = wait_final(svc, long["id"])
-        assert failed["status"] == "failed" and "rank 1 died" in failed["error"]["message"], failed
+        ray.kill(g.handles[1])  # the non-lead actor: the lead alone cannot go on
+        failed = wait_final(svc, long.id)
+        assert failed.status is JobStatus.FAILED and "rank 1 died" in failed.error["message"], failed
         after = GenerationRequest(prompt="after the rebuild", seed=5)
         rec = svc.create({"prompt": after.prompt, "seed": 5})
-        assert wait_final(svc, rec["id"])["status"] == "completed"
-        assert svc.storage.video_path(rec["id"]).read_bytes() == resident.generate(after)
+        assert wait_final(svc, rec.id).status is JobStatus.COMPLETED
+        assert svc.storage.video_path(rec.id).read_bytes() == resident.generate(after)
         assert g.generation >= 1 and g.rebuilds == 1
     finally:
         svc.close()

@@ -37,7 +37,7 @@ def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path
     assert first.returncode == 0, first.stderr[-3000:]
     assert "3 to run" in first.stdout and "3 completed, 0 failed" in first.stdout
     assert "videos" in first.stderr  # the tqdm bar
-    assert "--dlo-mode auto chose rank_local: compute covers the rank-local fill" in first.stdout
+    assert "--dlo-mode auto chose rank-local: compute covers the rank-local fill" in first.stdout
     manifest = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
     assert sorted(e["id"] for e in manifest) == ["fox", "item-00003", "owl"]
     for e in manifest:
