@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 MODES = ("auto", "allgather", "rank-local")
+QUANTIZATIONS = ("fp8",)
 COMPONENTS = ("dit", "text_encoder", "vae")
 
 
@@ -46,11 +47,15 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dlo-probe-size", default=None,
                    help="WIDTHxHEIGHTxFRAMES of the load-time probe forward (auto mode, memory budget); "
                         "default 832x480x81 (generate: the request's own size)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: the transformer blocks' Linear weights in float8_e4m3fn with per-channel "
+                        "scales (half the bytes to stream), quantized at load or read from a checkpoint "
+                        "written by 'dloserve quantize'; resident or offloaded")
 
 
 FLAGS = {"mode": "--dlo-mode", "resident_layers": "--dlo-resident-layers",
          "device_memory_gb": "--dlo-device-memory-gb", "components": "--dlo-components",
-         "probe_shape": "--dlo-probe-size"}
+         "probe_shape": "--dlo-probe-size", "quantization": "--quantization"}
 
 
 def offload_options(args: argparse.Namespace, enabled: bool,
@@ -81,6 +86,8 @@ def offload_options(args: argparse.Namespace, enabled: bool,
         out["probe_shape"] = parse_probe_size(args.dlo_probe_size)
     if out and not enabled:
         raise ValueError(f"{', '.join(FLAGS[k] for k in out)}: {needs}")
+    if getattr(args, "quantization", None) is not None:  # resident too: not an offload flag
+        out["quantization"] = args.quantization
     return out
 
 
@@ -100,7 +107,7 @@ def sequence_parallel_problem(options: dict[str, Any], sp: int) -> str | None:
     """Placement options not yet made for an SP group (untested there: refused, named)."""
     if sp <= 1:
         return None
-    refused = [FLAGS[k] for k in ("mode", "resident_layers", "device_memory_gb", "components")
+    refused = [FLAGS[k] for k in ("mode", "resident_layers", "device_memory_gb", "components", "quantization")
                if k in options and not (k == "mode" and options[k] == "allgather")]
     if refused:
         return (f"{', '.join(refused)}: not yet with --sequence-parallel-size > 1 (an SP group always "

@@ -60,6 +60,7 @@ class OffloadConfig:
     device_memory_gb: float | None = None
     components: tuple[str, ...] = ("dit",)
     probe_shape: tuple[int, int, int] | None = None
+    quantization: str | None = None  # "fp8": the transformer blocks' Linear weights (offload.quant)
 
     @property
     def strategy(self) -> str:
@@ -159,6 +160,7 @@ class PipelineRunner:
                     progress=_shard_bar() if progress else None,
                     placement=Placement(resident_blocks=cfg.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
+                    quantization=cfg.quantization,
                 )
             except ValueError as e:
                 if "device_memory_budget" in str(e) or "resident_blocks" in str(e):
@@ -167,7 +169,8 @@ class PipelineRunner:
             if use_allgather != cfg.use_allgather:
                 cfg = replace(cfg, use_allgather=use_allgather)
         else:
-            load_resident(module, ckpt, dev, dtype=cfg.dtype, keep_fp32=adapter.keep_fp32)
+            load_resident(module, ckpt, dev, dtype=cfg.dtype, keep_fp32=adapter.keep_fp32,
+                          quantization=cfg.quantization, block_attrs=list(adapter.block_attrs))
         if sequence_parallel > 1:
             from .sequence import enable_sequence_parallel
 
@@ -229,6 +232,7 @@ class PipelineRunner:
             "mode_choice": self.choice.as_dict() if self.choice else None,
             "components": list(self.offload.components) if self.offload.enabled else [],
             "dtype": str(self.offload.dtype) if self.offload.dtype else None,
+            "quantization": self.offload.quantization,
             "load_s": round(self.load_s, 3),
         }
 
@@ -258,7 +262,7 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, cfg: OffloadConf
     module = adapter.build_transformer()
     h = enable_layerwise_offload(module, adapter.transformer_checkpoint(), device=dev, use_allgather=False,
                                  block_attrs=list(adapter.block_attrs), dtype=cfg.dtype,
-                                 keep_fp32=adapter.keep_fp32)
+                                 keep_fp32=adapter.keep_fp32, quantization=cfg.quantization)
     try:
         height, width, frames = cfg.probe_shape or (480, 832, 81)
         inputs = adapter.probe_inputs(module, height, width, frames, dev)
