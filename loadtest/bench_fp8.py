@@ -242,6 +242,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                       + ("" if ok else f"\n{err}"), flush=True)
                 print("RESULT " + json.dumps(report["runs"][run]), flush=True)  # kept if a later run hangs
         compare(report, Path(outputs))
+    report["errors"] = {f"{n}/{c}": v["error"] for n, r in report["runs"].items()
+                        for c, v in r.get("computes", {}).items() if "error" in v}
     report["seconds"] = time.perf_counter() - t_start
     return report
 
@@ -294,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(table(report))
-    print(json.dumps(report["targets"], indent=1))
+    print(json.dumps({"targets": report["targets"], "errors": report["errors"]}, indent=1))
     print(f"wrote {out} ({report['seconds']:.0f} s)")
     return 1 if any("error" in r for r in report["runs"].values()) else 0
 

@@ -147,3 +147,16 @@ def test_the_flag() -> None:
     assert "--quantization" in (sequence_parallel_problem(opts, 2) or "")
     with pytest.raises(SystemExit):
         _args("--quantization", "int8")
+
+
+def test_auto_mode_probes_the_fp8_blocks(fp8_model: str) -> None:
+    """The load-time probe runs the quantized transformer and times fp8-sized blocks."""
+    cfg = OffloadConfig(mode="auto", quantization="fp8", probe_shape=(32, 32, 5))
+    runner = PipelineRunner.load(fp8_model, "cpu", offload=cfg)
+    try:
+        assert runner.choice is not None
+        stats = runner.offload_stats()
+        assert runner.choice.timings.block_bytes == stats["largest_block_bytes"]
+        assert stats["quantization_source"] == "prequantized" and stats["mode"] == runner.choice.mode
+    finally:
+        runner.close()
