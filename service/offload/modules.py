@@ -88,7 +88,9 @@ def load_resident(
     """
     dev = torch.device(device)
     ckpt = Checkpoint(checkpoint)
-    quant = quantize_module(module, find_blocks(module, block_attrs), ckpt, quantization, dev)
+    # find_blocks only for fp8: a module with no block list still loads unquantized
+    blocks = find_blocks(module, block_attrs) if quantization is not None else []
+    quant = quantize_module(module, blocks, ckpt, quantization, dev)
     expected = _expected(module)
     ckpt.validate(expected)
     keep = tuple(keep_fp32) + (quant.keep_fp32 if quant else ())
