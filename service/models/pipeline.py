@@ -129,13 +129,15 @@ class PipelineRunner:
                     progress=_shard_bar() if progress else None,
                     placement=Placement(resident_blocks=settings.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
+                    quantization=settings.quantization,
                 )
             except ValueError as e:
                 if "device_memory_budget" in str(e) or "resident_blocks" in str(e):
                     raise ValueError(f"--dlo-device-memory-gb / --dlo-resident-layers: {e}") from e
                 raise
         else:
-            load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32)
+            load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32,
+                          quantization=settings.quantization, block_attrs=list(adapter.block_attrs))
         if sequence_parallel > 1:
             from .sequence import enable_sequence_parallel
 
@@ -201,6 +203,7 @@ class PipelineRunner:
             "mode_choice": self.choice,
             "components": list(self.settings.components) if self.settings.enabled else [],
             "dtype": self.settings.dtype,
+            "quantization": self.settings.quantization,
             "load_s": round(self.load_s, 3),
         }
 
@@ -262,7 +265,7 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: Offloa
     module = adapter.build_transformer()
     h = enable_layerwise_offload(module, adapter.transformer_checkpoint(), device=dev, use_allgather=False,
                                  block_attrs=list(adapter.block_attrs), dtype=dtype_of(settings),
-                                 keep_fp32=adapter.keep_fp32)
+                                 keep_fp32=adapter.keep_fp32, quantization=settings.quantization)
     try:
         height, width, frames = settings.probe_shape or (480, 832, 81)
         inputs = adapter.probe_inputs(module, height, width, frames, dev)

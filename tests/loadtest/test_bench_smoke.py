@@ -46,3 +46,22 @@ def test_sp_bench_cpu_smoke(tmp_path: Path) -> None:
     ranks = report["runs"]["sp2-dlo"]["ranks"]
     assert len(ranks) == 2 and ranks[0]["workloads"]["64"]["sha256"] == ranks[1]["workloads"]["64"]["sha256"]
     assert ranks[0]["host_shard_bytes"] > 0 and report["summary"][0]["ms_per_forward"] > 0
+
+
+def test_fp8_bench_cpu_smoke(tmp_path: Path) -> None:
+    """bf16/fp8 x resident/DLO on the tiny preset cast to bf16, so scaled_mm really runs."""
+    report = _run("bench_fp8.py", ["--device", "cpu", "--preset", "tiny", "--layers", "3", "--tokens", "64",
+                                   "--reps", "1", "--dtype", "bfloat16"], tmp_path)
+    assert set(report["runs"]) == {"bf16-resident", "bf16-dlo", "fp8-resident", "fp8-dlo"}
+    assert all("error" not in r for r in report["runs"].values())
+    rows = {(r["run"], r["compute"]): r for r in report["rows"]}
+    assert set(rows) == {("bf16-resident", "bf16"), ("bf16-dlo", "bf16"), ("fp8-resident", "upcast"),
+                         ("fp8-resident", "scaled_mm"), ("fp8-dlo", "upcast"), ("fp8-dlo", "scaled_mm")}
+    assert rows[("bf16-dlo", "bf16")]["bitwise_equal_resident"] is True
+    assert rows[("bf16-dlo", "bf16")]["rel_error_vs_bf16"] == 0.0
+    for compute in ("upcast", "scaled_mm"):
+        r = rows[("fp8-dlo", compute)]
+        assert r["bitwise_equal_resident"] is True, compute
+        assert 0 < r["rel_error_vs_bf16"] < 0.1
+        assert r["block_gb"] < 0.75 * rows[("bf16-dlo", "bf16")]["block_gb"]  # tiny: many fp32 norms
+        assert report["runs"]["fp8-dlo"]["computes"][compute]["scaled_mm_ran"] == (compute == "scaled_mm")
