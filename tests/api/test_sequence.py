@@ -36,6 +36,10 @@ def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, de
                         deadline={"base_s": 120, "per_forward_s": 1.0})
     svc = VideoService(cfg)
     try:
+        end = time.monotonic() + 180
+        while svc.readiness()["state"] != "ready":
+            assert time.monotonic() < end, svc.readiness()
+            time.sleep(0.2)
         ex = svc.dispatcher.executor
         assert [(g.size, g.world) for g in ex._groups.values()] == [(1, 2)]
         assert len(ex.spec.bundles()) == 2 and ex.spec.settings.mode.value == "allgather"  # SP: no auto

@@ -115,8 +115,8 @@ def test_a_dead_rank_process_fails_its_group_which_is_rebuilt(allgather, residen
     os.kill(group.handles[1].proc.pid, signal.SIGKILL)
     sink.wait(lambda: "doomed" in sink.finished)
     err = sink.finished["doomed"].error or ""
-    # the pipe's end, or rank 0's gather that lost its peer: whichever the executor hears first
-    assert "rank 1 died" in err or "rank 0 failed: DistBackendError" in err, err
+    # the pipe's end, or rank 0's collective that lost its peer: whichever the executor hears first
+    assert err.startswith(("rank 1 died: process exited", "rank 0 failed: ")), err
     submit(d, "after", AFTER)  # queued while the group is rebuilt, then exact
     sink.wait(lambda: "after" in sink.finished)
     assert sink.finished["after"].mp4 == resident.generate(AFTER) and group.generation == 1

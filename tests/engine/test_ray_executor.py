@@ -80,7 +80,8 @@ def submit(d: Dispatcher, tid: str, req: GenerationRequest) -> None:
 
 @pytest.fixture
 def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
-    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.RANK_LOCAL), cpus_per_rank=0.5,
+    # auto, the default: on CPU ranks without a probe size it picks rank-local and says why
+    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.AUTO), cpus_per_rank=0.5,
                       pg_timeout_s=60, encoders_per_rank=0)
     yield from running(spec, deadlines=DeadlinePolicy(base_s=120))
 
@@ -89,6 +90,8 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
     d, sink = ranklocal
     ex = d.executor
     assert [g.size for g in ex.groups()] == [1, 1]
+    choice = d.status()["offload_mode"]
+    assert choice["mode"] == "rank-local" and choice["reason"].startswith("CPU ranks"), choice
     a = GenerationRequest(prompt="stays", seed=1, num_inference_steps=30)
     b = GenerationRequest(prompt="doomed", seed=2, num_inference_steps=400)
     c = GenerationRequest(prompt="queued", seed=3)
