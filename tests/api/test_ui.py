@@ -10,6 +10,7 @@ inert, not the policy. Screenshots go to out/ui/ (make ui-check).
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -21,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.api.hostproc import descendants, matching
 from tests.api.conftest import Serve, _started
 from tests.api.uipage import ARGS, CHROMIUM, Page, auth, wait_final
 from tests.conftest import free_port
@@ -29,22 +31,22 @@ pytestmark = pytest.mark.browser
 
 KEY_A, KEY_B = "sk-ui-alice-0123456789", "sk-ui-bob-9876543210"
 LIMITS = {"--max-width": "640", "--max-height": "480", "--max-pixels": "200000", "--max-frames": "33",
-          "--max-steps": "60"}
+          "--max-steps": "150"}
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
     ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()
     limits = [x for kv in LIMITS.items() for x in kv]
     s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
               "--enable-distributed-layerwise-offload", "--cpus-per-rank", "0.5", "--api-key", KEY_A,
-              "--api-key", KEY_B, "--drain-timeout-s", "5",
+              "--api-key", KEY_B, "--drain-timeout-s", "10",
               "--results-dir", str(tmp_path_factory.mktemp("ui-results")), *limits)
     _started.remove(s)  # it outlives one test: this fixture stops it, not the per-test clean-up
     try:
         s.watch_until(lambda: "dloserve ready at" in s.output, timeout=400)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", s
     finally:
         from service.api.hostproc import kill_tree
 
@@ -54,6 +56,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         kill_tree([s.proc.pid, *s.seen], grace_s=5)
         shutil.rmtree(ray_tmp, ignore_errors=True)
         assert not left, left
+
+
+@pytest.fixture(scope="module")
+def service(served: tuple[str, Serve]) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +109,7 @@ def test_the_instance_limits_are_shown_before_submit(tab: Any) -> None:
     assert "16–480 px" in p.text("#hint-height")
     assert "200,000 pixels" in p.text("#hint-size")
     assert "… 33 (4k + 1)" in p.text("#hint-num_frames")
-    assert "1–60" in p.text("#hint-num_inference_steps")
+    assert "1–150" in p.text("#hint-num_inference_steps")
     assert "2,000 characters" in p.text("#hint-prompt")
     width = p.js("(() => { const e = document.getElementById('f-width'); return [e.min, e.max, e.step]; })()")
     assert width == ["16", "640", "16"]
@@ -360,3 +367,41 @@ def test_main_views_fit_phone_and_desktop(tab: Any, width: int) -> None:
     p.use_key("sk-wrong-key")
     p.until("document.getElementById('key-msg').textContent.includes('refused')")
     fits("wrong-key")
+
+
+BADGES = ("window.__badges = []; setInterval(() => { const t = document.getElementById('state-badge')"
+          ".textContent; if (window.__badges.at(-1) !== t) window.__badges.push(t); }, 50)")
+
+
+def test_the_service_panel_follows_a_rank_death_and_the_rebuild(tab: Any, served: tuple[str, Serve]) -> None:
+    url, s = served
+    p = tab(key=KEY_A)
+    p.until("document.getElementById('state-badge').textContent === 'ready'")
+    p.js(BADGES)
+    before = httpx.get(f"{url}/readyz").json()
+    ranks = matching(s.proc.pid, "DPWorker")
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[0], signal.SIGKILL)
+    p.until("window.__badges.some(b => b.startsWith('rebuilding: rank'))", timeout=60)
+    p.until("document.getElementById('state-badge').textContent === 'ready'", timeout=180)
+    after = httpx.get(f"{url}/readyz").json()
+    assert after["rebuilds"] == before["rebuilds"] + 1
+    p.until(f"document.getElementById('svc-groups').textContent.includes('generation {after['generation']}')")
+    assert "rank" in p.text("#svc-groups .err")  # the group's last error: which rank died
+
+
+def test_the_badge_shows_draining_then_unreachable(tab: Any, served: tuple[str, Serve]) -> None:
+    """Last: it stops the module's service (SIGTERM while a video runs), and nothing is left."""
+    url, s = served
+    p = tab(key=KEY_A)
+    p.js(BADGES)
+    p.submit(prompt="a long one, running when the drain starts", width=64, height=48, num_frames=17,
+             num_inference_steps=150)
+    p.until("document.getElementById('job-progress').value > 0", timeout=120)
+    s.seen |= set(descendants(s.proc.pid))
+    s.proc.send_signal(signal.SIGTERM)
+    p.until("window.__badges.some(b => b.startsWith('draining'))", timeout=30)
+    p.until("document.getElementById('state-badge').textContent.startsWith('unreachable')", timeout=120)
+    assert s.proc.wait(60) == 0, s.output[-2000:]
+    time.sleep(0.5)
+    assert not s.survivors(), s.survivors()

@@ -46,7 +46,7 @@ function renderGroups(ready) {
       group.rebuilds ? `${group.rebuilds} rebuilds` : null].filter(Boolean).join(" · ");
     box.append(el("div", {class: "group-box"},
       el("p", {class: `group-head ${statusClass(group.state)}`}, head),
-      group.last_error ? el("p", {class: "err"}, group.last_error) : null,
+      group.last_error ? el("p", {class: "err"}, `last error: ${group.last_error}`) : null,
       ranks));
   }
 }
