@@ -83,7 +83,9 @@ function init() {
     setText($("create-msg"), "");
   });
   jobs.init();
-  loadLimits().catch((error) => setText($("err-form"), `Could not read the service's limits: ${error.message}`));
+  loadLimits().catch((error) => {
+    setText($("err-form"), `Could not read the service's limits: ${error.message}`);
+  });
   jobs.refreshList();
   refreshStatus();
 }

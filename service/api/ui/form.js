@@ -34,7 +34,9 @@ function describeEnum(values) {
 
 function range(rule, unit = "") {
   const parts = [];
-  if (rule.minimum !== undefined && rule.maximum !== undefined) parts.push(`${fmt(rule.minimum)}–${fmt(rule.maximum)}${unit}`);
+  if (rule.minimum !== undefined && rule.maximum !== undefined) {
+    parts.push(`${fmt(rule.minimum)}–${fmt(rule.maximum)}${unit}`);
+  }
   else if (rule.minimum !== undefined) parts.push(`at least ${fmt(rule.minimum)}${unit}`);
   else if (rule.maximum !== undefined) parts.push(`at most ${fmt(rule.maximum)}${unit}`);
   if (rule.multipleOf !== undefined) parts.push(`a multiple of ${fmt(rule.multipleOf)}`);
@@ -92,7 +94,9 @@ export async function loadLimits() {
 
 export function clearErrors() {
   for (const node of document.querySelectorAll("#create-form .err")) setText(node, "");
-  for (const node of document.querySelectorAll("#create-form [aria-invalid]")) node.removeAttribute("aria-invalid");
+  for (const node of document.querySelectorAll("#create-form [aria-invalid]")) {
+    node.removeAttribute("aria-invalid");
+  }
 }
 
 /** Show the server's message beside the field it names; the form's own line otherwise. */

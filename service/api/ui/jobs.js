@@ -54,7 +54,8 @@ function renderTimings(video) {
     }
     return typeof v === "object" ? JSON.stringify(v) : String(v);
   };
-  fillList(box.querySelector("dl"), Object.entries(timings).map(([k, v]) => [k.replaceAll("_", " "), value(k, v)]));
+  const rows = Object.entries(timings).map(([k, v]) => [k.replaceAll("_", " "), value(k, v)]);
+  fillList(box.querySelector("dl"), rows);
   box.hidden = false;
 }
 
@@ -125,7 +126,8 @@ async function loadVideo(video, generation) {
     link.download = `${video.id}.mp4`;
     link.hidden = false;
   } catch (error) {
-    if (generation === state.generation) setText($("job-msg"), `The MP4 could not be loaded: ${error.message}`);
+    if (generation !== state.generation) return;
+    setText($("job-msg"), `The MP4 could not be loaded: ${error.message}`);
   }
 }
 
@@ -255,7 +257,8 @@ function newItem(video) {
 function renderList(videos, hasMore) {
   const list = $("jobs-list");
   const ids = videos.map((v) => v.id);
-  const same = ids.length === list.children.length && ids.every((id, i) => list.children[i].dataset.id === id);
+  const same = ids.length === list.children.length
+    && ids.every((id, i) => list.children[i].dataset.id === id);
   if (!same) {
     const focusedId = document.activeElement?.closest?.("#jobs-list li")?.dataset.id;
     clear(list);

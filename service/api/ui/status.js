@@ -35,10 +35,12 @@ function renderGroups(ready) {
     const size = Number(group.size) || 0;
     const ranks = el("ul", {class: "ranks"});
     for (let rank = first; rank < first + size; rank += 1) {
-      const video = mine.find((v) => v.dp_rank === rank && (!ready.dp_group || v.dp_group === ready.dp_group));
+      const here = (v) => !ready.dp_group || v.dp_group === ready.dp_group; // this replica's ranks
+      const video = mine.find((v) => v.dp_rank === rank && here(v));
       ranks.append(el("li", {dataset: {rank: String(rank)}},
         el("span", {class: "rank"}, `rank ${rank}`),
-        video ? el("span", {class: "busy"}, `your ${short(video.id)}: ${video.prompt ?? ""} (${video.progress ?? 0}%)`)
+        video ? el("span", {class: "busy"},
+          `your ${short(video.id)}: ${video.prompt ?? ""} (${video.progress ?? 0}%)`)
           : el("span", {class: "muted"}, "no video of yours")));
     }
     const head = [`group ${short(group.group ?? "?")}`, group.state,
@@ -67,8 +69,9 @@ export async function refreshStatus() {
       ["model", ready.model],
       ["offload", offloadText(ready.offload_mode)],
       ["scheduler", ready.scheduler],
-      ["ranks", ready.dp_size !== undefined ? `${ready.dp_size} DP${ready.sp_size > 1 ? ` × ${ready.sp_size} SP` : ""}`
-        + ` in ${groups.length} group${groups.length === 1 ? "" : "s"}` : null],
+      ["ranks", ready.dp_size === undefined ? null
+        : `${ready.dp_size} DP${ready.sp_size > 1 ? ` × ${ready.sp_size} SP` : ""}`
+          + ` in ${groups.length} group${groups.length === 1 ? "" : "s"}`],
       ["queued", ready.queue_depth],
       ["running (all keys)", ready.in_flight],
       ["requests assigned", ready.waves_run],
