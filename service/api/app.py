@@ -39,6 +39,7 @@ from service.api.schemas import (
     parse_body,
 )
 from service.api.service import AuthError, ServiceConfig, VideoService, video_object
+from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.dispatcher import Unavailable
 from service.router.waves import QueueFull
@@ -63,6 +64,7 @@ _CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body over the size limi
                   429: {**_ERR, "description": "queue full; see Retry-After"},
                   503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
+register_ui(app)  # the playground at /ui/ (service/api/ui)
 
 
 @app.exception_handler(StarletteHTTPException)
