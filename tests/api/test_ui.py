@@ -40,7 +40,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serv
     port = free_port()
     limits = [x for kv in LIMITS.items() for x in kv]
     s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
-              "--enable-distributed-layerwise-offload", "--cpus-per-rank", "0.5", "--api-key", KEY_A,
+              "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather", "--cpus-per-rank", "0.5",
+              "--api-key", KEY_A,
               "--api-key", KEY_B, "--drain-timeout-s", "10",
               "--results-dir", str(tmp_path_factory.mktemp("ui-results")), *limits)
     _started.remove(s)  # it outlives one test: this fixture stops it, not the per-test clean-up
@@ -379,7 +380,7 @@ def test_the_service_panel_follows_a_rank_death_and_the_rebuild(tab: Any, served
     p.until("document.getElementById('state-badge').textContent === 'ready'")
     p.js(BADGES)
     before = httpx.get(f"{url}/readyz").json()
-    ranks = matching(s.proc.pid, "DPWorker")
+    ranks = matching(s.proc.pid, "RankActor")
     assert len(ranks) == 2, ranks
     os.kill(ranks[0], signal.SIGKILL)
     p.until("window.__badges.some(b => b.startsWith('rebuilding: rank'))", timeout=60)
