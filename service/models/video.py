@@ -123,40 +123,91 @@ def _even(frames: np.ndarray) -> np.ndarray:
     return frames
 
 
+def _check_frames(frames: np.ndarray) -> None:
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+
+
+class Mp4Writer:
+    """One MP4 encode fed frames as they come (``add``), finished by ``close``.
+
+    The bytes are those of ``encode_mp4`` on all the frames at once, however they were
+    split: x264 sees the same frames in the same order with the same options.
+    """
+
+    def __init__(self, width: int, height: int, fps: int, *, threads: int = X264_THREADS) -> None:
+        if fps < 1:
+            raise ValueError(f"fps must be >= 1, got {fps}")
+        if width < 1 or height < 1:
+            raise ValueError(f"frame size must be positive, got {width}x{height}")
+        options = x264_options(threads)
+        self.size = (height, width)
+        self.frames = 0
+        fd, self._path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
+        os.close(fd)
+        try:
+            self._out = av.open(self._path, mode="w", format="mp4", options={"movflags": "+faststart"})
+            self._stream = self._out.add_stream("libx264", rate=Fraction(int(fps), 1), options=options)
+            self._stream.width, self._stream.height = width + width % 2, height + height % 2
+            self._stream.pix_fmt = "yuv420p"
+            self._stream.codec_context.thread_count = threads
+            self._stream.codec_context.thread_type = "FRAME"
+        except BaseException:
+            os.unlink(self._path)
+            raise
+
+    def add(self, frames: np.ndarray) -> None:
+        """Encode uint8 [t, H, W, 3] frames next (x264 holds some back until ``close``)."""
+        _check_frames(frames)
+        if frames.shape[1:3] != self.size:
+            raise ValueError(f"frames are {frames.shape[2]}x{frames.shape[1]}, this MP4 is "
+                             f"{self.size[1]}x{self.size[0]}")
+        for arr in np.ascontiguousarray(_even(frames)):
+            # Convert to yuv420p ourselves, on one thread (see the module's notes).
+            rgb = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            frame = rgb.reformat(format="yuv420p", threads=1)
+            frame.pts = self.frames
+            self.frames += 1
+            self._out.mux(self._stream.encode(frame))
+
+    def close(self) -> bytes:
+        """Flush x264, finish the file (``+faststart``) and return its bytes."""
+        try:
+            if self.frames < 1:
+                raise ValueError("frames must hold at least one frame")
+            self._out.mux(self._stream.encode(None))
+            self._out.close()
+            with open(self._path, "rb") as f:
+                return f.read()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the encode (safe to call more than once, and after ``close``)."""
+        try:
+            self._out.close()
+        except Exception:  # noqa: BLE001 - already closed, or failed mid-write: nothing to keep
+            pass
+        if os.path.exists(self._path):
+            os.unlink(self._path)
+
+
 def encode_mp4(frames: np.ndarray, fps: int, *, threads: int = X264_THREADS) -> bytes:
     """Encode ``frames`` (uint8 [T, H, W, 3]) as an H.264 MP4 at ``fps``; deterministic.
 
     ``threads`` is for benchmarks: the service always encodes with ``X264_THREADS``,
     since another count gives other (equally deterministic) bytes.
     """
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
-        raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+    _check_frames(frames)
     if frames.shape[0] < 1:
         raise ValueError("frames must hold at least one frame")
-    if fps < 1:
-        raise ValueError(f"fps must be >= 1, got {fps}")
-    frames = np.ascontiguousarray(_even(frames))
-    options = x264_options(threads)
-    fd, path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
-    os.close(fd)
+    writer = Mp4Writer(frames.shape[2], frames.shape[1], fps, threads=threads)
     try:
-        with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as out:
-            stream = out.add_stream("libx264", rate=Fraction(int(fps), 1), options=options)
-            stream.width, stream.height = frames.shape[2], frames.shape[1]
-            stream.pix_fmt = "yuv420p"
-            stream.codec_context.thread_count = threads
-            stream.codec_context.thread_type = "FRAME"
-            for i, arr in enumerate(frames):
-                # Convert to yuv420p ourselves, on one thread (see the module's notes).
-                rgb = av.VideoFrame.from_ndarray(arr, format="rgb24")
-                frame = rgb.reformat(format="yuv420p", threads=1)
-                frame.pts = i
-                out.mux(stream.encode(frame))
-            out.mux(stream.encode(None))
-        with open(path, "rb") as f:
-            return f.read()
-    finally:
-        os.unlink(path)
+        writer.add(frames)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
 
 
 def x264_settings(data: bytes) -> dict[str, str]:

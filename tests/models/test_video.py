@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ import pytest
 
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.models.video import X264_THREADS, encode_mp4, x264_options
+from service.models.video import X264_THREADS, Mp4Writer, encode_mp4, x264_options, x264_settings
 
 REQ = GenerationRequest(prompt="a red fox runs through snow", width=96, height=64, num_frames=9,
                         num_inference_steps=3, seed=0)
@@ -156,6 +157,36 @@ def test_x264_threads_are_a_constant_never_auto() -> None:
     assert (params["sliced-threads"], params["non-deterministic"]) == ("0", "0")
     with pytest.raises(ValueError, match="never auto"):
         x264_options(0)
+
+
+def test_frames_fed_in_chunks_give_the_same_bytes(frames: np.ndarray) -> None:
+    """``Mp4Writer`` fed 1 + 4 + 4 frames (the Wan VAE's causal chunks), or any other
+    split, writes the file ``encode_mp4`` writes for all frames at once."""
+    whole = encode_mp4(frames, REQ.fps)
+    assert x264_settings(whole)["threads"] == str(X264_THREADS)
+    for sizes in ([1, 4, 4], [9], [2, 3, 4], [1] * 9):
+        w = Mp4Writer(frames.shape[2], frames.shape[1], REQ.fps)
+        start = 0
+        for n in sizes:
+            w.add(frames[start:start + n])
+            start += n
+        assert w.close() == whole, sizes
+    assert encode_mp4(frames, REQ.fps, threads=1) != whole  # the count is part of the bytes
+
+
+def test_writer_refuses_other_sizes_and_leaves_no_file(
+    frames: np.ndarray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    w = Mp4Writer(frames.shape[2], frames.shape[1], REQ.fps)
+    with pytest.raises(ValueError, match="this MP4 is"):
+        w.add(frames[:, :-2])
+    w.abort()
+    with pytest.raises(ValueError, match="at least one frame"):
+        Mp4Writer(8, 8, REQ.fps).close()
+    with pytest.raises(ValueError, match="fps"):
+        Mp4Writer(8, 8, 0)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_x264_never_runs_its_avx512_code() -> None:
