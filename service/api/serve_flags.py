@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "waves: request-level waves of one compatibility key")
     p.add_argument("--starve-s", type=float, default=30.0,
                    help="continuous: a request queued this long goes next, whatever its cost")
-    p.add_argument("--encoders-per-rank", type=int, default=1,
-                   help="MP4 encoder processes beside each rank (0: encode on the rank)")
+    p.add_argument("--encoders-per-rank", type=int, default=None,
+                   help="MP4 encoder processes beside each rank (default: auto, the rank's CPUs "
+                        "// x264 threads per encode, at least 1; 0: encode on the rank)")
     p.add_argument("--max-width", type=int, default=1280)
     p.add_argument("--max-height", type=int, default=1280)
     p.add_argument("--max-pixels", type=int, default=1280 * 720)

@@ -21,7 +21,7 @@ class EngineSpec:
     strategy: str = "STRICT_PACK"
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     setup_timeout_s: float = 900.0
-    encoders_per_rank: int = 1
+    encoders_per_rank: int | None = None  # None: sized from the rank's CPUs (engine.encoder)
     sp_size: int = 1  # sequence parallel: each of the dp_size groups is S actors
 
     def bundles(self) -> list[dict[str, float]]:

@@ -32,7 +32,7 @@ class WorkerSpec:
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear the group down first
     group_id: str = "g0"
     rank_offset: int = 0  # this group's first rank among the replica's ranks (metrics tags)
-    encoders: int = 1  # MP4 encoder processes beside the rank (0: inline)
+    encoders: int | None = None  # MP4 encoder processes beside the rank (0: inline, None: auto)
     sp_size: int = 1  # > 1: the group's ranks are one SP group (world == sp_size)
 
 
@@ -99,7 +99,8 @@ class DPWorker:
                                  on_report=self._report_offload, sequence_parallel=sp,
                                  lead=not sp or self.rank == 0)  # DP: every rank reports its own
         self._report_memory()
-        return {"rank": self.rank, "pid": os.getpid(), "load_s": time.monotonic() - t0}
+        return {"rank": self.rank, "pid": os.getpid(), "load_s": time.monotonic() - t0,
+                "encoders": self.worker.encoder.workers}
 
     # -- the rank loop, for the driver ---------------------------------------------------
 

@@ -177,7 +177,8 @@ def parser() -> argparse.ArgumentParser:
                    help="fixed part of each request's deadline")
     p.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
                    help="continuous: a freed rank starts the next item at once; waves: N of one key")
-    p.add_argument("--encoders-per-rank", type=int, default=1, help="MP4 encoder processes per rank")
+    p.add_argument("--encoders-per-rank", type=int, default=None,
+                   help="MP4 encoder processes per rank (default: auto, from the rank's CPUs)")
     return p
 
 
