@@ -142,7 +142,8 @@ class Mp4Writer:
             raise ValueError(f"frame size must be positive, got {width}x{height}")
         options = x264_options(threads)
         self.size = (height, width)
-        self.frames = 0
+        self.frames = 0  # frames given to x264
+        self.finished = 0  # frames x264 has given back encoded (it holds its lookahead)
         fd, self._path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
         os.close(fd)
         try:
@@ -168,7 +169,9 @@ class Mp4Writer:
             frame = rgb.reformat(format="yuv420p", threads=1)
             frame.pts = self.frames
             self.frames += 1
-            self._out.mux(self._stream.encode(frame))
+            packets = self._stream.encode(frame)
+            self.finished += len(packets)
+            self._out.mux(packets)
 
     def close(self) -> bytes:
         """Flush x264, finish the file (``+faststart``) and return its bytes."""
