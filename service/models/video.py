@@ -8,8 +8,10 @@ file. Three things stood in the way:
   given count unless ``--non-deterministic`` is set, and we set it off explicitly), so the
   count is part of the bytes' identity and never follows the host ("auto" would: x264
   counts the CPUs in the process's affinity). Frame threads, not sliced threads: sliced
-  threads cut every frame into one slice per thread, which costs compression and buys
-  latency a file does not need (loadtest/bench_encode.py compares them).
+  threads cut every frame into one slice per thread, which buys latency a file does not
+  need and costs compression (a smooth 832x480x81 clip: +2%, +7%, +13% at 2, 4, 8
+  slices, same CRF), and x264 stops at 7 of them for 480-row frames; a frame-threaded
+  encode's busiest thread did 1/T of the work (loadtest/results/cpu-encode-threads-*).
   swscale's RGB -> YUV conversion stays on one thread (its default is "auto", one slice
   per core, which was seen to change the bytes of identical 480p frames on a 32-core host).
 - x264's AVX-512 macroblock tree read memory it never wrote. The lookahead's
@@ -49,10 +51,11 @@ import numpy as np
 log = logging.getLogger("dloserve.video")
 
 # Frame threads per encode. A constant, never derived from the host: the bytes change
-# with it. 4 from measurement (design.md section 8, 480x832x81 on a 16-core host: noise
-# 11.6 s at 1 thread, 7.5 at 2, 4.6 at 4, 3.2 at 8): most of the latency gain of 8 at
-# 2.5x of one thread's speed, where 8 threads reach only 3.6x on twice the cores. The
-# encoder pool (engine/encoder.py) runs about cpus // X264_THREADS encodes at once.
+# with it (changing it changes every file). 4: on a 16-core host a 480x832x81 noise clip
+# took 11.6 s on 1 thread, 4.6 on 4, 3.2 on 8 (design.md section 8; PyAV's default,
+# sliced, threads), so 4 has most of the latency gain at 2.5x one thread's speed, and it
+# fits a rank given 4 CPUs; the encoder pool (engine/encoder.py) runs about
+# cpus // X264_THREADS encodes at once.
 X264_THREADS = 4
 X264_BASE = {"crf": "18", "preset": "medium"}
 X264_CPU_AVX512 = 1 << 16  # x264.h; stable since x264 gained AVX-512 (build 152)
