@@ -89,6 +89,7 @@ def load_facts(worker: RankWorker, t0: float) -> dict[str, Any]:
     runner = worker.runner
     return {"rank": worker.rank, "pid": os.getpid(), "setup_s": round(time.monotonic() - t0, 3),
             "stages": getattr(worker, "start_stages", {}), "mode": runner.settings.mode.value,
+            "encoders": worker.encoder.workers,
             "choice": runner.choice}
 
 
