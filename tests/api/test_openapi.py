@@ -52,6 +52,7 @@ def test_the_schema_states_this_instances_limits(fuzz_url: str) -> None:
     assert {"401", "413", "415", "422", "429", "503"} <= set(spec["paths"]["/v1/videos"]["post"]["responses"])
 
 
+@pytest.mark.e2e  # schema fuzzing: ~1,000 generated requests
 def test_schemathesis_all_checks_finds_nothing(fuzz_url: str) -> None:
     cmd = [str(Path(sys.executable).parent / "st"), "--config-file", str(HERE / "schemathesis.toml"), "run",
            f"{fuzz_url}/openapi.json", "--url", fuzz_url, "--checks", "all", "-n", "60",

@@ -82,6 +82,7 @@ def test_cancel_in_rank_local_mode(ranklocal, resident) -> None:  # noqa: ANN001
     cancel_beside(d, sink, resident)
 
 
+@pytest.mark.e2e  # kills a rank process and waits for the rebuild
 def test_a_dead_rank_process_fails_its_group_which_is_rebuilt(allgather, resident) -> None:  # noqa: ANN001
     d, sink = allgather
     submit(d, "doomed", LONG)

@@ -25,6 +25,8 @@ from service.router.dispatcher import Dispatcher
 from service.router.policy import DeadlinePolicy
 from tests.fakes import RecordingSink
 
+pytestmark = pytest.mark.e2e  # each test kills real rank actors and waits for the rebuilds
+
 
 def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
     with d._cv:

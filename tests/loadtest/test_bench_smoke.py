@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # each runs a benchmark script end to end in its own processes
 ROOT = Path(__file__).resolve().parents[2]
 
 
