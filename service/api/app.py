@@ -128,6 +128,9 @@ async def read_capped(request: Request, cap: int) -> bytes:
 @serve.ingress(app)
 class VideoIngress:
     def __init__(self, config: dict[str, Any]) -> None:
+        from service.engine.metrics import log_to_stderr
+
+        log_to_stderr()
         self.svc = VideoService(
             ServiceConfig(**config), placement_group=ray.util.get_current_placement_group(),
             dp_group=serve.get_replica_context().replica_id.unique_id,

@@ -81,11 +81,18 @@ class Encoder:
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
         self._inflight = 0
+        self._warming: list[Future] = []
         if workers:
             self._pool = self._new_pool()
-            # Start the processes now (imports take a second): not on the first request.
-            for f in [self._pool.submit(_warm) for _ in range(workers)]:
-                f.result(timeout=120)
+            # Start the processes now (imports take a second): not on the first request. They
+            # come up while the rank loads its model; ``wait_warm`` waits for them.
+            self._warming = [self._pool.submit(_warm) for _ in range(workers)]
+
+    def wait_warm(self, timeout: float = 120) -> None:
+        """Block until every encoder process has started (raises if one could not)."""
+        for f in self._warming:
+            f.result(timeout=timeout)
+        self._warming = []
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("spawn")
