@@ -38,6 +38,7 @@ def fuzz_url(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFac
     serve.delete("fuzz")
 
 
+@pytest.mark.e2e  # its own app (the fuzz's, with small limits)
 def test_the_schema_states_this_instances_limits(fuzz_url: str) -> None:
     spec = httpx.get(f"{fuzz_url}/openapi.json").json()
     body = spec["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
