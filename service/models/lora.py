@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.offload.lora import LoraFactors
+from service.offload.lora import AdapterCache, DeviceAdapter, LoraFactors, SideBranches
 from service.offload.quant import Fp8Linear
+
+from .lora_ref import LoraRef
+from .request import RequestError
 
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 PREFIX = "transformer."  # diffusers' prefix for the transformer's keys after conversion
@@ -263,3 +268,64 @@ def targets_of(adapter: Any, dtype: str | None = None, quantization: str | None 
         dt = served(f"{name}.bias") if fp8 or weight.itemsize == 1 else weight
         linears[name] = Target(t.in_features, t.out_features, dt)
     return Targets(found.family, linears, found.others, found.pipeline)
+
+
+class RankAdapters:
+    """One rank's adapters: the transformer's Linears, the device LRU and the side branches.
+
+    ``applied(refs)`` puts a request's adapters on the device (cache hits cost nothing; a
+    miss reads and checks the file again, against the digest its registration recorded)
+    and hooks them onto the Linears for the request's forwards, then removes the hooks,
+    also when the request failed. Base weights are never written: the hooks add a branch.
+    """
+
+    def __init__(self, transformer: nn.Module, family: str, pipeline: str, device: torch.device,
+                 budget_bytes: int) -> None:
+        self.targets = linear_targets(transformer, family, pipeline)
+        self.device = device
+        self.cache = AdapterCache(budget_bytes)
+        modules = dict(transformer.named_modules())
+        self.sides = SideBranches(transformer, {n: modules[n] for n in self.targets.linears})
+
+    def check(self, refs: tuple[LoraRef, ...]) -> None:
+        """RequestError for what a request may not ask of this model (before any compute)."""
+        for i, ref in enumerate(refs):
+            if not ref.source:
+                raise RequestError(f"loras[{i}].name", f"adapter {ref.name!r} is not registered")
+            if ref.expert not in (None, "both"):
+                raise RequestError(f"loras[{i}].expert", f"{self.targets.family} has one transformer: "
+                                                         f"expert must be 'both', got {ref.expert!r}")
+        if refs and self.cache.budget <= 0:
+            raise RequestError("loras", "adapters are off on this server (--lora-cache-gb 0)")
+
+    def _load(self, ref: LoraRef) -> tuple[str, int, Callable[[], DeviceAdapter]]:
+        key = ref.sha256
+        if key and key in self.cache:
+            return key, self.cache.nbytes(key), lambda: self.cache.get(key)  # type: ignore[return-value]
+        file = read_adapter(ref.source, ref.name, self.targets, sha256=ref.sha256 or None)
+
+        def load() -> DeviceAdapter:
+            return DeviceAdapter(file.sha256, {n: f.to(self.device, self.targets.linears[n].dtype)
+                                               for n, f in file.layers.items()})
+
+        return file.sha256, file.nbytes, load
+
+    @contextmanager
+    def applied(self, refs: tuple[LoraRef, ...]) -> Iterator[None]:
+        if not refs:
+            yield
+            return
+        self.check(refs)
+        wanted = [self._load(r) for r in refs]
+        try:
+            adapters = self.cache.acquire(wanted)
+        except ValueError as e:
+            raise RequestError("loras", str(e)) from None
+        self.sides.attach([(a, float(r.scale)) for a, r in zip(adapters, refs, strict=True)])
+        try:
+            yield
+        finally:
+            self.sides.detach()
+
+    def stats(self) -> dict[str, Any]:
+        return self.cache.stats()

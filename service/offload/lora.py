@@ -84,6 +84,15 @@ class AdapterCache:
     def used(self) -> int:
         return sum(a.nbytes for a in self._entries.values())
 
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def nbytes(self, key: str) -> int:
+        return self._entries[key].nbytes
+
+    def get(self, key: str) -> DeviceAdapter:
+        return self._entries[key]
+
     def keys(self) -> list[str]:
         """Cached keys, least recently used first."""
         return list(self._entries)
