@@ -100,7 +100,8 @@ def run_strategy(args: argparse.Namespace, strategy: str, lora_path: Path) -> di
             "times_ms": base, "lora_times_ms": lora, "after_ms": again,
             "adapter_load_s": load_s, "device_delta_bytes": after - before if dev.type == "cuda" else None,
             "device_peak_bytes": peak0, "lora_device_peak_bytes": peak1,
-            "sha256": sha0, "lora_sha256": sha1, "lora_changes_output": sha1 != sha0, "unchanged_after": sha2 == sha0,
+            "sha256": sha0, "lora_sha256": sha1, "lora_changes_output": sha1 != sha0,
+            "unchanged_after": sha2 == sha0,
         }
         print(f"{strategy} {tokens} tokens: {m0:.1f} ms -> {m1:.1f} ms with the adapter ({m1 / m0:.3f}x)",
               flush=True)
