@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' (repeatable); jobs belong to their key")
     p.add_argument("--api-key-file", default=None, help="one API key per line")
+    p.add_argument("--lora-dir", action="append", default=[], metavar="FOLDER",
+                   help="POST /v1/loras may register .safetensors files under FOLDER (repeatable; "
+                        "none: adapters come only from --lora NAME=PATH at start)")
     p.add_argument("--max-body-bytes", type=int, default=65536,
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -59,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     """The ServiceConfig of the flags (FlagError naming a bad one)."""
     from service.api.service import ServiceConfig
+    from service.models.lora_ref import lora_flags
     from service.models.options import settings_from_args
 
     extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
@@ -94,6 +98,8 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         instance=uuid.uuid4().hex[:12],
         api_key_hashes=api_key_hashes(args),
         max_body_bytes=args.max_body_bytes,
+        loras=dict(lora_flags(args)[0]),
+        lora_dirs=list(args.lora_dir),
         **extra,
     )
 
