@@ -7,6 +7,7 @@ Kept out of app.py so the routes stay a list of routes; nothing here knows the s
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
@@ -69,11 +70,22 @@ def allowed_methods(routes: list[Any], scope: dict[str, Any]) -> str:
     """Every method the request's path has, for a 405's Allow (Starlette's routes do the
     matching, root_path and all; a method mismatch is a partial match)."""
     methods: set[str] = set()
-    for route in routes:
+    for route in _flat(routes):
         match, _ = route.matches(scope)
         if match is not Match.NONE and getattr(route, "methods", None):
             methods |= set(route.methods)
     return ", ".join(sorted(methods))
+
+
+def _flat(routes: list[Any]) -> Iterator[Any]:
+    """Routes, with included routers opened (Serve's ingress includes the class's routes as
+    a router: FastAPI keeps them behind one ``_IncludedRouter``)."""
+    for route in routes:
+        inner = getattr(route, "effective_candidates", None)
+        if callable(inner):
+            yield from _flat(inner())
+        else:
+            yield route
 
 
 def etag_matches(header: str | None, etag: str) -> bool:
