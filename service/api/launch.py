@@ -30,6 +30,7 @@ from service.api.serve_flags import (
 )
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -225,8 +226,17 @@ def _report_listeners(host: str) -> None:
         return
     names = ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in found)
     if host in LOOPBACK:
-        print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: {names}",
-              file=sys.stderr, flush=True)
+        replica = [x for x in found if str(x["process"]).startswith(SERVE_REPLICA)]
+        if replica:  # Ray 2.60 binds it to [::]:0 in serve/_private/replica.py, whatever the node
+            print(f"dloserve serve: note: Serve's replica gRPC server (calls between deployments) listens "
+                  f"on {', '.join(str(x['port']) for x in replica)} on every interface (Ray binds it so); "
+                  "Ray's token authentication refuses callers without the cluster's token",
+                  file=sys.stderr, flush=True)
+        others = [x for x in found if x not in replica]
+        if others:
+            print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: "
+                  + ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in others),
+                  file=sys.stderr, flush=True)
         return
     import ray
 
