@@ -218,7 +218,7 @@ class VideoIngress:
         return JSONResponse(video_object(rec), status_code=202)
 
     @app.post("/v1/videos/sync", openapi_extra=_CREATE_BODY, response_class=Response,
-              responses={**_MP4, **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
+              responses={200: _MP4[200], **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
     async def create_video_sync(self, request: Request) -> Response:
         """Generate and answer the MP4 itself; the job is also listed under /v1/videos.
 
@@ -306,7 +306,7 @@ class VideoIngress:
             return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         return VideoDeleted(id=video_id, deleted=result == "deleted")
 
-    @app.get("/v1/waves", responses=_AUTH)
+    @app.get("/v1/waves", responses={401: _AUTH[401]})
     def waves(self, request: Request) -> Any:
         """Recent assignments (ids, rank, latency): the caller's own, or every key's for an
         admin key."""

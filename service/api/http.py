@@ -68,13 +68,13 @@ async def read_capped(request: Request, cap: int, timeout_s: float) -> bytes:
 
 def allowed_methods(routes: list[Any], scope: dict[str, Any]) -> str:
     """Every method the request's path has, for a 405's Allow (Starlette's routes do the
-    matching, root_path and all; a method mismatch is a partial match)."""
-    methods: set[str] = set()
-    for route in _flat(routes):
-        match, _ = route.matches(scope)
-        if match is not Match.NONE and getattr(route, "methods", None):
-            methods |= set(route.methods)
-    return ", ".join(sorted(methods))
+    matching, root_path and all; a method mismatch is a partial match). A path that is a
+    route of its own (``/v1/videos/sync``) has that route's methods, not also those of a
+    template it happens to fit (``/v1/videos/{video_id}``), as OpenAPI reads paths."""
+    matched = [r for r in _flat(routes)
+               if getattr(r, "methods", None) and r.matches(scope)[0] is not Match.NONE]
+    exact = [r for r in matched if not getattr(r, "param_convertors", None)]
+    return ", ".join(sorted({m for r in (exact or matched) for m in r.methods}))
 
 
 def _flat(routes: list[Any]) -> Iterator[Any]:
@@ -132,11 +132,12 @@ def video_response(storage: ResultStorage, vid: str, request: Request,
     size = path.stat().st_size if path is not None else storage.size(name)
     etag = f'"{vid}-{size}"'
     head = {**(headers or {}), "ETag": etag, "Cache-Control": OWNED, "Vary": "Authorization"}
-    if etag_matches(request.headers.get("if-none-match"), etag):
-        return Response(status_code=304, headers=head)
-    bad = range_problem(request, size, etag)
-    if bad is not None:
-        return bad
+    if request.method in ("GET", "HEAD"):  # a POST (the sync route) is answered whole
+        if etag_matches(request.headers.get("if-none-match"), etag):
+            return Response(status_code=304, headers=head)
+        bad = range_problem(request, size, etag)
+        if bad is not None:
+            return bad
     if path is not None:
         return FileResponse(path, media_type="video/mp4", filename=name, headers=head)
     head = {**head, "content-length": str(size), "content-disposition": f'attachment; filename="{name}"'}
