@@ -78,10 +78,18 @@ def test_the_key_file_gives_keys_their_own_limits(tmp_path: Path) -> None:
                                   "sk-x max_running=two"])
 def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsys, tmp_path: Path,  # noqa: ANN001
                                                                   demo_model: str) -> None:
+    import socket
+
     keys = tmp_path / "keys"
     keys.write_text(f"sk-fine\n{line}\n")
-    assert run(parse(demo_model, "--api-key-file", str(keys))) == 2
-    assert f"{keys}:2:" in capsys.readouterr().err
+    with socket.socket() as busy:  # should the file be read, the start still ends here (exit 2)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert run(parse(demo_model, "--api-key-file", str(keys), "--port", port,
+                         "--results-dir", str(tmp_path / "r"))) == 2
+    err = capsys.readouterr().err
+    assert f"{keys}:2:" in err and "already in use" not in err
 
 
 def test_a_start_removes_stale_results_folders_of_stopped_instances(monkeypatch, capsys, tmp_path: Path,  # noqa: ANN001
