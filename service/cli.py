@@ -2,6 +2,7 @@
 
     dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan14b-umt5xxl] [--layers N]
     dloserve generate --prompt TEXT [--model PATH] [--out out.mp4] [DLO flags]
+    dloserve quantize SRC DST     (a pipeline folder with an fp8 transformer)
     dloserve serve ...            (delegates to service.api.launch)
 
 ``generate`` without ``--model`` uses the tiny demo model, written to the cache folder
@@ -53,6 +54,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    from service.models.quantize import add_arguments
+
+    add_arguments(sub.add_parser("quantize", help="write a pipeline folder with an fp8 transformer"))
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the HTTP service (Ray Serve)", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -64,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_generate(sub)
+    _add_quantize(sub)
     _add_serve(sub)
     return parser
 
@@ -118,19 +126,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         settings = replace(settings, probe_shape=(req.height, req.width, req.num_frames))
-    from service.engine.local import generate
+    from service.jobs.generate import generate
 
     t0 = time.perf_counter()
     try:
-        generate(model, req, args.out, dp_size=dp, sp_size=sp, settings=settings, device=args.device,
-                 progress=not args.quiet)
+        mode = generate(model, req, args.out, dp_size=dp, sp_size=sp, settings=settings, device=args.device,
+                        progress=not args.quiet)
     except RuntimeError as e:
         return _fail(str(e))
     size = os.path.getsize(args.out)
     print(
         f"wrote {args.out} ({size} bytes, {req.num_frames} frames {req.width}x{req.height}) "
-        f"in {time.perf_counter() - t0:.1f} s [{settings.mode.value}, {f'SP{sp}' if sp > 1 else f'DP{dp}'}, "
-        f"{args.device}]"
+        f"in {time.perf_counter() - t0:.1f} s [{mode}, {f'SP{sp}' if sp > 1 else f'DP{dp}'}, {args.device}]"
     )
     return 0
 
@@ -182,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo-model":
             return cmd_demo_model(args)
+        if args.command == "quantize":
+            from service.models.quantize import run
+
+            return run(args)
         return cmd_generate(args)
     except (RequestError, ModelError, FileExistsError) as e:
         return _fail(str(e))

@@ -54,6 +54,7 @@ from service.api.schemas import (
     parse_body,
 )
 from service.api.service import ServiceConfig, VideoService, video_object
+from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.dispatcher import Unavailable
 from service.router.tenants import QuotaExceeded
@@ -91,6 +92,9 @@ _MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; range
 
 def _unauthorized(e: AuthError) -> JSONResponse:
     return error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+register_ui(app)  # the playground at /ui/ (service/api/ui)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -143,6 +147,9 @@ async def _headers(request: Request, call_next: Any) -> Response:
 @serve.ingress(app)
 class VideoIngress:
     def __init__(self, config: dict[str, Any]) -> None:
+        from service.engine.metrics import log_to_stderr
+
+        log_to_stderr()
         self.svc = VideoService(
             ServiceConfig(**config), placement_group=ray.util.get_current_placement_group(),
             dp_group=serve.get_replica_context().replica_id.unique_id,

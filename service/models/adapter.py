@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .meta import empty_weights
 from .request import GenerationRequest, RequestError
 
 StepCallback = Callable[[int, int], None]
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
+
 
 
 class ModelError(ValueError):
@@ -69,12 +71,10 @@ class ModelAdapter(ABC):
 
     def build_transformer(self) -> nn.Module:
         """The denoiser on the meta device with real buffers (weights come from the runtime)."""
-        from accelerate import init_empty_weights
-
         cls = self.component_class("transformer")
         config = cls.load_config(self.model_dir / "transformer")
         # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
-        with init_empty_weights():
+        with empty_weights():
             return cls.from_config(config).eval()
 
     def transformer_checkpoint(self) -> Path:

@@ -34,6 +34,7 @@ from service.offload.auto import ProbeTimings, choose_mode, probe
 
 from .adapter import ModelAdapter
 from .options import Mode, OffloadSettings
+from .progress import progress_bar
 from .registry import load_adapter
 from .request import GenerationRequest
 from .video import encode_mp4
@@ -126,16 +127,18 @@ class PipelineRunner:
                     block_attrs=list(adapter.block_attrs),
                     dtype=dtype,
                     keep_fp32=adapter.keep_fp32,
-                    progress=_shard_bar() if progress else None,
+                    progress=progress_bar("sharding blocks", "block") if progress else None,
                     placement=Placement(resident_blocks=settings.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
+                    quantization=settings.quantization,
                 )
             except ValueError as e:
                 if "device_memory_budget" in str(e) or "resident_blocks" in str(e):
                     raise ValueError(f"--dlo-device-memory-gb / --dlo-resident-layers: {e}") from e
                 raise
         else:
-            load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32)
+            load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32,
+                          quantization=settings.quantization, block_attrs=list(adapter.block_attrs))
         if sequence_parallel > 1:
             from .sequence import enable_sequence_parallel
 
@@ -201,6 +204,7 @@ class PipelineRunner:
             "mode_choice": self.choice,
             "components": list(self.settings.components) if self.settings.enabled else [],
             "dtype": self.settings.dtype,
+            "quantization": self.settings.quantization,
             "load_s": round(self.load_s, 3),
         }
 
@@ -262,7 +266,7 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: Offloa
     module = adapter.build_transformer()
     h = enable_layerwise_offload(module, adapter.transformer_checkpoint(), device=dev, use_allgather=False,
                                  block_attrs=list(adapter.block_attrs), dtype=dtype_of(settings),
-                                 keep_fp32=adapter.keep_fp32)
+                                 keep_fp32=adapter.keep_fp32, quantization=settings.quantization)
     try:
         height, width, frames = settings.probe_shape or (480, 832, 81)
         inputs = adapter.probe_inputs(module, height, width, frames, dev)
@@ -270,18 +274,3 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: Offloa
             return probe(h, lambda: module(**inputs), group)
     finally:
         h.close()
-
-
-def _shard_bar() -> Callable[[int, int], None]:
-    """A tqdm bar over the blocks being sharded (the offload library takes a callback)."""
-    from tqdm import tqdm
-
-    bar = tqdm(desc="sharding blocks", unit="block", leave=False)
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-        if done >= total:
-            bar.close()
-
-    return update

@@ -14,12 +14,15 @@ from .layerwise import (
     load_resident,
 )
 from .layout import ALIGN, BlockLayout, TensorEntry, plan_block
+from .quant import Fp8, Fp8Compute
 
 __all__ = [
     "ALIGN",
     "BlockLayout",
     "Checkpoint",
     "CheckpointError",
+    "Fp8",
+    "Fp8Compute",
     "LayerwiseOffload",
     "OffloadStats",
     "Placement",

@@ -12,12 +12,13 @@ turn a shared page into a private copy by accident.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
 import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,16 +47,21 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class TensorRecord:
+    """Where one tensor's bytes are; a derived tensor is computed from a stored one."""
+
     key: str
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
-    begin: int  # absolute byte offset in the file
+    begin: int  # absolute byte offset in the file (derived: the source's bytes)
     end: int
+    source: TensorRecord | None = None  # derived: the stored tensor it is computed from
+    # derived: rows of the source -> the same rows of this tensor (row-local, deterministic)
+    derive: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
-        return self.end - self.begin
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 class _MappedFile:
@@ -183,7 +189,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.records: dict[str, TensorRecord] = {}
+        self.records: dict[str, TensorRecord] = {}  # what is served (stored, or derived)
         self._files: dict[Path, _MappedFile] = {}
         for f in checkpoint_files(path):
             for key, rec in _records(f).items():
@@ -191,19 +197,54 @@ class Checkpoint:
                     raise CheckpointError(f"{f}: key {key!r} also stored in {self.records[key].file}")
                 self.records[key] = rec
             self._files[f] = _MappedFile(f)
+        self.stored = dict(self.records)  # what the files hold
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.records.values())
+        """Bytes the files hold (derived tensors are not stored)."""
+        return sum(r.nbytes for r in self.stored.values())
+
+    def derive(self, key: str, dtype: torch.dtype, shape: tuple[int, ...], source: str,
+               fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Serve ``key`` as ``fn(stored tensor source)`` (it may replace ``source`` itself).
+
+        ``fn`` must be row-local (row i of its output depends on row i of its input only)
+        and deterministic: shards are built from row ranges, and must equal the whole.
+        """
+        src = self.stored[source]
+        if not shape or src.shape[:1] != shape[:1]:
+            raise ValueError(f"derived {key!r} {list(shape)} does not share rows with {source!r} "
+                             f"{list(src.shape)}")
+        self.records[key] = TensorRecord(key, src.file, dtype, tuple(shape), src.begin, src.end, src, fn)
+
+    def is_derived(self, key: str) -> bool:
+        return self.records[key].source is not None
 
     def view(self, key: str) -> torch.Tensor:
-        """A zero-copy, read-only view of one tensor."""
+        """A zero-copy, read-only view of one tensor (derived: computed now, a new tensor)."""
         rec = self.records[key]
+        if rec.source is not None:
+            assert rec.derive is not None
+            return rec.derive(self._files[rec.file].view(rec.source))
         return self._files[rec.file].view(rec)
+
+    def flat(self, key: str, first: int, last: int) -> torch.Tensor:
+        """Elements [first, last) of the flattened tensor; a derived one computes only the
+        rows those elements lie in."""
+        rec = self.records[key]
+        if rec.source is None:
+            return self._files[rec.file].view(rec).reshape(-1)[first:last]
+        assert rec.derive is not None
+        row = math.prod(rec.shape[1:])
+        lo, hi = first // row, -(-last // row)
+        rows = rec.derive(self._files[rec.file].view(rec.source)[lo:hi])
+        return rows.reshape(-1)[first - lo * row : last - lo * row]
 
     def raw(self, key: str) -> torch.Tensor:
         """The tensor's bytes in the mapping (uint8, zero-copy, read-only, any alignment)."""
         rec = self.records[key]
+        if rec.source is not None:
+            raise ValueError(f"{key!r} is derived at load: its bytes are not in {rec.file.name}")
         return self._files[rec.file].bytes[rec.begin : rec.end]
 
     def mapped_bytes(self, keys: Iterable[str]) -> list[torch.Tensor]:
@@ -258,8 +299,8 @@ def serving_dtype(
 
     Names containing one of ``keep_fp32`` (diffusers' ``_keep_in_fp32_modules``) stay fp32.
     """
-    if dtype is None or not stored.is_floating_point:
-        return stored
+    if dtype is None or not stored.is_floating_point or stored.itemsize == 1:
+        return stored  # fp8 is never cast: it needs its scales (offload.quant)
     parts = key.split(".")
     if any(m in parts for m in keep_fp32):
         return torch.float32

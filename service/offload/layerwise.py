@@ -23,6 +23,8 @@ from .layout import BlockLayout, plan_block
 from .modules import _back_to, _expected, _place_non_persistent, _to_host, find_blocks, load_resident
 from .options import OffloadStats, Placement
 from .plan import plan_resident
+from .quant import Fp8
+from .quant_checkpoint import quantize_module
 from .runtime import HostBlocks, Ring, placeholder, set_tensor
 
 __all__ = ["LayerwiseOffload", "OffloadStats", "Placement", "enable_layerwise_offload", "find_blocks",
@@ -48,6 +50,7 @@ class LayerwiseOffload:
         keep_fp32: Iterable[str],
         progress: Callable[[int, int], None] | None,
         options: Placement | None = None,
+        quantization: str | Fp8 | None = None,
     ) -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -57,7 +60,10 @@ class LayerwiseOffload:
         self.group = Group.of(group)
         self.device = Device(dev, self.group)
         self.ckpt = Checkpoint(checkpoint)
-        self._plan(find_blocks(module, block_attrs), dtype, tuple(keep_fp32), opts, use_allgather)
+        blocks = find_blocks(module, block_attrs)
+        self.quant = quantize_module(module, blocks, self.ckpt, quantization, dev)
+        keep = tuple(keep_fp32) + (self.quant.keep_fp32 if self.quant else ())
+        self._plan(blocks, dtype, keep, opts, use_allgather)
         resident = self._place(dev, opts)
         self._streamed = [i for i in range(len(self.layouts)) if i not in self.plan.resident]
         if opts.free_slots and use_allgather and self.group.world > 1 and self._streamed:
@@ -106,6 +112,7 @@ class LayerwiseOffload:
             activation_bytes=opts.activation_bytes,
             largest_block_bytes=max(lay.total_bytes for lay in self.layouts),
             block_bytes_by_dtype=by_dtype,
+            **(self.quant.stats() if self.quant else {}),
         )
         self._closed = False
 
@@ -187,7 +194,8 @@ class LayerwiseOffload:
             blk = self._blocks[i]
             if i in self.plan.resident:
                 # Same flat aligned layout as a slot: kernels see the same addresses mod 256.
-                host = torch.empty(lay.total_bytes, dtype=torch.uint8)
+                # Zeroed: the padding between tensors is the same bytes on every rank and run.
+                host = torch.zeros(lay.total_bytes, dtype=torch.uint8)
                 for e in lay.entries:
                     e.view(host).copy_(self.ckpt.view(keys[e.name]))
                 buf = host.to(dev)
@@ -376,6 +384,7 @@ def enable_layerwise_offload(
     keep_fp32: Iterable[str] = (),
     progress: Callable[[int, int], None] | None = None,
     placement: Placement | None = None,
+    quantization: str | Fp8 | None = None,
 ) -> LayerwiseOffload:
     """Stream ``module``'s blocks from host memory through two device slots.
 
@@ -385,11 +394,14 @@ def enable_layerwise_offload(
     rank of ``group`` must call this and then run the same number of forwards (or
     ``idle_forwards``) in the same order. ``placement`` keeps blocks resident, ties
     weights, keeps embeddings on the host, picks the rank-local source (see Placement);
-    every rank of an AllGather group must pass the same resident set.
+    every rank of an AllGather group must pass the same resident set. ``quantization``
+    ``"fp8"`` (or ``quant.Fp8(compute=...)``) serves the blocks' Linear weights in fp8, from a
+    bf16/fp32 checkpoint (quantized while sharding) or one written by ``write_quantized``.
     """
     t0 = time.perf_counter()
     handle = LayerwiseOffload(
-        module, checkpoint, device, group, use_allgather, block_attrs, dtype, keep_fp32, progress, placement
+        module, checkpoint, device, group, use_allgather, block_attrs, dtype, keep_fp32, progress, placement,
+        quantization,
     )
     handle.load_s = time.perf_counter() - t0
     return handle

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError, serving_dtype
+from .quant import Fp8
+from .quant_checkpoint import quantize_module
 from .runtime import set_tensor
 
 
@@ -74,16 +76,24 @@ def load_resident(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     keep_fp32: Iterable[str] = (),
+    *,
+    quantization: str | Fp8 | None = None,
+    block_attrs: Sequence[str] | None = None,
 ) -> nn.Module:
     """Load the whole checkpoint onto ``device`` (the fully resident reference).
 
-    On CPU in the checkpoint's dtype the tensors stay zero-copy mmap views.
+    On CPU in the checkpoint's dtype the tensors stay zero-copy mmap views. ``quantization``
+    makes the Linears of the blocks (``block_attrs``, as ``find_blocks``) fp8, as the
+    offload does.
     """
     dev = torch.device(device)
     ckpt = Checkpoint(checkpoint)
+    # find_blocks only for fp8: a module with no block list still loads unquantized
+    blocks = find_blocks(module, block_attrs) if quantization is not None else []
+    quant = quantize_module(module, blocks, ckpt, quantization, dev)
     expected = _expected(module)
     ckpt.validate(expected)
-    keep = tuple(keep_fp32)
+    keep = tuple(keep_fp32) + (quant.keep_fp32 if quant else ())
     for key, rec in ckpt.records.items():
         set_tensor(module, key, ckpt.view(key).to(dev, serving_dtype(key, rec.dtype, dtype, keep)))
     _place_non_persistent(module, dev, expected)

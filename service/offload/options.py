@@ -62,6 +62,9 @@ class OffloadStats:
     device_peak_bytes: int = 0
     largest_block_bytes: int = 0
     block_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    quantization: str = ""  # "" or "fp8" (block Linear weights)
+    quantization_source: str = ""  # "online" (quantized at load) or "prequantized" (in the files)
+    fp8_compute: str = ""  # "upcast" or "scaled_mm"
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -89,16 +89,26 @@ class HostBlocks:
             self.staging.append(device.pin(torch.empty(size, dtype=torch.uint8)))
             self.pinned.append(self.staging[-1])
 
-    def _register_pagecache(self) -> str | None:
-        """Register the checkpoint files' read-only mappings for DMA; None, or why not."""
+    def dma_problem(self) -> str | None:
+        """Why the blocks' bytes cannot be DMA'd as the files store them, or None."""
         for b in self.blocks:
             for e in b.layout.entries:
                 rec = self.ckpt.records[b.keys[e.name]]
+                if rec.source is not None:
+                    return (f"{rec.key} is {rec.dtype} computed at load from {rec.source.dtype} "
+                            "(quantize the checkpoint once with `dloserve quantize` to DMA it)")
                 if rec.dtype != e.dtype:
                     return (f"{rec.key} is {rec.dtype} in the file and served as {e.dtype} "
                             "(a cast needs the pack)")
                 if rec.begin % e.dtype.itemsize:
                     return f"{rec.key} is at an odd offset in {rec.file.name}"
+        return None
+
+    def _register_pagecache(self) -> str | None:
+        """Register the checkpoint files' read-only mappings for DMA; None, or why not."""
+        why = self.dma_problem()
+        if why is not None:
+            return why
         files = self.ckpt.mapped_bytes({k for b in self.blocks for k in b.keys.values()})
         for t in files:
             err = self.device.register_readonly(t)
@@ -151,10 +161,9 @@ class HostBlocks:
             ov = overlap(rng, (e.offset, e.offset + e.nbytes))
             if ov is None:
                 continue
-            src = self.ckpt.view(b.keys[e.name]).reshape(-1)
             size = e.dtype.itemsize
             first, last = (ov[0] - e.offset) // size, -(-(ov[1] - e.offset) // size)
-            part = src[first:last].to(e.dtype).view(torch.uint8)
+            part = self.ckpt.flat(b.keys[e.name], first, last).to(e.dtype).view(torch.uint8)
             skip = ov[0] - e.offset - first * size
             dst[ov[0] - rng[0] : ov[1] - rng[0]].copy_(part[skip : skip + ov[1] - ov[0]])
 

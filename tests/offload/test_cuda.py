@@ -45,3 +45,37 @@ def test_cuda_equal_resident(tmp_path: Path, use_allgather: bool, pagecache: boo
     assert st.stall_s >= 0.0
     handle.close()
     assert torch.cuda.memory_allocated() < 2 * total + 50 * 2**20
+
+
+@pytest.mark.parametrize("compute", ["upcast", "scaled_mm"])
+@pytest.mark.parametrize(("source", "use_allgather"), [("online", True), ("online", False),
+                                                       ("prequantized", True), ("prequantized", False)],
+                         ids=["online-allgather", "online-ranklocal", "pre-allgather", "pre-ranklocal"])
+def test_cuda_fp8_equal_resident(tmp_path: Path, compute: str, source: str, use_allgather: bool) -> None:
+    """FP8 on CUDA: every source and mode gives the resident FP8 bytes, for both computes."""
+    from service.offload.quant import Fp8, Fp8Compute
+    from service.offload.quant_checkpoint import write_quantized
+
+    ckpt = tmp_path / "m.safetensors"
+    make_checkpoint(str(ckpt), dim=256, hidden=1024, depth=7)
+    weights = [f"blocks.{i}.{fc}.weight" for i in range(7) for fc in ("fc1", "fc2")]
+    write_quantized(ckpt, tmp_path / "fp8", weights)
+    path = ckpt if source == "online" else tmp_path / "fp8" / "m.safetensors"
+    q = Fp8(Fp8Compute(compute))
+    ref = load_resident(empty_model(256, 1024, 7), ckpt, device="cuda", quantization=q,
+                        block_attrs=["blocks"])
+    model = empty_model(256, 1024, 7)
+    handle = enable_layerwise_offload(model, path, device="cuda", use_allgather=use_allgather, quantization=q)
+    xs = [torch.randn(2, 333, 16, device="cuda") for _ in range(3)]
+    with torch.inference_mode():
+        want = [ref(x) for x in xs]
+        got = [model(x) for x in xs]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    st = handle.stats()
+    assert st.fp8_compute == compute and st.quantization_source == source
+    if source == "prequantized" and not use_allgather:  # the fp8 bytes DMA'd from the page cache
+        assert st.rank_local_source == "pagecache", st.source_reason
+    if source == "online" and not use_allgather:
+        assert st.rank_local_source == "pack" and "computed at load" in st.source_reason
+    handle.close()

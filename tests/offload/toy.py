@@ -18,7 +18,8 @@ class ToyBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shift, scale = self.scale_shift_table.unbind(0)
         h = self.norm(x.float()) * (1 + scale) + shift
-        h = self.fc2(torch.nn.functional.gelu(self.fc1(h.to(self.fc1.weight.dtype))))
+        # the bias's dtype, not the weight's: a quantized weight is fp8
+        h = self.fc2(torch.nn.functional.gelu(self.fc1(h.to(self.fc1.bias.dtype))))
         return x + h.to(x.dtype) * self.step_scale.to(x.dtype)
 
 

@@ -1,0 +1,164 @@
+"""``--quantization fp8`` end to end on the tiny demo pipeline (real diffusers Wan classes).
+
+The MP4 bytes are the same resident and offloaded (AllGather and rank-local, DP1 and DP2 on
+spawned gloo ranks), quantized at load or read from ``dloserve quantize``'s folder; the
+frames' PSNR against the unquantized pipeline is printed (the demo weights are noise: the
+figure says how far fp8 moves the output, not how good a video looks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from service.cli import main as cli_main
+from service.models.options import FlagError, Mode, OffloadSettings, add_offload_arguments, settings_from_args
+from service.models.pipeline import PipelineRunner
+from service.models.request import GenerationRequest
+from service.offload.spawn import run_ranks
+
+REQ = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG: 4 forwards
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+@pytest.fixture(scope="module")
+def fp8_model(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    dst = tmp_path_factory.mktemp("fp8") / "model"
+    assert cli_main(["quantize", demo_model, str(dst), "--quiet"]) == 0
+    return str(dst)
+
+
+def _frames(model: str, cfg: OffloadSettings) -> tuple[np.ndarray, dict | None, dict]:
+    runner = PipelineRunner.load(model, "cpu", settings=cfg)
+    try:
+        return runner.frames(REQ), runner.offload_stats(), runner.describe()
+    finally:
+        runner.close()
+
+
+def test_quantize_writes_the_same_layout(demo_model: str, fp8_model: str) -> None:
+    src, dst = Path(demo_model), Path(fp8_model)
+    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(dst) for p in dst.rglob("*") if p.is_file())
+    for rel in files:
+        if rel.parts[0] != "transformer" or rel.suffix != ".safetensors":
+            assert (src / rel).read_bytes() == (dst / rel).read_bytes(), rel
+    head = (dst / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    header = json.loads(head[8 : 8 + int.from_bytes(head[:8], "little")])
+    assert header["blocks.0.ffn.net.0.proj.weight"]["dtype"] == "F8_E4M3"
+    assert header["blocks.0.ffn.net.0.proj.weight_scale"]["dtype"] == "F32"
+    assert header["blocks.0.ffn.net.0.proj.bias"]["dtype"] == "F32"  # biases as stored
+    assert header["condition_embedder.text_embedder.linear_1.weight"]["dtype"] == "F32"  # not a block
+    assert header["blocks.0.scale_shift_table"]["dtype"] == "F32"
+    assert cli_main(["quantize", demo_model, fp8_model, "--quiet"]) == 2  # not an empty folder
+
+
+def test_fp8_strategies_give_one_output(demo_model: str, fp8_model: str, resident: PipelineRunner) -> None:
+    runs = {
+        "resident-online": (demo_model, OffloadSettings(quantization="fp8")),
+        "resident-prequantized": (fp8_model, OffloadSettings(quantization="fp8")),
+        "allgather-online": (demo_model, OffloadSettings(Mode.ALLGATHER, quantization="fp8")),
+        "allgather-prequantized": (fp8_model, OffloadSettings(Mode.ALLGATHER, quantization="fp8")),
+        "ranklocal-prequantized": (fp8_model, OffloadSettings(Mode.RANK_LOCAL, quantization="fp8")),
+    }
+    frames, digests = {}, {}
+    for name, (model, cfg) in runs.items():
+        frames[name], stats, info = _frames(model, cfg)
+        digests[name] = sha(frames[name].tobytes())
+        assert info["quantization"] == "fp8"
+        if stats is not None:
+            assert stats["quantization_source"] == name.split("-")[1]
+            assert "torch.float8_e4m3fn" in stats["block_bytes_by_dtype"]
+    assert len(set(digests.values())) == 1, digests
+    ref = resident.frames(REQ)
+    assert digests["resident-online"] != sha(ref.tobytes())  # quantization changed something
+    print(f"tiny demo, fp8 vs fp32 frames: PSNR {psnr(frames['allgather-online'], ref):.1f} dB")
+    assert psnr(frames["allgather-online"], ref) > 25
+
+
+def test_fp8_in_bf16_serving(demo_model: str) -> None:
+    """bf16 serving: fp32-kept modules stay fp32, scales fp32, block Linears compute in bf16."""
+    got = {}
+    runs = {"resident": OffloadSettings(dtype="bfloat16", quantization="fp8"),
+            "allgather": OffloadSettings(Mode.ALLGATHER, dtype="bfloat16", quantization="fp8")}
+    for name, cfg in runs.items():
+        frames, stats, _ = _frames(demo_model, cfg)
+        got[name] = sha(frames.tobytes())
+        if stats is not None:
+            assert set(stats["block_bytes_by_dtype"]) == {"torch.float8_e4m3fn", "torch.bfloat16",
+                                                          "torch.float32"}
+    assert got["resident"] == got["allgather"]
+
+
+def _dp2(rank: int, world: int, src: str, fp8: str) -> dict:
+    out = {}
+    for name, model, allgather in (("allgather-online", src, True), ("ranklocal-prequantized", fp8, False)):
+        mode = Mode.ALLGATHER if allgather else Mode.RANK_LOCAL
+        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(mode, quantization="fp8"),
+                                     group=dist.group.WORLD)
+        if rank == 1:  # rank 1 runs the request, rank 0 idle-replays its gathers
+            out[name] = sha(runner.generate(REQ))
+        else:
+            runner.idle(REQ)
+        out[name + "-stats"] = runner.offload_stats()
+        runner.close()
+    return out
+
+
+def test_dp2_spawned_ranks_match_dp1(demo_model: str, fp8_model: str) -> None:
+    res = run_ranks(_dp2, 2, demo_model, fp8_model, timeout=None)
+    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(quantization="fp8"))
+    try:
+        want = sha(runner.generate(REQ))
+    finally:
+        runner.close()
+    assert res[1]["allgather-online"] == res[1]["ranklocal-prequantized"] == want
+    ag = res[0]["allgather-online-stats"]
+    assert ag["idle_forwards"] == REQ.forwards() and ag["gathered_bytes"] > 0 and ag["world_size"] == 2
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_offload_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_flag() -> None:
+    resident = settings_from_args(_args("--quantization", "fp8"))  # resident fp8 is fine
+    assert resident == OffloadSettings(quantization="fp8")
+    assert OffloadSettings.from_dict(resident.as_dict()) == resident
+    cfg = settings_from_args(_args("--quantization", "fp8", "--enable-distributed-layerwise-offload",
+                                   "--dlo-mode", "rank-local"))
+    assert (cfg.quantization, cfg.use_allgather) == ("fp8", False)
+    with pytest.raises(FlagError, match="--quantization"):
+        settings_from_args(_args("--quantization", "fp8", "--enable-distributed-layerwise-offload",
+                                 "--sequence-parallel-size", "2"))
+    with pytest.raises(SystemExit):
+        _args("--quantization", "int8")
+
+
+def test_auto_mode_probes_the_fp8_blocks(fp8_model: str) -> None:
+    """The load-time probe runs the quantized transformer and times fp8-sized blocks."""
+    cfg = OffloadSettings(Mode.AUTO, quantization="fp8", probe_shape=(32, 32, 5))
+    runner = PipelineRunner.load(fp8_model, "cpu", settings=cfg)
+    try:
+        assert runner.choice is not None
+        stats = runner.offload_stats()
+        assert runner.choice["timings"]["block_bytes"] == stats["largest_block_bytes"]
+        assert stats["quantization_source"] == "prequantized" and stats["mode"] == runner.choice["mode"]
+    finally:
+        runner.close()
