@@ -202,8 +202,8 @@ class VideoIngress:
         except BodyError as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return error(422, e.message, e.field, code=e.kind)
-        except QuotaExceeded as e:
-            metrics()["requests"].inc(1, tags={"status": "throttled"})
+        except QuotaExceeded as e:  # the caller's own limit, not capacity: not what the alert counts
+            metrics()["requests"].inc(1, tags={"status": "over_quota"})
             return error(429, str(e), kind="rate_limit_error", code="quota_exceeded",
                          headers={"Retry-After": str(e.retry_after_s)})
         except QueueFull as e:
