@@ -85,6 +85,27 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_loras(args: argparse.Namespace, adapter: object, settings: object, req: object) -> object:
+    """``req`` with the ``--lora`` adapters (registered and checked here, before any rank starts)."""
+    from dataclasses import replace
+
+    from service.models.lora import LoraRegistry, targets_of
+    from service.models.lora_ref import lora_flags
+    from service.models.options import FlagError
+
+    regs, uses = lora_flags(args, uses_allowed=True)
+    if not regs:
+        if uses:
+            raise FlagError(f"--lora {uses[0].name}: no adapter is registered under that name "
+                            "(give NAME=PATH)")
+        return req
+    registry = LoraRegistry(targets_of(adapter, settings.dtype, settings.quantization))
+    for name, source in regs:
+        registry.register(name, os.path.expanduser(source))
+    refs, _ = registry.resolve(tuple(uses))
+    return replace(req, loras=refs)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from service.models.options import FlagError, settings_from_args
     from service.models.registry import load_adapter, resolve_model
@@ -119,6 +140,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     adapter = load_adapter(model, sequence_parallel=sp)
     adapter.validate(req)  # bad input: refused before any process starts
+    try:
+        req = _with_loras(args, adapter, settings, req)
+    except (FlagError, ValueError) as e:  # LoraError, RequestError: they name adapter and key
+        return _fail(str(e))
     problem = settings.probe_problem(adapter, args.device)
     if problem:
         return _fail(problem)

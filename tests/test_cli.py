@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4
 
@@ -34,6 +36,7 @@ def test_generate_with_no_model_uses_the_demo(tmp_path: Path, demo_model: str) -
     assert decode_mp4(out.read_bytes()).shape == (5, 32, 32, 3)
 
 
+@pytest.mark.e2e  # two spawned rank processes; the engine's DP2 equality is in tests/engine/test_local.py
 def test_generate_dlo_two_ranks_matches_resident(tmp_path: Path, demo_model: str, resident) -> None:  # noqa: ANN001
     """N=2 local processes (gloo), AllGather DLO: the bytes of the in-process resident run."""
     out = tmp_path / "b.mp4"

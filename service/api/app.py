@@ -18,6 +18,7 @@ says otherwise: an MP4 is ``private``).
 """
 
 import asyncio
+import json
 import logging
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ from service.api.records import JobRecord, JobStatus
 from service.api.schemas import (
     BodyError,
     ErrorResponse,
+    LoraCreate,
     MediaTypeError,
     Video,
     VideoCreate,
@@ -63,12 +65,29 @@ from service.router.waves import QueueFull
 log = logging.getLogger("dloserve.api")
 app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO")
 
+def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic schema with its ``$defs`` put in place (an OpenAPI document has no root $defs)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(dict(defs[ref.rsplit("/", 1)[1]]))
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
 _CREATE_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": VideoCreate.model_json_schema()},
-            "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
+            "application/json": {"schema": _inlined(VideoCreate.model_json_schema())},
+            "multipart/form-data": {"schema": _inlined(VideoCreate.model_json_schema())},
         },
     }
 }
@@ -312,6 +331,63 @@ class VideoIngress:
         if result == "missing":
             return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         return VideoDeleted(id=video_id, deleted=result == "deleted")
+
+    # -- adapters ------------------------------------------------------------------------
+
+    @app.post("/v1/loras", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
+              "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
+              responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
+                         409: {**_ERR, "description": "the name is taken"},
+                         422: {**_ERR, "description": "a bad adapter (param names the key)"}})
+    async def create_lora(self, request: Request) -> Any:
+        """Register an adapter file under a name; the whole file is checked against the model
+        (shapes, keys, layout) before it is accepted."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        from pydantic import ValidationError
+
+        from service.models.lora import LoraError
+
+        try:
+            raw = await read_capped(request, self.svc.cfg.max_body_bytes, self.svc.cfg.body_timeout_s)
+            body = LoraCreate.model_validate(json.loads(raw or b"null"))
+            entry = await asyncio.to_thread(self.svc.add_lora, body.name, body.source, owner)
+        except TooLarge as e:
+            return error(413, str(e), None, code="body_too_large")
+        except BodyTimeout as e:
+            return error(408, str(e), None, code="body_timeout", headers={"Connection": "close"})
+        except json.JSONDecodeError as e:
+            return error(422, f"body is not JSON: {e}", "body", code="invalid_json")
+        except ValidationError as e:
+            err = e.errors()[0]
+            return error(422, err["msg"], ".".join(str(x) for x in err["loc"]) or "body", code=err["type"])
+        except PermissionError as e:
+            return error(403, str(e), "source", code="forbidden_source")
+        except KeyError as e:
+            return error(409, str(e.args[0]), "name", code="lora_exists")
+        except LoraError as e:
+            return error(422, str(e), e.key, code="invalid_lora")
+        return JSONResponse(entry.public(), status_code=201)
+
+    @app.get("/v1/loras", responses=_AUTH)
+    def list_loras(self, request: Request) -> Any:
+        """The registered adapters this caller may use."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return {"object": "list", "data": [e.public() for e in self.svc.list_loras(owner)]}
+
+    @app.delete("/v1/loras/{name}", responses={**_AUTH, 404: {**_ERR, "description": "no such adapter"}})
+    def delete_lora(self, request: Request, name: str) -> Any:
+        """Unregister an adapter: new requests can no longer name it; requests already
+        accepted with it run on unchanged (they carry the file's path and digest)."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        if not self.svc.delete_lora(name, owner):
+            return error(404, f"no adapter {name!r}", "name", code="not_found")
+        return {"id": name, "object": "lora.deleted", "deleted": True}
 
     @app.get("/v1/waves", responses={401: _AUTH[401]})
     def waves(self, request: Request) -> Any:

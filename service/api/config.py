@@ -67,6 +67,10 @@ class ServiceConfig(BaseModel):
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict)
+    loras: dict[str, str] = Field(default_factory=dict, description="adapters registered at start: "
+                                  "name -> .safetensors path (--lora NAME=PATH); a bad one fails the start")
+    lora_dirs: list[str] = Field(default_factory=list, description="folders POST /v1/loras may register "
+                                 "files from (--lora-dir); none: run-time registration is off")
 
     @model_validator(mode="after")
     def _sp_always_gathers(self) -> ServiceConfig:

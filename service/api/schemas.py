@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
 
 
@@ -28,6 +29,26 @@ SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # ASCII digits only: no "X"
 SECONDS_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"  # OpenAI sends seconds as a string ("4")
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
                             "guidance_scale", "flow_shift", "max_sequence_length"})
+
+
+class LoraUse(BaseModel):
+    """One adapter a request applies (registered under ``name``: GET /v1/loras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    scale: float = Field(1.0, description="multiplies the adapter's lora_alpha / r (diffusers' set_adapters)")
+    expert: Literal["both", "high", "low"] | None = None
+
+
+class LoraCreate(BaseModel):
+    """POST /v1/loras: register an adapter file under a name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    source: str = Field(min_length=1, max_length=4096,
+                        description="a .safetensors path on the server, under one of its --lora-dir folders")
 
 
 class VideoCreate(BaseModel):
@@ -55,6 +76,19 @@ class VideoCreate(BaseModel):
     negative_prompt: str | None = None
     flow_shift: float | None = None
     max_sequence_length: int | None = None
+    loras: list[LoraUse] = Field(default_factory=list, max_length=MAX_LORAS,
+                                 description="adapters to apply, in order, with their scales")
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_from_form(cls, v: Any) -> Any:
+        """A multipart form carries the list as one JSON string."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON list of {name, scale} objects") from None
+        return v
 
     @field_validator("prompt", "negative_prompt", "model", "size")
     @classmethod
@@ -104,6 +138,7 @@ class VideoCreate(BaseModel):
             guidance_scale=pick(self.guidance_scale, defaults.guidance_scale),
             flow_shift=pick(self.flow_shift, defaults.flow_shift),
             extra=extra,
+            loras=tuple(LoraRef(u.name, u.scale, u.expert) for u in self.loras),
         )
 
 

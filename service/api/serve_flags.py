@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--queue-size)")
     p.add_argument("--max-running-per-key", type=int, default=0,
                    help="jobs per API key on ranks at once (0: as many as are free)")
+    p.add_argument("--lora-dir", action="append", default=[], metavar="FOLDER",
+                   help="POST /v1/loras may register .safetensors files under FOLDER (repeatable; "
+                        "none: adapters come only from --lora NAME=PATH at start)")
     p.add_argument("--max-body-bytes", type=int, default=65536,
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
@@ -73,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     """The ServiceConfig of the flags (FlagError naming a bad one)."""
     from service.api.service import ServiceConfig
+    from service.models.lora_ref import lora_flags
     from service.models.options import settings_from_args
 
     extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
@@ -114,6 +118,8 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         max_running_per_key=args.max_running_per_key or None,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout_s,
+        loras=dict(lora_flags(args)[0]),
+        lora_dirs=list(args.lora_dir),
         **extra,
     )
 

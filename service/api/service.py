@@ -27,6 +27,7 @@ from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.spec import Outcome
+from service.models.lora import LoraRegistry, Registered, targets_of
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -49,6 +50,10 @@ class VideoService:
         self.model_name = cfg.model_name or Path(self.model_dir).name
         self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
         self.limits = Limits(**cfg.limits)
+        self.loras = LoraRegistry(targets_of(self.adapter, cfg.offload.dtype, cfg.offload.quantization),
+                                  owners=bool(cfg.api_key_hashes))
+        for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
+            self.loras.register(name, os.path.expanduser(source))
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
@@ -115,6 +120,7 @@ class VideoService:
         try:
             self.adapter.validate(req)
             self.limits.check(req)
+            req = self._resolve_loras(req, owner)
         except RequestError as e:
             field = "max_sequence_length" if e.field == "extra.max_sequence_length" else e.field
             raise BodyError(field, e.message) from None
@@ -143,6 +149,39 @@ class VideoService:
             self.store.delete(rec.id)
             raise
         return rec  # the job as accepted; the dispatcher may move it on at once
+
+    def _resolve_loras(self, req: GenerationRequest, owner: str | None) -> GenerationRequest:
+        """The request's adapters resolved to checked files; RequestError before any compute."""
+        if not req.loras:
+            return req
+        from dataclasses import replace
+
+        refs, need = self.loras.resolve(req.loras, owner)
+        budget = int(self.cfg.offload.lora_cache_gb * 2**30)
+        if need > budget:
+            raise RequestError("loras", f"the adapters need {need / 2**20:.1f} MiB of device memory, "
+                                        f"over the LoRA cache of {budget / 2**20:.1f} MiB (--lora-cache-gb)")
+        return replace(req, loras=refs)
+
+    # -- adapters (POST/GET/DELETE /v1/loras) -------------------------------------------------
+
+    def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
+        """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
+        dirs), KeyError (name taken), LoraError (a bad file, naming the key)."""
+        path = Path(os.path.expanduser(source)).resolve()
+        roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
+        if not roots:
+            raise PermissionError("run-time adapter registration is off on this server (start it with "
+                                  "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
+        if not any(path.is_relative_to(r) for r in roots):
+            raise PermissionError(f"source must be a file under {[str(r) for r in roots]} (--lora-dir)")
+        return self.loras.register(name, str(path), owner)
+
+    def list_loras(self, owner: str | None = None) -> list[Registered]:
+        return self.loras.list(owner)
+
+    def delete_lora(self, name: str, owner: str | None = None) -> bool:
+        return self.loras.remove(name, owner)
 
     def get(self, job_id: str, owner: str | None = None) -> JobRecord | None:
         """The job if it exists and belongs to ``owner`` (with API keys on, jobs are private)."""

@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         items = read_prompts(args.prompts)
         settings = settings_from_args(args)
+        if args.lora:  # shared flag; lines naming adapters are the next step (docs/lora.md)
+            raise ValueError("--lora: the batch job takes no adapters yet (use dloserve generate or serve)")
         if args.num_groups < 1:
             raise ValueError(f"--num-groups must be >= 1, got {args.num_groups}")
         model = resolve_model(args.model)

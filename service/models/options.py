@@ -19,6 +19,7 @@ COMPONENTS = ("dit", "text_encoder", "vae")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8",)  # the transformer blocks' Linear weights in float8_e4m3fn (offload.quant)
 NEEDS_OFFLOAD = "needs --enable-distributed-layerwise-offload"
+LORA_CACHE_GB = 2.0  # device memory for LoRA adapter weights (docs/lora.md)
 
 
 class Mode(enum.Enum):
@@ -37,7 +38,8 @@ class FlagError(ValueError):
 # Settings field -> the flag that sets it (for messages).
 FLAGS = {"mode": "--dlo-mode", "resident_layers": "--dlo-resident-layers",
          "device_memory_gb": "--dlo-device-memory-gb", "components": "--dlo-components",
-         "probe_shape": "--dlo-probe-size", "dtype": "--dtype", "quantization": "--quantization"}
+         "probe_shape": "--dlo-probe-size", "dtype": "--dtype", "quantization": "--quantization",
+         "lora_cache_gb": "--lora-cache-gb"}
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,8 @@ class OffloadSettings:
     ``probe_shape``: (height, width, frames) of the load-time probe forward (auto mode and
     the memory budget); None is 480x832x81. ``dtype``: a torch dtype name, None keeps the
     checkpoint's. ``quantization``: "fp8" serves the blocks' Linear weights in FP8 (resident
-    or streamed: half the bytes on the host, over PCIe and in the gathers).
+    or streamed: half the bytes on the host, over PCIe and in the gathers). ``lora_cache_gb``:
+    device memory for LoRA adapter weights (an LRU; 0: no adapters), counted by the budget.
     """
 
     mode: Mode = Mode.RESIDENT
@@ -59,6 +62,7 @@ class OffloadSettings:
     probe_shape: tuple[int, int, int] | None = None
     dtype: str | None = None
     quantization: str | None = None
+    lora_cache_gb: float = LORA_CACHE_GB
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -72,6 +76,8 @@ class OffloadSettings:
             raise FlagError(f"--dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise FlagError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if isinstance(self.lora_cache_gb, bool) or not 0 <= float(self.lora_cache_gb) < float("inf"):
+            raise FlagError(f"--lora-cache-gb must be >= 0, got {self.lora_cache_gb!r}")
         if self.resident_layers is not None and self.resident_layers < 0:
             raise FlagError(f"--dlo-resident-layers must be >= 0, got {self.resident_layers}")
         if self.device_memory_gb is not None:
@@ -208,6 +214,20 @@ def add_offload_arguments(p: argparse.ArgumentParser, offload_default: bool = Fa
                    help="fp8: the transformer blocks' Linear weights in FP8 with per-channel scales, "
                         "quantized at load (or read from a 'dloserve quantize' folder): half the bytes "
                         "on the host, over PCIe and in the gathers"),
+    add_lora_arguments(p)
+
+
+def add_lora_arguments(p: argparse.ArgumentParser) -> None:
+    """``--lora`` and ``--lora-cache-gb``, on ``generate``, ``serve`` and the batch job."""
+    g = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    g.add_argument("--lora", action="append", default=[], metavar="NAME=PATH_OR_URL | NAME[:SCALE]",
+                   help="NAME=PATH_OR_URL registers an adapter file (diffusers/PEFT or the original Wan "
+                        "'lightx2v' layout; repeatable), checked before anything starts. generate also "
+                        "takes NAME[:SCALE] to apply a registered one (default: every registered one, "
+                        "scale 1); the service and the batch job name adapters per request")
+    g.add_argument("--lora-cache-gb", type=float, default=None,
+                   help="device memory for adapter weights, an LRU of whole adapters (default 2; 0: no "
+                        "adapters); counted by --dlo-device-memory-gb")
 
 
 def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
@@ -242,6 +262,7 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
         probe_shape=parse_probe_size(args.dlo_probe_size) if args.dlo_probe_size else None,
         dtype=None if args.dtype == "auto" else args.dtype,
         quantization=args.quantization,
+        lora_cache_gb=LORA_CACHE_GB if getattr(args, "lora_cache_gb", None) is None else args.lora_cache_gb,
     )
     if sp > 1:
         if settings.mode is Mode.RANK_LOCAL:

@@ -33,6 +33,7 @@ from service.offload import LayerwiseOffload, Placement, enable_layerwise_offloa
 from service.offload.auto import ProbeTimings, choose_mode, probe
 
 from .adapter import ModelAdapter
+from .lora import RankAdapters
 from .options import Mode, OffloadSettings
 from .progress import progress_bar
 from .registry import load_adapter
@@ -71,6 +72,8 @@ class PipelineRunner:
         self.settings = settings
         self.load_s = load_s
         self.load_stages: dict[str, float] = {}  # seconds per loading stage (cold-start report)
+        self.loras = RankAdapters(transformer, adapter.family, str(adapter.index.get("_class_name", "")),
+                                  device, int(settings.lora_cache_gb * 2**30))
         self._closed = False
 
     @classmethod
@@ -115,6 +118,8 @@ class PipelineRunner:
                 timings = probe_transformer(adapter, dev, settings, group)
             if timings is not None and timings.activation_bytes:
                 activation = timings.activation_bytes + BUDGET_HEADROOM
+            if settings.device_memory_gb is not None:  # the adapter LRU is on the device too
+                activation += int(settings.lora_cache_gb * 2**30)
             marks["probe"] = time.perf_counter()
             budget = None if settings.device_memory_gb is None else int(settings.device_memory_gb * 2**30)
             try:
@@ -160,6 +165,7 @@ class PipelineRunner:
     def validate(self, req: GenerationRequest) -> None:
         """Raise RequestError naming the bad field, before any compute."""
         self.adapter.validate(req)
+        self.loras.check(req.loras)
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None
@@ -167,7 +173,8 @@ class PipelineRunner:
         """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding)."""
         self._check_open()
         self.validate(req)
-        return self.adapter.run(self.transformer, req, on_step)
+        with self.loras.applied(req.loras):
+            return self.adapter.run(self.transformer, req, on_step)
 
     def generate(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None
@@ -206,6 +213,7 @@ class PipelineRunner:
             "dtype": self.settings.dtype,
             "quantization": self.settings.quantization,
             "load_s": round(self.load_s, 3),
+            "lora_cache": self.loras.stats(),
         }
 
     def _check_open(self) -> None:

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .lora_ref import LoraRef, lora_problem
+
 MAX_SIDE = 4096
 MAX_FRAMES = 1025
 MAX_STEPS = 1000
@@ -45,6 +47,7 @@ class GenerationRequest:
     guidance_scale: float = 5.0
     flow_shift: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
+    loras: tuple[LoraRef, ...] = ()
 
     @property
     def cfg(self) -> bool:
@@ -70,7 +73,7 @@ class GenerationRequest:
             "cfg": self.cfg,
             "flow_shift": self.flow_shift,
             "num_outputs": 1,
-            "lora": None,
+            "lora": None,  # kept for stable keys: adapters are per rank, never per wave
             "extra": self.extra,
         }
         return json.dumps(key, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -94,6 +97,9 @@ class GenerationRequest:
         _float_in("guidance_scale", self.guidance_scale, 0.0, 100.0)
         if self.flow_shift is not None:
             _float_in("flow_shift", self.flow_shift, 1e-3, 100.0)
+        problem = lora_problem(self.loras)
+        if problem:
+            raise RequestError(*problem)
         if not isinstance(self.extra, dict):
             raise RequestError("extra", "must be an object")
         try:

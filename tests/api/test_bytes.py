@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.api.conftest import GPUS_PER_RANK, wait_final
 
@@ -27,6 +28,7 @@ def generate_cli(model: str, out: Path) -> bytes:
     return out.read_bytes()
 
 
+@pytest.mark.e2e  # a `dloserve generate` subprocess and six requests through the DP2 service
 def test_service_bytes_equal_dloserve_generate(app_url: str, demo_model: str, tmp_path: Path) -> None:
     want = generate_cli(demo_model, tmp_path / "cli.mp4")
     ids = []

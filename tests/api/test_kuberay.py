@@ -7,6 +7,7 @@ into our app); the RayJob runs the batch job with flags its parser accepts.
 from __future__ import annotations
 
 import shlex
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -17,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT.parent / "shared" / "kuberay"
 
 
+@cache
 def crd_schema(name: str) -> dict:
-    crd = yaml.safe_load((CRDS / f"ray.io_{name}.yaml").read_text())
+    """The CRD's v1 schema; libyaml's loader where present (the CRDs are MBs of YAML)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((CRDS / f"ray.io_{name}.yaml").read_text(), Loader=loader)  # noqa: S506 - a safe loader
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return v1["schema"]["openAPIV3Schema"]
 

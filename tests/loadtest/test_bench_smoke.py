@@ -96,3 +96,16 @@ def test_encode_determinism_smoke_and_its_fault(tmp_path: Path) -> None:
                                "--fault", "auto-threads"], capture_output=True, text=True, timeout=400,
                               env=_env())
         assert proc.returncode == 1, proc.stdout
+
+
+def test_lora_bench_cpu_smoke(tmp_path: Path) -> None:
+    """A LoRA on every Linear, resident and DLO: it changes the output, the same in both, and
+    the output without it is the base model's again afterwards."""
+    report = _run("bench_lora.py", ["--smoke"], tmp_path)
+    runs = report["strategies"]
+    assert set(runs) == {"resident", "dlo"}
+    res, dlo = runs["resident"]["tokens"]["64"], runs["dlo"]["tokens"]["64"]
+    for w in (res, dlo):
+        assert w["lora_changes_output"] and w["unchanged_after"] and w["ratio"] > 0
+    assert res["sha256"] == dlo["sha256"] and res["lora_sha256"] == dlo["lora_sha256"]
+    assert runs["dlo"]["adapter"]["factor_bytes"] > 0 and runs["dlo"]["adapter"]["misses"] == 1

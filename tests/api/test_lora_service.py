@@ -1,0 +1,146 @@
+"""Adapters through the service (fake executor, in-process job store) and ``dloserve generate``.
+
+Registration at start and at run time, owner rules with API keys, resolution of a request's
+names to checked files, refusals (4xx-shaped errors naming adapter and key) before anything
+reaches a rank, and the compatibility key that ignores the adapter set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from service.api.jobs import JobStore
+from service.api.schemas import BodyError
+from service.api.service import ServiceConfig, VideoService
+from service.models.lora import LoraError
+from service.models.lora_demo import write_demo_lora
+from tests.fakes import FakeExecutor
+from tests.test_cli import dloserve
+
+BODY = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def lora_dir(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("loras")
+    write_demo_lora(demo_model, d / "style.safetensors", rank=4)
+    write_demo_lora(demo_model, d / "distill.safetensors", rank=2, layout="kohya", seed=3)
+    t = load_file(d / "style.safetensors")
+    key = "transformer.blocks.1.attn2.to_k.lora_B.weight"
+    t[key] = t[key][:-1]  # one row short: the wrong shape for this model
+    save_file(t, d / "bad.safetensors")
+    return d
+
+
+def make(demo_model: str, tmp: Path, **cfg: object) -> tuple[VideoService, FakeExecutor, JobStore]:
+    ex = FakeExecutor((1,), {})
+    store = JobStore(str(tmp), {}, 3600.0, 100, 30.0)
+    svc = VideoService(ServiceConfig(model=demo_model, results_url=str(tmp), **cfg), executor=ex,
+                       store=store, node_id="node-1")
+    return svc, ex, store
+
+
+@pytest.fixture
+def service(demo_model: str, lora_dir: Path, tmp_path: Path) -> Iterator[tuple[VideoService, FakeExecutor]]:
+    svc, ex, store = make(demo_model, tmp_path, loras={"style": str(lora_dir / "style.safetensors")},
+                          lora_dirs=[str(lora_dir)])
+    try:
+        yield svc, ex
+    finally:
+        svc.close()
+        store.close()
+
+
+def test_request_names_resolve_to_checked_files(service, lora_dir: Path) -> None:  # noqa: ANN001
+    svc, ex = service
+    [entry] = svc.list_loras()
+    digest = hashlib.sha256((lora_dir / "style.safetensors").read_bytes()).hexdigest()
+    assert entry.public()["sha256"] == digest and entry.public()["layout"] == "peft"
+    assert "source" not in entry.public()  # the server's paths are not told
+    plain = svc.create(dict(BODY))
+    styled = svc.create({**BODY, "loras": [{"name": "style", "scale": 0.5}]})
+    ex.wait_assigned(plain.id)
+    ex.run(plain.id)  # one rank: the next job starts when this one ends
+    ex.wait_assigned(styled.id)
+    reqs = {job: req for _, _, job, req in ex.assigned}
+    [ref] = reqs[styled.id].loras
+    want = ("style", 0.5, str(lora_dir / "style.safetensors"), digest)
+    assert (ref.name, ref.scale, ref.source, ref.sha256) == want
+    assert reqs[plain.id].loras == ()
+    assert reqs[plain.id].compat_key() == reqs[styled.id].compat_key()  # not in the key
+
+
+def test_refusals_name_the_adapter(service, lora_dir: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    svc, ex = service
+    with pytest.raises(BodyError) as e:
+        svc.create({**BODY, "loras": [{"name": "nope"}]})
+    assert e.value.field == "loras[0].name" and "unknown adapter 'nope'" in e.value.message
+    with pytest.raises(BodyError) as e:
+        svc.create({**BODY, "loras": [{"name": "style", "scale": 99}]})
+    assert e.value.field == "loras[0].scale"
+    with pytest.raises(BodyError) as e:
+        svc.create({**BODY, "loras": [{"name": "style", "weight": 1}]})
+    assert e.value.field.startswith("loras.0")
+    with pytest.raises(LoraError) as le:
+        svc.add_lora("bad", str(lora_dir / "bad.safetensors"))
+    assert le.value.adapter == "bad" and le.value.key == "transformer.blocks.1.attn2.to_k.lora_B.weight"
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes((lora_dir / "style.safetensors").read_bytes())
+    with pytest.raises(PermissionError, match="--lora-dir"):
+        svc.add_lora("x", str(outside))
+    with pytest.raises(KeyError, match="already registered"):
+        svc.add_lora("style", str(lora_dir / "distill.safetensors"))
+    assert [e.name for e in svc.list_loras()] == ["style"]
+    assert not ex.assigned  # nothing reached a rank
+
+
+def test_register_use_delete_at_run_time(service, lora_dir: Path) -> None:  # noqa: ANN001
+    svc, ex = service
+    entry = svc.add_lora("distill", str(lora_dir / "distill.safetensors"))
+    assert entry.public()["layout"] == "wan" and entry.public()["bias"] is True
+    rec = svc.create({**BODY, "num_inference_steps": 4, "guidance_scale": 1.0,
+                      "loras": [{"name": "distill"}, {"name": "style", "scale": -0.25}]})
+    assert svc.delete_lora("distill")
+    assert not svc.delete_lora("distill")
+    ex.wait_assigned(rec.id)
+    req = next(r for _, _, j, r in ex.assigned if j == rec.id)
+    assert [r.name for r in req.loras] == ["distill", "style"] and all(r.resolved for r in req.loras)
+    with pytest.raises(BodyError, match="unknown adapter 'distill'"):
+        svc.create({**BODY, "loras": [{"name": "distill"}]})
+
+
+def test_owners_see_their_own(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
+    svc, _, store = make(demo_model, tmp_path, loras={"style": str(lora_dir / "style.safetensors")},
+                         lora_dirs=[str(lora_dir)], api_key_hashes=[hashlib.sha256(b"k").hexdigest()])
+    try:
+        svc.add_lora("mine", str(lora_dir / "distill.safetensors"), owner="alice")
+        assert {e.name for e in svc.list_loras("alice")} == {"style", "mine"}
+        assert {e.name for e in svc.list_loras("bob")} == {"style"}
+        with pytest.raises(BodyError, match="unknown adapter 'mine'"):
+            svc.create({**BODY, "loras": [{"name": "mine"}]}, "bob")
+        assert not svc.delete_lora("mine", "bob") and not svc.delete_lora("style", "alice")
+        assert svc.delete_lora("mine", "alice")
+    finally:
+        svc.close()
+        store.close()
+
+
+def test_a_bad_adapter_fails_the_start(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(LoraError, match="'broken'.*blocks.1.attn2.to_k.lora_B.weight"):
+        make(demo_model, tmp_path, loras={"broken": str(lora_dir / "bad.safetensors")})
+
+
+@pytest.mark.e2e  # a subprocess: imports torch and diffusers again
+def test_generate_refuses_a_bad_adapter_before_work(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "x.mp4"
+    r: subprocess.CompletedProcess = dloserve(
+        "generate", "--model", demo_model, "--prompt", "a cat", "--out", str(out),
+        "--lora", f"broken={lora_dir / 'bad.safetensors'}")
+    assert r.returncode == 2 and "adapter 'broken'" in r.stderr
+    assert "transformer.blocks.1.attn2.to_k.lora_B.weight" in r.stderr and not out.exists()
