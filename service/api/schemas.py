@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
@@ -24,6 +25,8 @@ class BodyError(ValueError):
 
 
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
+SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # ASCII digits only: no "X", spaces or other scripts
+SECONDS_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"  # OpenAI sends seconds as a string ("4")
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
                             "guidance_scale", "flow_shift", "max_sequence_length"})
 
@@ -49,17 +52,22 @@ class LoraCreate(BaseModel):
 
 
 class VideoCreate(BaseModel):
-    """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body)."""
+    """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body).
+
+    Validated strictly from JSON (``validate_create(strict=True)``: ``"seed": "7"`` is a
+    422) and leniently from a form, whose values are all strings."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, max_length=10_000, pattern=r"\S",
                         description="what to generate; the instance's own limit is in /openapi.json")
     model: str | None = None
-    size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "832x480"')
+    size: str | None = Field(None, pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT", e.g. "832x480"')
     width: int | None = None
     height: int | None = None
-    seconds: float | None = Field(None, description="duration; frames = seconds * fps + 1")
+    seconds: float | Annotated[str, StringConstraints(pattern=SECONDS_PATTERN)] | None = Field(
+        None, description='duration, a number or a decimal string as OpenAI sends it ("4"); '
+                          "frames = seconds * fps + 1")
     num_frames: int | None = None
     fps: int | None = None
     seed: int | None = None
@@ -82,25 +90,35 @@ class VideoCreate(BaseModel):
                 raise ValueError("must be a JSON list of {name, scale} objects") from None
         return v
 
+    @field_validator("prompt", "negative_prompt", "model", "size")
+    @classmethod
+    def _unicode(cls, value: str | None) -> str | None:
+        """Text a tokenizer can read: JSON can carry a lone surrogate ("\\ud800"), UTF-8 cannot."""
+        if value is not None:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate such as \\ud800)"
+                                 ) from None
+        return value
+
     def to_request(self, defaults: GenerationRequest) -> GenerationRequest:
         """Resolve size/seconds aliases against the service defaults."""
         width, height = self.width, self.height
-        if self.size is not None:
+        if self.size is not None:  # the pattern already holds: ASCII digits, one lower-case x
             if width is not None or height is not None:
                 raise BodyError("size", "give either size or width/height, not both")
-            try:
-                w, h = self.size.lower().split("x")
-                width, height = int(w), int(h)
-            except ValueError:
-                raise BodyError("size", f'must look like "832x480", got {self.size!r}') from None
+            w, h = self.size.split("x")
+            width, height = int(w), int(h)
         fps = self.fps if self.fps is not None else defaults.fps
         frames = self.num_frames
         if self.seconds is not None:
+            seconds = float(self.seconds)
             if frames is not None:
                 raise BodyError("seconds", "give either seconds or num_frames, not both")
-            if not math.isfinite(self.seconds) or not 0 <= self.seconds <= MAX_SECONDS or fps < 1:
+            if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS or fps < 1:
                 raise BodyError("seconds", f"must be in [0, {MAX_SECONDS}], got {self.seconds}")
-            frames = round(self.seconds * fps) + 1
+            frames = round(seconds * fps) + 1
         extra = {}
         if self.max_sequence_length is not None:
             extra["max_sequence_length"] = self.max_sequence_length
@@ -183,7 +201,6 @@ class Video(BaseModel):
     num_inference_steps: int
     guidance_scale: float
     dp_rank: int | None = None
-    wave: int | None = None
     dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
     node_id: str | None = Field(None, description="the Ray node of that DP group")
     timings: Timings | None = Field(None, description="where its time went (once it ended)")
@@ -247,6 +264,8 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
         yield b""
 
     headers = Headers({"content-type": content_type})
+    if ctype == "multipart/form-data":
+        closing_boundary(content_type, raw)
     try:
         if ctype == "multipart/form-data":
             parser: Any = MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS,
@@ -265,14 +284,27 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
     return out
 
 
-def validate_create(data: dict[str, Any]) -> VideoCreate:
-    """pydantic validation with the first failing field turned into a BodyError."""
+def closing_boundary(content_type: str, raw: bytes) -> None:
+    """A multipart body must end with its closing delimiter (``--BOUNDARY--``): one cut off
+    in the middle is not a request (python-multipart would hand over the parts it saw)."""
+    m = re.search(r'boundary="?([^";]+)"?', content_type, re.IGNORECASE)
+    if m is None:
+        return  # no boundary: Starlette's parser says so
+    boundary = re.escape(m.group(1).strip().encode("latin-1", "replace"))
+    if not re.search(rb"(?:^|\r\n)--" + boundary + rb"--", raw):
+        raise BodyError("body", "the multipart body has no closing boundary (--BOUNDARY--): it was cut off",
+                        "multipart_invalid")
+
+
+def validate_create(data: dict[str, Any], strict: bool = True) -> VideoCreate:
+    """pydantic validation with the first failing field turned into a BodyError; ``strict``
+    for JSON (numbers must be numbers), not for a form (whose values are strings)."""
     for name in NUMERIC_FIELDS & set(data):
         if isinstance(data[name], bool):  # pydantic's lax mode would read true as 1
             raise BodyError(name, "must be a number, not a boolean", "type_error")
     try:
-        return VideoCreate.model_validate(data)
+        return VideoCreate.model_validate(data, strict=strict)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "body"
+        field = str(err["loc"][0]) if err["loc"] else "body"  # a union names its branch next
         raise BodyError(field, err["msg"], err["type"]) from None
