@@ -1,6 +1,6 @@
 """``dloserve``: the command line.
 
-    dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan14b-umt5xxl] [--layers N]
+    dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan22-a14b-shape|...] [--layers N]
     dloserve generate --prompt TEXT [--model PATH] [--out out.mp4] [DLO flags]
     dloserve quantize SRC DST     (a pipeline folder with an fp8 transformer)
     dloserve serve ...            (delegates to service.api.launch)
@@ -22,12 +22,13 @@ from collections.abc import Sequence
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from service.models.demo import PRESETS
+    from service.models.demo import preset_names
 
-    p = sub.add_parser("demo-model", help="write an offline demo Wan T2V pipeline directory")
+    p = sub.add_parser("demo-model", help="write an offline demo Wan pipeline directory (any family)")
     p.add_argument("path", help="new or empty folder to write")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int, default=None, help="transformer blocks (preset default)")
+    p.add_argument("--preset", default="tiny", choices=preset_names())
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks, per expert for Wan2.2 A14B (preset default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
 
