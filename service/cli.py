@@ -49,6 +49,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fps", type=int, default=d.fps)
     p.add_argument("--steps", type=int, default=d.num_inference_steps)
     p.add_argument("--guidance-scale", type=float, default=d.guidance_scale)
+    p.add_argument("--guidance-scale-2", type=float, default=None,
+                   help="Wan2.2 A14B: the low-noise expert's guidance (default: --guidance-scale)")
+    p.add_argument("--image", default=None,
+                   help="image-to-video: a PNG, JPEG or WebP file (stretched to --width x --height, "
+                        "as diffusers' pipeline does; docs/models.md)")
     p.add_argument("--flow-shift", type=float, default=None, help="override the scheduler's shift")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_offload_arguments(p)
@@ -89,7 +94,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from service.models.options import FlagError, settings_from_args
     from service.models.registry import load_adapter, resolve_model
-    from service.models.request import GenerationRequest
+    from service.models.request import GenerationRequest, RequestError
 
     try:
         settings = settings_from_args(args)
@@ -99,7 +104,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if sp > 1 and dp > 1:
         return _fail("--sequence-parallel-size with --data-parallel-size: generate runs one request on "
                      "one SP group; D SP groups are for 'dloserve serve' and the batch job")
+    image = None
+    if args.image is not None:
+        from service.models.image import check_image
+
+        try:
+            with open(args.image, "rb") as f:
+                image = f.read()
+        except OSError as e:
+            return _fail(f"--image: {e}")
+        try:
+            check_image(image, "--image")
+        except RequestError as e:
+            return _fail(str(e))
+    extra = {} if args.guidance_scale_2 is None else {"guidance_scale_2": args.guidance_scale_2}
     req = GenerationRequest(
+        image=image,
+        extra=extra,
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
         seed=args.seed,
@@ -119,7 +140,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      f"found {torch.cuda.device_count()}")
     model = resolve_model(args.model)
     adapter = load_adapter(model, sequence_parallel=sp)
-    adapter.validate(req)  # bad input: refused before any process starts
+    try:
+        adapter.validate(req)  # bad input: refused before any process starts
+    except RequestError as e:
+        flag = {"image": "--image", "extra.guidance_scale_2": "--guidance-scale-2"}.get(e.field)
+        if flag is None:
+            raise
+        raise RequestError(flag, e.message) from None
     problem = settings.probe_problem(adapter, args.device)
     if problem:
         return _fail(problem)

@@ -25,6 +25,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.catalog import ModelCard, ModelList, model_card
+from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.openapi import body_rules, instance_openapi
 from service.api.records import JobRecord, JobStatus
 from service.api.schemas import (
@@ -46,18 +48,10 @@ from service.router.waves import QueueFull
 log = logging.getLogger("dloserve.api")
 app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO")
 
-_CREATE_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": VideoCreate.model_json_schema()},
-            "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
-        },
-    }
-}
+_CREATE_BODY = create_body(VideoCreate.model_json_schema())  # input_reference: a string, or a file part
 _ERR = {"model": ErrorResponse}
 _AUTH = {401: {**_ERR, "description": "missing or unknown API key"}}
-_CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body over the size limit"},
+_CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body (or its image) over the size limit"},
                   415: {**_ERR, "description": "not JSON or a form"},
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
                   429: {**_ERR, "description": "queue full; see Retry-After"},
@@ -134,7 +128,8 @@ class VideoIngress:
             log.warning("no API key configured: every client can read and delete every job")
         rules = body_rules(self.svc.adapter, self.svc.limits, self.svc.model_name)
         app.openapi_schema = None
-        app.openapi_schema = instance_openapi(app.openapi(), rules)
+        required = ("input_reference",) if self.svc.adapter.image_input == "required" else ()
+        app.openapi_schema = instance_openapi(app.openapi(), rules, required)
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine cannot serve is reported unhealthy."""
@@ -158,9 +153,11 @@ class VideoIngress:
             return _error(503, draining, None, kind="server_error", code="draining",
                           headers={"Retry-After": "30"})
         ctype = request.headers.get("content-type", "")
+        cfg = self.svc.cfg
         try:
-            media_type(ctype)
-            raw = await read_capped(request, self.svc.cfg.max_body_bytes)
+            cap = body_cap(media_type(ctype), cfg.max_body_bytes, cfg.max_image_bytes,
+                           self.svc.adapter.image_input != "none")
+            raw = await read_capped(request, cap)
             fields = await parse_body(ctype, raw)
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
@@ -170,6 +167,9 @@ class VideoIngress:
         except TooLarge as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return _error(413, str(e), None, code="body_too_large")
+        except ImageTooLarge as e:
+            metrics()["requests"].inc(1, tags={"status": "rejected"})
+            return _error(413, e.message, e.field, code=e.kind)
         except BodyError as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return _error(422, e.message, e.field, code=e.kind)
@@ -293,6 +293,27 @@ class VideoIngress:
         if result == "missing":
             return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
         return VideoDeleted(id=video_id, deleted=result == "deleted")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_AUTH)
+    def list_models(self, request: Request) -> Any:
+        """The model this service runs: its family and what it accepts (T2V, I2V, TI2V, image)."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_BY_ID)
+    def retrieve_model(self, request: Request, model: str) -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        if model != self.svc.model_name:
+            return _error(404, f"no model {model!r}; this service runs {self.svc.model_name!r}", "model",
+                          code="model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return model_card(self.svc.model_name, self.svc.adapter.card(), self.svc.started_at)
 
     @app.get("/v1/waves", responses=_AUTH)
     def waves(self, request: Request) -> Any:

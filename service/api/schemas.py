@@ -24,7 +24,7 @@ class BodyError(ValueError):
 
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
-                            "guidance_scale", "flow_shift", "max_sequence_length"})
+                            "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2"})
 
 
 class VideoCreate(BaseModel):
@@ -47,6 +47,11 @@ class VideoCreate(BaseModel):
     negative_prompt: str | None = None
     flow_shift: float | None = None
     max_sequence_length: int | None = None
+    guidance_scale_2: float | None = Field(None, description="Wan2.2 A14B: the low-noise expert's guidance "
+                                           "(default guidance_scale)")
+    input_reference: str | dict[str, str] | None = Field(
+        None, description="image-to-video: the image as a data URL (data:image/png;base64,...), plain base64 "
+                          'or {"image_url": DATA_URL}; in a form, a file part (service.api.images)')
 
     def to_request(self, defaults: GenerationRequest) -> GenerationRequest:
         """Resolve size/seconds aliases against the service defaults."""
@@ -70,6 +75,8 @@ class VideoCreate(BaseModel):
         extra = {}
         if self.max_sequence_length is not None:
             extra["max_sequence_length"] = self.max_sequence_length
+        if self.guidance_scale_2 is not None:
+            extra["guidance_scale_2"] = self.guidance_scale_2
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -214,7 +221,7 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
     headers = Headers({"content-type": content_type})
     try:
         if ctype == "multipart/form-data":
-            parser: Any = MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS,
+            parser: Any = MultiPartParser(headers, stream(), max_files=1, max_fields=MAX_FORM_FIELDS,
                                           max_part_size=len(raw) + 1)
         else:
             parser = FormParser(headers, stream(), max_fields=MAX_FORM_FIELDS, max_part_size=len(raw) + 1)
@@ -222,11 +229,14 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
     except MultiPartException as e:
         field = "input_reference" if "file" in str(e).lower() else "body"
         raise BodyError(field, f"malformed or unsupported form: {e}", "multipart_invalid") from None
+    from service.api.images import from_upload
+
     out: dict[str, Any] = {}
-    for name, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            raise BodyError(name, "file uploads (input_reference) are not supported")
-        out[name] = value
+    try:
+        for name, value in form.multi_items():
+            out[name] = await from_upload(name, value) if isinstance(value, UploadFile) else value
+    finally:
+        await form.close()  # a file part is spooled to a temporary file
     return out
 
 

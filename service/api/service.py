@@ -7,6 +7,7 @@ config files -> operator limits): bad input never reaches a worker.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from service.api.images import take_image
 from service.api.records import JobRecord, JobStatus
 from service.api.results import open_storage
 from service.api.schemas import BodyError, Video, validate_create
@@ -28,6 +30,7 @@ from service.api.store import JobTable
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.spec import EngineSpec, Outcome
+from service.models.image import MAX_IMAGE_PIXELS
 from service.models.options import Mode, OffloadSettings
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
@@ -79,6 +82,10 @@ class ServiceConfig(BaseModel):
     api_key_hashes: list[str] = Field(default_factory=list,
                                       description="SHA-256 (hex) of the accepted API keys; empty = open")
     max_body_bytes: int = Field(65536, ge=1024)
+    max_image_bytes: int = Field(8 * 2**20, ge=1024, description="largest input_reference image file "
+                                 "(a body that may carry one is capped at max_body_bytes plus this)")
+    max_image_pixels: int = Field(MAX_IMAGE_PIXELS, ge=1, description="largest input_reference image, "
+                                  "width x height from its header, checked before decoding")
     unhealthy_after_s: float = Field(300.0, gt=0)
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)
@@ -163,18 +170,19 @@ class VideoService:
     def create(self, fields: dict[str, Any], owner: str | None = None) -> JobRecord:
         """Validate fully, record, queue. Raises BodyError (422), QueueFull (429) or
         Unavailable (503: no rank group can serve and none is about to)."""
+        image = take_image(fields, self.cfg.max_image_bytes, self.cfg.max_image_pixels)
         body = validate_create(fields)
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
         if body.seed is None and "seed" not in self.cfg.defaults:
             # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
             body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
-        req = body.to_request(self.defaults)
+        req = dataclasses.replace(body.to_request(self.defaults), image=image)
         try:
             self.adapter.validate(req)
             self.limits.check(req)
         except RequestError as e:
-            field = "max_sequence_length" if e.field == "extra.max_sequence_length" else e.field
+            field = {"image": "input_reference"}.get(e.field, e.field.removeprefix("extra."))
             raise BodyError(field, e.message) from None
         now = time.time()
         rec = JobRecord(
@@ -260,6 +268,7 @@ class VideoService:
             "in_flight": self.dispatcher.held,
             "waves_run": self.dispatcher.assignments,
             "model": self.model_name,
+            "model_card": self.adapter.card(),
             "model_dir": self.model_dir,
             "dp_group": self.dp_group,
             "node_id": self.node_id,
