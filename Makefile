@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup setup-system test soak multinode deploy-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch clean
+.PHONY: setup setup-system test test-random e2e soak multinode deploy-check ui-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -15,13 +15,28 @@ setup: $(BIN)/python
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
 
-# Debian packages for the deploy checks (podman, debootstrap, prometheus/promtool); needs root.
+# Debian packages for the deploy checks (podman, debootstrap, prometheus/promtool) and the
+# browser tests (chromium, chromium-driver: Playwright drives /usr/bin/chromium); needs root.
 setup-system:
-	@missing=""; for c in podman debootstrap prometheus promtool curl; do command -v $$c >/dev/null || missing=1; done; \
-	 if [ -n "$$missing" ]; then apt-get update -q && apt-get install -y -q podman debootstrap prometheus curl; fi
+	@missing=""; for c in podman debootstrap prometheus promtool curl chromium chromedriver; do \
+	   command -v $$c >/dev/null || missing=1; done; \
+	 if [ -n "$$missing" ]; then apt-get update -q && \
+	   apt-get install -y -q podman debootstrap prometheus curl chromium chromium-driver; fi
 
+# The fast suite, in file order; every test's time goes to out/test-results.xml (CI keeps it).
 test:
-	$(BIN)/python -m pytest -q --durations=12 tests
+	mkdir -p out && $(BIN)/python -m pytest -q -p no:randomly --durations=15 --junitxml=out/test-results.xml tests
+
+# The same suite in a random order (pytest-randomly): make test-random SEED=3
+SEED ?= 1
+test-random:
+	mkdir -p out && $(BIN)/python -m pytest -q -p randomly -p no:cacheprovider --randomly-seed=$(SEED) \
+	  --junitxml=out/test-random-$(SEED).xml tests
+
+# Slow end to end: `dloserve serve` and the batch job as subprocesses, start-up and signals.
+e2e:
+	mkdir -p out && $(BIN)/python -m pytest -q -p no:randomly -m e2e --durations=15 \
+	  --junitxml=out/e2e-results.xml tests
 
 soak:
 	mkdir -p out && SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
@@ -34,6 +49,11 @@ multinode:
 deploy-check:
 	$(BIN)/python -m pytest -q -m deploy tests
 	bash docker/test_image.sh
+
+# The /ui playground in Debian's Chromium (Playwright) against a real `dloserve serve`; screenshots
+# in out/ui/. Needs `make setup-system` (chromium).
+ui-check:
+	mkdir -p out/ui && $(BIN)/python -m pytest -q -m browser tests/api/test_ui.py
 
 VARIANT ?= cpu
 IMAGE_BASE ?= debian:bookworm-slim

@@ -85,6 +85,10 @@ done
 curl -sf -o "$work/served.mp4" "http://127.0.0.1:$port/v1/videos/sync" -H 'content-type: application/json' \
   -d '{"prompt": "a red fox runs through snow", "size": "96x64", "num_frames": 9, "num_inference_steps": 3, "seed": 0}'
 cmp "$work/generated.mp4" "$work/served.mp4"
+# The playground's files are package data: each must have made it into the image.
+curl -sf -o "$work/ui.html" "http://127.0.0.1:$port/ui/"
+grep -q "<title>dloserve playground</title>" "$work/ui.html"
+for f in $(cd service/api/ui && ls *.js *.css); do curl -sf -o /dev/null "http://127.0.0.1:$port/ui/$f"; done
 kill -TERM "$serve_pid"
 for _ in $(seq 90); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 1; done
 if kill -0 "$serve_pid" 2>/dev/null; then echo "dloserve serve in the image did not stop on SIGTERM" >&2; exit 1; fi

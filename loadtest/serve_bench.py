@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from service.offload.spawn import free_port  # noqa: E402
 
 DESIGNS = {
+    "default": [],  # what a user gets who passes no flag but the offload switch (auto mode, auto encoders)
     "waves": ["--scheduler", "waves"],
     "continuous": ["--scheduler", "continuous"],
     "ranklocal": ["--scheduler", "continuous", "--dlo-no-use-allgather"],
@@ -69,7 +70,7 @@ def workload(mix: str, n: int, rate_per_min: float, seed: int) -> list[dict[str,
                 "num_frames": rng.choice(m["frames"]), "num_inference_steps": rng.randint(*m["steps"]),
                 "guidance_scale": 5.0}
         out.append({"i": i, "at": round(t, 3), "body": body})
-        t += rng.expovariate(rate_per_min / 60.0)
+        t += rng.expovariate(rate_per_min / 60.0) if rate_per_min > 0 else 0.0  # 0: all at once
     return out
 
 
@@ -124,7 +125,8 @@ def run_ideal(args: argparse.Namespace, items: list[dict[str, Any]], tmp: Path) 
         (tmp / f"ideal-{g}.json").write_text(json.dumps(share))
         cmd = [sys.executable, __file__, "--resident-worker", "--model", args.model, "--device", args.device,
                "--gpu", str(g), "--items", str(tmp / f"ideal-{g}.json"),
-               "--result", str(tmp / f"ideal-{g}-out.json"), "--encoders", str(args.encoders)]
+               "--result", str(tmp / f"ideal-{g}-out.json")]
+        cmd += ["--encoders", str(args.encoders)] if args.encoders is not None else []
         procs.append(subprocess.Popen(cmd, cwd=ROOT))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -177,7 +179,9 @@ def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]])
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "service.cli", "serve", args.model, "--data-parallel-size", str(args.dp),
            "--enable-distributed-layerwise-offload", "--port", str(port), "--queue-size", "256",
-           "--encoders-per-rank", str(args.encoders), *DESIGNS[name]]
+           *DESIGNS[name]]
+    if args.encoders is not None and name != "default":
+        cmd += ["--encoders-per-rank", str(args.encoders)]
     if args.device == "cpu":
         cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
     log = open(Path(args.logdir) / f"serve-{name}.log", "w")  # noqa: SIM115 - closed below
@@ -224,8 +228,17 @@ def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]])
         "requests": results,
         "assignments": [{k: w.get(k) for k in ("wave", "rank", "size", "reason", "queued_s", "latency_s")}
                         for w in waves if not set(w.get("ids", [])) & set(warm_ids)],
-        "readyz": {k: ready.get(k) for k in ("state", "scheduler", "generation", "rebuilds")},
+        "readyz": {k: ready.get(k) for k in ("state", "scheduler", "generation", "rebuilds", "offload_mode")},
+        "stages_mean_s": stage_means(done),
     }
+
+
+def stage_means(done: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per stage over the completed requests (their video objects' timings)."""
+    keys = ("queue_s", "text_encode_s", "denoise_s", "decode_s", "encode_s", "store_s")
+    rows = [r["timings"] for r in done if r.get("timings")]
+    return {k: round(statistics.mean(t[k] for t in rows if t.get(k) is not None), 3)
+            for k in keys if any(t.get(k) is not None for t in rows)}
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -268,7 +281,7 @@ def _drive(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             v = _final(url, r.json()["id"], 3600)
             rec.update(status=v["status"], finished=time.monotonic() - t0, latency_s=time.monotonic() - sub,
-                       dp_rank=v.get("dp_rank"), error=v.get("error"))
+                       dp_rank=v.get("dp_rank"), error=v.get("error"), timings=v.get("timings"))
             if v["status"] == "completed":
                 data = httpx.get(f"{url}/v1/videos/{v['id']}/content", timeout=120).content
                 rec["sha256"] = hashlib.sha256(data).hexdigest()
@@ -367,9 +380,11 @@ def main() -> int:
     p.add_argument("--ideal", action="store_true", help="also run the resident one-by-one baseline")
     p.add_argument("--mix", choices=sorted(MIXES), default="video")
     p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--rate-per-min", type=float, default=6.0, help="mean Poisson arrivals per minute")
+    p.add_argument("--rate-per-min", type=float, default=6.0,
+                   help="mean Poisson arrivals per minute; 0: every request at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--encoders", type=int, default=2, help="MP4 encoder processes per rank")
+    p.add_argument("--encoders", type=int, default=None,
+                   help="MP4 encoder processes per rank for the non-default designs (default: auto)")
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--out", help="results JSON (updated in place across phases)")
     p.add_argument("--logdir", default="/tmp")

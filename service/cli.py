@@ -154,19 +154,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from dataclasses import replace
 
         settings = replace(settings, probe_shape=(req.height, req.width, req.num_frames))
-    from service.engine.local import generate
+    from service.jobs.generate import generate
 
     t0 = time.perf_counter()
     try:
-        generate(model, req, args.out, dp_size=dp, sp_size=sp, settings=settings, device=args.device,
-                 progress=not args.quiet)
+        mode = generate(model, req, args.out, dp_size=dp, sp_size=sp, settings=settings, device=args.device,
+                        progress=not args.quiet)
     except RuntimeError as e:
         return _fail(str(e))
     size = os.path.getsize(args.out)
     print(
         f"wrote {args.out} ({size} bytes, {req.num_frames} frames {req.width}x{req.height}) "
-        f"in {time.perf_counter() - t0:.1f} s [{settings.mode.value}, {f'SP{sp}' if sp > 1 else f'DP{dp}'}, "
-        f"{args.device}]"
+        f"in {time.perf_counter() - t0:.1f} s [{mode}, {f'SP{sp}' if sp > 1 else f'DP{dp}'}, {args.device}]"
     )
     return 0
 

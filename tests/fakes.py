@@ -172,3 +172,41 @@ class FakeExecutor(Executor):
         with self._cv:
             self._events.extend(events)
             self._cv.notify_all()
+
+
+class RecordingSink:
+    """A dispatcher Sink that remembers every start, step and outcome, and lets a test wait
+    for them (the dispatcher may run on its own thread)."""
+
+    def __init__(self) -> None:
+        self.started: dict[str, dict[str, Any]] = {}
+        self.finished: dict[str, Any] = {}  # id -> Outcome
+        self.progress: dict[str, int] = {}  # id -> last step
+        self._cv = threading.Condition()
+
+    def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
+        with self._cv:
+            self.started[ticket.id] = dict(info)
+            self._cv.notify_all()
+
+    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
+        with self._cv:
+            self.progress[ticket_id] = step
+            self._cv.notify_all()
+
+    def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
+        with self._cv:
+            assert ticket.id not in self.finished, f"{ticket.id} ended twice"
+            self.finished[ticket.id] = outcome
+            self._cv.notify_all()
+
+    def until(self, cond: Any, timeout: float = 180) -> None:
+        with self._cv:
+            assert self._cv.wait_for(cond, timeout), (self.finished, self.progress)
+
+    def wait(self, ids: list[str], timeout: float = 180) -> list[Any]:
+        self.until(lambda: all(i in self.finished for i in ids), timeout)
+        return [self.finished[i] for i in ids]
+
+    def wait_progress(self, job_id: str, steps: int = 1, timeout: float = 120) -> None:
+        self.until(lambda: self.progress.get(job_id, 0) >= steps, timeout)

@@ -41,10 +41,21 @@ def test_generate_dlo_two_ranks_matches_resident(tmp_path: Path, demo_model: str
     out = tmp_path / "b.mp4"
     r = dloserve(
         "generate", "--model", demo_model, "--prompt", "a cat", "--seed", "2", "--quiet", "--out", str(out),
-        "--data-parallel-size", "2", "--enable-distributed-layerwise-offload",
+        "--data-parallel-size", "2", "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather",
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "allgather, DP2" in r.stdout
+    assert out.read_bytes() == resident.generate(GenerationRequest(prompt="a cat", seed=2))
+
+
+def test_generate_with_offload_is_auto_by_default_and_says_what_it_chose(tmp_path: Path, demo_model: str,
+                                                                          resident) -> None:  # noqa: ANN001
+    out = tmp_path / "auto.mp4"
+    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--seed", "2", "--quiet",
+                 "--out", str(out), "--enable-distributed-layerwise-offload")
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the probe ran at the request's own size; on CPU compute covers any fill
+    assert "[auto: rank-local (compute covers the rank-local fill" in r.stdout, r.stdout
     assert out.read_bytes() == resident.generate(GenerationRequest(prompt="a cat", seed=2))
 
 

@@ -41,6 +41,7 @@ from service.api.schemas import (
     parse_body,
 )
 from service.api.service import AuthError, ServiceConfig, VideoService, video_object
+from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.dispatcher import Unavailable
 from service.router.waves import QueueFull
@@ -57,6 +58,7 @@ _CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body (or its image) ove
                   429: {**_ERR, "description": "queue full; see Retry-After"},
                   503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
+register_ui(app)  # the playground at /ui/ (service/api/ui)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -120,6 +122,9 @@ async def read_capped(request: Request, cap: int) -> bytes:
 @serve.ingress(app)
 class VideoIngress:
     def __init__(self, config: dict[str, Any]) -> None:
+        from service.engine.metrics import log_to_stderr
+
+        log_to_stderr()
         self.svc = VideoService(
             ServiceConfig(**config), placement_group=ray.util.get_current_placement_group(),
             dp_group=serve.get_replica_context().replica_id.unique_id,

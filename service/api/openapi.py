@@ -6,7 +6,9 @@ model (the Wan VAE x patch makes sizes multiples of 16 and frame counts 4k+1; Fl
 one frame). This fills them in, so a client or a schema fuzzer sees the rules the code
 applies. Rules across fields cannot be written in JSON Schema and stay 422s: size or
 width/height but not both, seconds or num_frames but not both, frames from seconds x fps
-that are not 4k+1 or over the limit, and the pixel budget (width x height).
+that are not 4k+1 or over the limit, and the pixel budget (width x height). The budget is
+still stated, as ``x-max-pixels`` on ``size``, ``width`` and ``height`` (an OpenAPI extension:
+validators ignore it; the playground at /ui shows it before submit).
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ def body_rules(adapter: ModelAdapter, limits: Limits, model_name: str) -> dict[s
     heights = list(range(mh, limits.max_height + 1, mh))
     size = f"^({'|'.join(map(str, widths))})x({'|'.join(map(str, heights))})$"
     text = {"maxLength": limits.max_prompt_chars}
+    pixels = {"x-max-pixels": limits.max_pixels}  # width x height: a 422 beyond it, see above
     rules: dict[str, dict[str, Any]] = {
         "prompt": {"minLength": 1, "pattern": r"\S", **text},
         "negative_prompt": text,
         "model": {"enum": [model_name]},
-        "size": {"pattern": size},
-        "width": {"minimum": mw, "maximum": widths[-1], "multipleOf": mw},
-        "height": {"minimum": mh, "maximum": heights[-1], "multipleOf": mh},
+        "size": {"pattern": size, **pixels},
+        "width": {"minimum": mw, "maximum": widths[-1], "multipleOf": mw, **pixels},
+        "height": {"minimum": mh, "maximum": heights[-1], "multipleOf": mh, **pixels},
         "num_frames": {"enum": frames},
         "fps": {"minimum": 1, "maximum": 240},
         "seed": {"minimum": 0, "maximum": 2**63 - 1},

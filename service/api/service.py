@@ -77,7 +77,7 @@ class ServiceConfig(BaseModel):
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     scheduler: Literal["continuous", "waves"] = "continuous"
     starve_s: float = Field(30.0, gt=0)
-    encoders_per_rank: int = Field(1, ge=0)
+    encoders_per_rank: int | None = Field(None, ge=0, description="None: from the rank's CPUs")
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
     api_key_hashes: list[str] = Field(default_factory=list,
                                       description="SHA-256 (hex) of the accepted API keys; empty = open")

@@ -1,16 +1,24 @@
 """MP4 encoding beside a rank: a small process pool, so the rank's next forward never waits.
 
-x264 at 480p x 81 frames takes ~14 s on one core; inside the rank it held a GPU for that
-long. Frames go to the pool as uint8 arrays and the bytes come back through a callback.
-Worker processes are spawned (never forked from a process that holds CUDA) and import
-only ``service.models.video`` (PyAV and numpy, no torch), so each costs little memory.
-The bytes are those ``encode_mp4`` gives in any process (see video.py).
+x264 at 480p x 81 frames of noise takes ~12-14 s on one core; inside the rank it held a
+GPU for that long. Frames go to the pool as uint8 arrays and the bytes come back through
+a callback. Worker processes are spawned (never forked from a process that holds CUDA)
+and import only ``service.models.video`` (PyAV and numpy, no torch), so each costs little
+memory. The bytes are those ``encode_mp4`` gives in any process (see video.py).
+
+Each encode runs ``X264_THREADS`` x264 threads, so a rank given C CPUs gets about
+C // X264_THREADS encoder processes (``pool_size``): a full pool keeps the rank's CPUs
+busy without oversubscribing them. The pool size is free to follow the host; the thread
+count is not (it is part of the bytes).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
+import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -18,7 +26,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
-from service.models.video import encode_mp4
+from service.models.video import X264_THREADS, encode_mp4
 
 log = logging.getLogger("dloserve.encoder")
 Done = Callable[[bytes | None, str | None], None]  # (mp4, error): exactly one is set
@@ -28,21 +36,63 @@ def _warm() -> int:
     return 0
 
 
-class Encoder:
-    """``submit(frames, fps, done)``; ``workers=0`` encodes inline on the caller's thread."""
+def pool_size(cpus: float, threads: int = X264_THREADS) -> int:
+    """Encoder processes for a rank given ``cpus`` CPUs: whole encodes of ``threads`` each.
 
-    def __init__(self, workers: int = 1) -> None:
+    At least one, so a rank given a fraction of a CPU still encodes off its own thread.
+    """
+    if threads < 1:
+        raise ValueError(f"x264 threads must be >= 1, got {threads}")
+    if not math.isfinite(cpus) or cpus < 0:
+        raise ValueError(f"cpus must be a finite number >= 0, got {cpus}")
+    return max(1, int(cpus) // threads)
+
+
+def rank_cpus() -> float:
+    """The CPUs this process is given: a Ray worker's assigned CPUs, within its affinity.
+
+    Ray reserves CPUs without pinning them, so the reservation is the share; outside Ray
+    (``dloserve generate``, tests) the affinity mask is (taskset, cgroups' cpusets).
+    """
+    affinity = float(len(os.sched_getaffinity(0)))
+    ray = sys.modules.get("ray")  # never import Ray for this: only a Ray worker has a share
+    if ray is not None and ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        if ctx.worker.mode == ray.WORKER_MODE:
+            assigned = ctx.get_assigned_resources().get("CPU")
+            if assigned:
+                return min(float(assigned), affinity)
+    return affinity
+
+
+class Encoder:
+    """``submit(frames, fps, done)``; ``workers=0`` encodes inline on the caller's thread,
+    ``None`` sizes the pool from the CPUs this process is given (``pool_size``)."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        if workers is None:
+            cpus = rank_cpus()
+            workers = pool_size(cpus)
+            log.info("MP4 encoders: %d processes of %d x264 threads (%g CPUs given)",
+                     workers, X264_THREADS, cpus)
         if workers < 0:
             raise ValueError(f"encoder workers must be >= 0, got {workers}")
         self.workers = workers
         self._lock = threading.Lock()
         self._pool: ProcessPoolExecutor | None = None
         self._inflight = 0
+        self._warming: list[Future] = []
         if workers:
             self._pool = self._new_pool()
-            # Start the processes now (imports take a second): not on the first request.
-            for f in [self._pool.submit(_warm) for _ in range(workers)]:
-                f.result(timeout=120)
+            # Start the processes now (imports take a second): not on the first request. They
+            # come up while the rank loads its model; ``wait_warm`` waits for them.
+            self._warming = [self._pool.submit(_warm) for _ in range(workers)]
+
+    def wait_warm(self, timeout: float = 120) -> None:
+        """Block until every encoder process has started (raises if one could not)."""
+        for f in self._warming:
+            f.result(timeout=timeout)
+        self._warming = []
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("spawn")

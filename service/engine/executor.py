@@ -117,6 +117,7 @@ class Group:
     forwarding: dict[str, int] = field(default_factory=dict)  # job -> scheduler rank, forwards left
     serving: int = 0  # serve calls in flight (one per process per round)
     handles: list[Any] = field(default_factory=list)  # the transport's per-process handles
+    started: dict[str, Any] = field(default_factory=dict)  # where the last start's time went
 
     @property
     def world(self) -> int:
@@ -125,7 +126,7 @@ class Group:
     def status(self, names: list[str]) -> dict[str, Any]:
         return {"group": self.info.id, "state": self.state.value, "generation": self.generation,
                 "size": self.info.size, "first_rank": self.info.first_rank, "rebuilds": self.rebuilds,
-                "last_error": self.last_error, "workers": names}
+                "last_error": self.last_error, "workers": names, "last_start": self.started}
 
 
 @dataclass(frozen=True)
@@ -341,10 +342,13 @@ class GroupExecutor(Executor):
 
 
 def log_start(g: Group, facts: list[dict[str, Any]], stages: dict[str, float]) -> None:
-    """One line on where a group's start went: the transport's stages, then the slowest
-    rank's (process group, load and its parts, encoders)."""
+    """Where a group's start went (kept for /readyz, and one log line): the transport's
+    stages, then the slowest rank's (process group, load and its parts, encoders)."""
     slowest = max(facts, key=lambda f: f.get("setup_s", 0.0), default={})
-    parts = ", ".join(f"{k} {v:.2f} s" for k, v in {**stages, **slowest.get("stages", {})}.items())
+    breakdown = {k: round(v, 3) for k, v in {**stages, **slowest.get("stages", {})}.items()}
+    g.started = {"seconds": round(sum(stages.values()), 3), "stages": breakdown,
+                 "encoders": [f.get("encoders") for f in facts]}
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in breakdown.items())
     log.info("group %s gen %d ready in %.2f s (%s); ranks: %s", g.info.id, g.generation, sum(stages.values()),
              parts, [(f["rank"], f["pid"], f.get("setup_s")) for f in facts])
 

@@ -1,10 +1,12 @@
 """The executor without Ray: rank processes on this host (``dloserve generate``).
 
-Process r of the engine uses ``cuda:r`` (or the CPU). A group of one process runs in this
-very process (the rank loop on its own threads), as ``generate`` always has at DP1; a group
-of several is spawned processes (never forked: CUDA), each running ``start_rank`` and
-talking to us over a pipe: we send ``assign``/``cancel``/``serve``, it sends its events, the
-end of each serve round, and refusals. A process that dies shows up as a closed pipe.
+Process r of the engine uses ``cuda:r`` (or the CPU). An engine of one rank runs in this
+very process (the rank loop on its own threads), as ``generate`` always has at DP1; with
+more, every rank is a spawned process (never forked: CUDA; and two pipelines must not load
+in one process at once: accelerate's empty-weight loading patches torch globally), each
+running ``start_rank`` and talking to us over a pipe: we send ``assign``/``cancel``/``serve``,
+it sends its events, the end of each serve round, and refusals. A process that dies shows
+up as a closed pipe.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class LocalExecutor(GroupExecutor):
     def _open(self, g: Group) -> None:
         places = [RankPlace(g.info.id, p, g.world, g.info.first_rank) for p in range(g.world)]
         generation = g.generation
-        if g.world == 1:
+        if self.spec.dp_size * self.spec.sp_size == 1:  # the whole engine is one rank: in here
             handles: list[Any] = [_InProcess(self, g, generation, places[0])]
         else:
             from service.offload.spawn import free_port
@@ -101,7 +103,7 @@ class LocalExecutor(GroupExecutor):
 
 
 class _InProcess:
-    """A one-process group's rank loop in this process: calls go straight to it."""
+    """The one rank of a one-rank engine, in this process: calls go straight to it."""
 
     def __init__(self, ex: LocalExecutor, g: Group, generation: int, place: RankPlace) -> None:
         self.ex, self.g, self.generation, self.place = ex, g, generation, place
@@ -272,83 +274,3 @@ def _in_child(fn: Any, *args: Any) -> Any:
     with ctx.Pool(1) as pool:
         return pool.apply(fn, args)
 
-
-def generate(model_dir: str, req: Any, out: str, *, dp_size: int = 1, sp_size: int = 1,
-             settings: Any = None, device: str = "cpu", progress: bool = False) -> None:
-    """``dloserve generate``: one request through the same dispatcher the service uses, on
-    local ranks, its MP4 written to ``out`` atomically; RuntimeError with the reason if it
-    fails. With DP N the request runs on one rank (in an AllGather group the others replay
-    its gathers); with SP S one SP group of S processes runs it."""
-    from service.models.options import Mode, OffloadSettings
-    from service.router.build import build_dispatcher
-
-    spec = EngineSpec(model_dir=str(model_dir), dp_size=dp_size, sp_size=sp_size,
-                      settings=settings or OffloadSettings(Mode.RESIDENT),
-                      gpus_per_rank=1.0 if device == "cuda" else 0.0, encoders_per_rank=0,
-                      pg_timeout_s=600.0)
-    sink = _OneFile(req.num_inference_steps if progress else 0)
-    dispatcher = build_dispatcher(spec, sink, "local", max_attempts=1, progress=progress,
-                                  deadlines=_no_deadline(), max_queue_wait_s=float("inf"))
-    dispatcher.start()
-    try:
-        dispatcher.submit("request", req.compat_key(), req)
-        outcome = sink.wait()
-    finally:
-        dispatcher.stop()
-    if not outcome.ok:
-        raise RuntimeError(outcome.error or "generation failed")
-    _write(out, outcome.mp4)
-
-
-def _no_deadline() -> Any:
-    """``generate`` waits as long as the request takes (a human is watching the bar)."""
-    from service.router.policy import DeadlinePolicy
-
-    return DeadlinePolicy(base_s=float("inf"))
-
-
-class _OneFile:
-    """The sink of ``generate``: a step bar, and the one outcome."""
-
-    def __init__(self, steps: int) -> None:
-        self._done = threading.Event()
-        self.outcome: Any = None
-        self.bar: Any = None
-        if steps:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=steps, desc="denoising", unit="step")
-
-    def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
-        pass
-
-    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-
-    def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        self.outcome = outcome
-        self._done.set()
-
-    def wait(self) -> Any:
-        self._done.wait()
-        return self.outcome
-
-
-def _write(path: str, data: bytes) -> None:
-    """Write atomically: a reader never sees half a file."""
-    import tempfile
-    from pathlib import Path
-
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise

@@ -85,6 +85,22 @@ def metrics() -> dict[str, Any]:
     }
 
 
+def log_to_stderr() -> None:
+    """dloserve's INFO lines (auto's choice, each group's start-up breakdown) on stderr of this
+    process: a Ray worker's stderr reaches the driver's output, Python's default drops INFO."""
+    import logging
+    import sys
+
+    logger = logging.getLogger("dloserve")
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    if not any(getattr(h, "_dloserve", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        handler._dloserve = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
 def pss_bytes(pid: str = "self") -> int:
     """PSS from smaps_rollup: shared mmap pages count 1/N per mapping process."""
     try:

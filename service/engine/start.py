@@ -55,12 +55,17 @@ def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, devi
                                 timeout=timedelta(seconds=spec.pg_timeout_s))
     control = control_group(place.world)  # the per-tick agreement, on the CPU
     t_group = time.monotonic()
-    gather = dist.group.WORLD if spec.settings.enabled and place.world > 1 else None
-    runner = PipelineRunner.load(spec.model_dir, device, settings=spec.settings, group=gather,
-                                 sequence_parallel=spec.sp_size, progress=progress)
-    t_load = time.monotonic()
     lead = not sp or place.lead
-    encoder = Encoder(spec.encoders_per_rank if lead else 0)
+    encoder = Encoder(spec.encoders_per_rank if lead else 0)  # its processes start while we load
+    gather = dist.group.WORLD if spec.settings.enabled and place.world > 1 else None
+    try:
+        runner = PipelineRunner.load(spec.model_dir, device, settings=spec.settings, group=gather,
+                                     sequence_parallel=spec.sp_size, progress=progress)
+    except BaseException:
+        encoder.close()
+        raise
+    t_load = time.monotonic()
+    encoder.wait_warm()
     worker = RankWorker(runner, place.rank, place.world, control, encoder, on_report=on_report,
                         sequence_parallel=sp, lead=lead)
     worker.start_stages = {"process_group_s": round(t_group - t0, 3), "load_s": round(t_load - t_group, 3),
@@ -89,6 +94,7 @@ def load_facts(worker: RankWorker, t0: float) -> dict[str, Any]:
     runner = worker.runner
     return {"rank": worker.rank, "pid": os.getpid(), "setup_s": round(time.monotonic() - t0, 3),
             "stages": getattr(worker, "start_stages", {}), "mode": runner.settings.mode.value,
+            "encoders": worker.encoder.workers,
             "choice": runner.choice}
 
 

@@ -7,7 +7,6 @@ the executor calls ``assign``, ``cancel``, long-polls ``events`` and ``ping``s o
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -19,13 +18,6 @@ from service.engine.metrics import metrics, pss_bytes
 from .events import Event, EventKind
 from .spec import EngineSpec
 from .start import RankPlace
-
-
-def free_port() -> int:
-    """An ephemeral port that was free a moment ago (rank 0 binds it right after)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class RankActor:
@@ -45,7 +37,9 @@ class RankActor:
 
     def rendezvous_address(self) -> str:
         """Process 0 picks its node IP and a free port for the TCP rendezvous."""
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port()}"
+        from service.offload.spawn import free_port
+
+        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
 
     def setup(self, init_method: str | None) -> dict[str, Any]:
         """Join the process group, load the pipeline, start the rank loop; returns load facts."""

@@ -25,10 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .meta import empty_weights
 from .request import GenerationRequest, RequestError
 
 StepCallback = Callable[[int, int], None]
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
+
 
 
 class ModelError(ValueError):
@@ -81,15 +83,13 @@ class ModelAdapter(ABC):
     def build_transformer(self, only: str | None = None) -> nn.Module:
         """The denoiser on the meta device with real buffers (weights come from the runtime);
         with two experts an ``Experts`` module holding both (``only``: that one alone)."""
-        from accelerate import init_empty_weights
-
         from .experts import Experts
 
         def build(name: str) -> nn.Module:
             cls = self.component_class(name)
             config = cls.load_config(self.model_dir / name)
             # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
-            with init_empty_weights():
+            with empty_weights():
                 return cls.from_config(config).eval()
 
         if only is not None or len(self.experts) == 1:

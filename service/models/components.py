@@ -69,12 +69,12 @@ def load_streamed_text_encoder(
     cls: type, folder: Any, device: torch.device, block_attrs: tuple[str, ...]
 ) -> tuple[nn.Module, LayerwiseOffload]:
     """A transformers text encoder whose ``block_attrs`` stream from the mmap (rank-local)."""
-    from accelerate import init_empty_weights
+    from .meta import empty_weights
 
     config = cls.config_class.from_pretrained(folder)
     ckpt = Checkpoint(folder)
     dtype, keep = from_pretrained_dtype(cls, config, ckpt)
-    with init_empty_weights():
+    with empty_weights():
         module = cls(config).eval()
     in_blocks = tuple(f"{a}." for a in block_attrs)
     host = tuple(n for n, m in module.named_modules()

@@ -183,13 +183,14 @@ def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Gene
 def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: torch.dtype,
                                 seed: int, progress: bool = False, init_device: str = "cpu") -> None:
     """Save config + sharded safetensors one block at a time (diffusers' sharded layout)."""
-    from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
     from service.offload.checkpoint import serving_dtype
 
-    with init_empty_weights():
+    from .meta import empty_weights
+
+    with empty_weights():
         meta = WanTransformer3DModel(**config)
     folder.mkdir(parents=True, exist_ok=True)
     meta.save_config(folder)
@@ -231,16 +232,17 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
 def _write_streamed_text_encoder(folder: Path, dtype: torch.dtype, seed: int, progress: bool,
                                  init_device: str = "cpu") -> None:
     """Replace ``folder`` with a UMT5-XXL-shaped encoder, one block per shard (bf16)."""
-    from accelerate import init_empty_weights
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import UMT5Config, UMT5EncoderModel
+
+    from .meta import empty_weights
 
     shutil.rmtree(folder)
     folder.mkdir()
     config = UMT5Config(**UMT5_XXL, dtype=dtype)
     config.save_pretrained(folder)
-    with init_empty_weights():
+    with empty_weights():
         meta = UMT5EncoderModel(config)
     groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for name, t in meta.state_dict().items():

@@ -41,6 +41,7 @@ from service.offload.auto import ProbeTimings, choose_mode, probe
 from .adapter import ModelAdapter
 from .experts import expert_of, mixed_share
 from .options import Mode, OffloadSettings
+from .progress import progress_bar
 from .registry import load_adapter
 from .request import GenerationRequest
 from .video import encode_mp4
@@ -140,7 +141,7 @@ class PipelineRunner:
                     block_attrs=list(adapter.offload_block_attrs),
                     dtype=dtype,
                     keep_fp32=adapter.keep_fp32,
-                    progress=_shard_bar() if progress else None,
+                    progress=progress_bar("sharding blocks", "block") if progress else None,
                     placement=Placement(resident_blocks=settings.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
                     quantization=settings.quantization,
@@ -327,18 +328,3 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: Offloa
             return probe(h, lambda: module(**inputs), group)
     finally:
         h.close()
-
-
-def _shard_bar() -> Callable[[int, int], None]:
-    """A tqdm bar over the blocks being sharded (the offload library takes a callback)."""
-    from tqdm import tqdm
-
-    bar = tqdm(desc="sharding blocks", unit="block", leave=False)
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-        if done >= total:
-            bar.close()
-
-    return update

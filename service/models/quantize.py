@@ -22,6 +22,7 @@ from service.offload.quant import Fp8Compute, quantize_blocks
 from service.offload.quant_checkpoint import write_quantized
 
 from .adapter import ModelError
+from .progress import progress_bar
 from .registry import load_adapter
 
 METHODS = ("fp8",)
@@ -50,7 +51,7 @@ def quantize_pipeline(src: str | Path, dst: str | Path, method: str = "fp8", pro
 
     t0 = time.perf_counter()
     shutil.copytree(src, dst, ignore=ignore, dirs_exist_ok=True)
-    bar = _bar() if progress else None
+    bar = progress_bar("quantizing transformer files", "file") if progress else None
     summary = write_quantized(ckpt, dst / "transformer", weights, progress=bar)
     return {**summary, "src": str(src), "dst": str(dst), "method": method,
             "seconds": round(time.perf_counter() - t0, 2)}
@@ -69,17 +70,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {s['dst']}: {s['quantized_weights']} weights in {s['method']}, transformer "
           f"{s['source_bytes'] / 1e9:.2f} GB -> {s['bytes'] / 1e9:.2f} GB in {s['seconds']:.1f} s")
     return 0
-
-
-def _bar() -> Any:
-    from tqdm import tqdm
-
-    bar = tqdm(desc="quantizing transformer files", unit="file", leave=False)
-
-    def update(done: int, total: int) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-        if done >= total:
-            bar.close()
-
-    return update

@@ -3,9 +3,17 @@
 Same frames -> same bytes is what lets the tests compare strategies by SHA-256 of the
 file. Three things stood in the way:
 
-- Threads. swscale's RGB -> YUV conversion and x264 both run single-threaded with fixed
-  options (threaded slices and x264's frame threads make the bytes depend on scheduling
-  and on the host's core count).
+- Threads. x264 runs ``X264_THREADS`` frame threads, a constant: its output is a function
+  of its input and its options, the thread count included (x264 is deterministic for a
+  given count unless ``--non-deterministic`` is set, and we set it off explicitly), so the
+  count is part of the bytes' identity and never follows the host ("auto" would: x264
+  counts the CPUs in the process's affinity). Frame threads, not sliced threads: sliced
+  threads cut every frame into one slice per thread, which buys latency a file does not
+  need and costs compression (a smooth 832x480x81 clip: +2%, +7%, +13% at 2, 4, 8
+  slices, same CRF), and x264 stops at 7 of them for 480-row frames; a frame-threaded
+  encode's busiest thread did 1/T of the work (loadtest/results/cpu-encode-threads-*).
+  swscale's RGB -> YUV conversion stays on one thread (its default is "auto", one slice
+  per core, which was seen to change the bytes of identical 480p frames on a 32-core host).
 - x264's AVX-512 macroblock tree read memory it never wrote. The lookahead's
   ``mbtree_propagate_list_internal_avx512`` (x264 common/x86/mc-a2.asm) handles 8
   macroblocks per loop iteration and has no tail: when a frame's width in macroblocks is
@@ -33,6 +41,7 @@ import ctypes.util
 import functools
 import logging
 import os
+import re
 import tempfile
 from fractions import Fraction
 
@@ -41,13 +50,27 @@ import numpy as np
 
 log = logging.getLogger("dloserve.video")
 
-X264_BASE = {"crf": "18", "preset": "medium", "threads": "1"}
+# Frame threads per encode. A constant, never derived from the host: the bytes change
+# with it (changing it changes every file). 4: on a 16-core host a 480x832x81 noise clip
+# took 11.6 s on 1 thread, 4.6 on 4, 3.2 on 8 (design.md section 8; PyAV's default,
+# sliced, threads), so 4 has most of the latency gain at 2.5x one thread's speed, and it
+# fits a rank given 4 CPUs; the encoder pool (engine/encoder.py) runs about
+# cpus // X264_THREADS encodes at once.
+X264_THREADS = 4
+X264_BASE = {"crf": "18", "preset": "medium"}
 X264_CPU_AVX512 = 1 << 16  # x264.h; stable since x264 gained AVX-512 (build 152)
 
 
-def x264_options() -> dict[str, str]:
-    """The codec options every encode uses (the CPU mask is read once per process)."""
-    return {**X264_BASE, "x264-params": _x264_params()}
+def x264_options(threads: int = X264_THREADS) -> dict[str, str]:
+    """The codec options of every encode (the CPU mask is read once per process).
+
+    Threading goes in ``x264-params`` too, which libx264 applies last, so x264 gets
+    exactly these whatever PyAV's codec defaults are (its thread type is "slice").
+    """
+    if threads < 1:
+        raise ValueError(f"x264 threads must be >= 1 (never auto), got {threads}")
+    params = f"{_x264_params()}:threads={threads}:sliced-threads=0:non-deterministic=0"
+    return {**X264_BASE, "threads": str(threads), "x264-params": params}
 
 
 @functools.cache
@@ -103,36 +126,106 @@ def _even(frames: np.ndarray) -> np.ndarray:
     return frames
 
 
-def encode_mp4(frames: np.ndarray, fps: int) -> bytes:
-    """Encode ``frames`` (uint8 [T, H, W, 3]) as an H.264 MP4 at ``fps``; deterministic."""
+def _check_frames(frames: np.ndarray) -> None:
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+
+
+class Mp4Writer:
+    """One MP4 encode fed frames as they come (``add``), finished by ``close``.
+
+    The bytes are those of ``encode_mp4`` on all the frames at once, however they were
+    split: x264 sees the same frames in the same order with the same options.
+    """
+
+    def __init__(self, width: int, height: int, fps: int, *, threads: int = X264_THREADS) -> None:
+        if fps < 1:
+            raise ValueError(f"fps must be >= 1, got {fps}")
+        if width < 1 or height < 1:
+            raise ValueError(f"frame size must be positive, got {width}x{height}")
+        options = x264_options(threads)
+        self.size = (height, width)
+        self.frames = 0  # frames given to x264
+        self.finished = 0  # frames x264 has given back encoded (it holds its lookahead)
+        fd, self._path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
+        os.close(fd)
+        try:
+            self._out = av.open(self._path, mode="w", format="mp4", options={"movflags": "+faststart"})
+            self._stream = self._out.add_stream("libx264", rate=Fraction(int(fps), 1), options=options)
+            self._stream.width, self._stream.height = width + width % 2, height + height % 2
+            self._stream.pix_fmt = "yuv420p"
+            self._stream.codec_context.thread_count = threads
+            self._stream.codec_context.thread_type = "FRAME"
+        except BaseException:
+            os.unlink(self._path)
+            raise
+
+    def add(self, frames: np.ndarray) -> None:
+        """Encode uint8 [t, H, W, 3] frames next (x264 holds some back until ``close``)."""
+        _check_frames(frames)
+        if frames.shape[1:3] != self.size:
+            raise ValueError(f"frames are {frames.shape[2]}x{frames.shape[1]}, this MP4 is "
+                             f"{self.size[1]}x{self.size[0]}")
+        for arr in np.ascontiguousarray(_even(frames)):
+            # Convert to yuv420p ourselves, on one thread (see the module's notes).
+            rgb = av.VideoFrame.from_ndarray(arr, format="rgb24")
+            frame = rgb.reformat(format="yuv420p", threads=1)
+            frame.pts = self.frames
+            self.frames += 1
+            packets = self._stream.encode(frame)
+            self.finished += len(packets)
+            self._out.mux(packets)
+
+    def close(self) -> bytes:
+        """Flush x264, finish the file (``+faststart``) and return its bytes."""
+        try:
+            if self.frames < 1:
+                raise ValueError("frames must hold at least one frame")
+            self._out.mux(self._stream.encode(None))
+            self._out.close()
+            with open(self._path, "rb") as f:
+                return f.read()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Drop the encode (safe to call more than once, and after ``close``)."""
+        try:
+            self._out.close()
+        except Exception:  # noqa: BLE001 - already closed, or failed mid-write: nothing to keep
+            pass
+        if os.path.exists(self._path):
+            os.unlink(self._path)
+
+
+def encode_mp4(frames: np.ndarray, fps: int, *, threads: int = X264_THREADS) -> bytes:
+    """Encode ``frames`` (uint8 [T, H, W, 3]) as an H.264 MP4 at ``fps``; deterministic.
+
+    ``threads`` is for benchmarks: the service always encodes with ``X264_THREADS``,
+    since another count gives other (equally deterministic) bytes.
+    """
+    _check_frames(frames)
     if frames.shape[0] < 1:
         raise ValueError("frames must hold at least one frame")
-    if fps < 1:
-        raise ValueError(f"fps must be >= 1, got {fps}")
-    frames = np.ascontiguousarray(_even(frames))
-    fd, path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
-    os.close(fd)
+    writer = Mp4Writer(frames.shape[2], frames.shape[1], fps, threads=threads)
     try:
-        with av.open(path, mode="w", format="mp4", options={"movflags": "+faststart"}) as out:
-            stream = out.add_stream("libx264", rate=Fraction(int(fps), 1), options=x264_options())
-            stream.width, stream.height = frames.shape[2], frames.shape[1]
-            stream.pix_fmt = "yuv420p"
-            stream.codec_context.thread_count = 1
-            for i, arr in enumerate(frames):
-                # Convert to yuv420p ourselves, on one thread: swscale's default is
-                # "auto" threads (one slice per core), which was seen to change the
-                # bytes of identical 480p frames from run to run on a 32-core host.
-                rgb = av.VideoFrame.from_ndarray(arr, format="rgb24")
-                frame = rgb.reformat(format="yuv420p", threads=1)
-                frame.pts = i
-                out.mux(stream.encode(frame))
-            out.mux(stream.encode(None))
-        with open(path, "rb") as f:
-            return f.read()
-    finally:
-        os.unlink(path)
+        writer.add(frames)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def x264_settings(data: bytes) -> dict[str, str]:
+    """The options x264 says it ran with, from the SEI it writes into the stream.
+
+    How a test or a benchmark checks what the encoder really did (threads, slices),
+    rather than what it was asked for.
+    """
+    m = re.search(rb"x264 - core \d+.*? - options: ([ -~]*)", data)
+    if m is None:
+        return {}
+    return dict(kv.split("=", 1) for kv in m.group(1).decode().split() if "=" in kv)
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

@@ -20,9 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral port of ``host`` that was free a moment ago (a rendezvous binds it next)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

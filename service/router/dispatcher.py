@@ -464,6 +464,7 @@ class Dispatcher:
         now = self._availability()[0]
         for a in Availability:
             metrics()["availability"].set(1 if a is now else 0, tags={"state": a.value})
-        for gid in self._tracks:
+        for gid, tr in self._tracks.items():  # gauges are re-set every step, or Ray drops them
+            metrics()["group_ready"].set(1 if tr.ready else 0, tags={"group": gid})
             metrics()["queue_depth"].set(self.depth, tags={"group": gid})
             metrics()["queue_capacity"].set(self.scheduler.max_queue, tags={"group": gid})

@@ -17,8 +17,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> 
     g.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",
                    help="continuous: a freed rank starts the next request at the next forward; "
                         "waves: request-level waves of one compatibility key")
-    g.add_argument("--encoders-per-rank", type=int, default=1,
-                   help="MP4 encoder processes beside each rank (0: encode on the rank)")
+    g.add_argument("--encoders-per-rank", type=int, default=None,
+                   help="MP4 encoder processes beside each rank (default: auto, the rank's CPUs "
+                        "// x264 threads per encode, at least 1; 0: encode on the rank)")
     g.add_argument("--wave-deadline-base-s", type=float, default=deadline_base_s,
                    help="fixed part of each request's deadline")
     g.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -48,12 +49,13 @@ def test_dashboard_json_is_what_the_generator_writes() -> None:
     assert (DEPLOY / "grafana-dashboard.json").read_text() == gen.render(), "run: python deploy/dashboard.py"
 
 
+@pytest.mark.deploy  # needs promtool: `make setup-system` installs Debian's prometheus package
 def test_alert_rules_check_and_pass_their_unit_tests() -> None:
     import shutil
     import subprocess
 
     promtool = shutil.which("promtool")
-    assert promtool, "promtool missing: make setup installs Debian's prometheus package"
+    assert promtool, "promtool missing: `make setup-system` installs Debian's prometheus package"
     for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
         r = subprocess.run([promtool, *args], cwd=DEPLOY / "prometheus", capture_output=True, text=True)
         assert r.returncode == 0, r.stdout + r.stderr

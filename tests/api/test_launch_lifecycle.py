@@ -22,6 +22,8 @@ from service.api.hostproc import descendants, matching
 from tests.api.conftest import Serve
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.e2e  # each test starts `dloserve serve` (its own Ray cluster) in a subprocess
+
 
 def test_busy_port_ends_a_second_instance_with_exit_2(app_url: str, ray_tmp: Path) -> None:
     port = app_url.rsplit(":", 1)[1]

@@ -105,6 +105,7 @@ def test_deep_json_is_422_not_500(app_url: str) -> None:
     assert r.status_code == 422, r.text
 
 
+@pytest.mark.e2e  # waits out a queue limit while real starts fail
 def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, demo_model: str,
                                                           tmp_path: Path) -> None:
     """A truncated checkpoint: every rank fails to load, the starts are retried; a job accepted

@@ -27,6 +27,7 @@ def wait_final(svc, job_id: str, timeout: float = 180) -> JobRecord:  # noqa: AN
     return rec
 
 
+@pytest.mark.e2e  # kills a rank actor and waits for the rebuild
 def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, demo_model: str,
                                                            resident, tmp_path: Path) -> None:  # noqa: ANN001
     from service.api.service import ServiceConfig, VideoService
@@ -36,8 +37,12 @@ def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, de
                         deadline={"base_s": 120, "per_forward_s": 1.0})
     svc = VideoService(cfg)
     try:
+        end = time.monotonic() + 180
+        while svc.readiness()["state"] != "ready":
+            assert time.monotonic() < end, svc.readiness()
+            time.sleep(0.2)
         ex = svc.dispatcher.executor
-        assert [(g.size, g.world) for g in ex._groups.values()] == [(1, 2)]
+        assert [(g.info.size, g.world) for g in ex._groups.values()] == [(1, 2)]
         assert len(ex.spec.bundles()) == 2 and ex.spec.settings.mode.value == "allgather"  # SP: no auto
         with pytest.raises(BodyError) as e:  # 48x48x9: 3 x 3 x 3 = 27 tokens
             svc.create({"prompt": "odd", "width": 48, "height": 48, "num_frames": 9, "seed": 1})

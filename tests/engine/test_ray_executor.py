@@ -10,7 +10,6 @@ demo model): what only real actors show.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,44 +17,15 @@ import pytest
 import ray
 
 from service.engine.executor import GroupState
-from service.engine.spec import EngineSpec, Outcome
+from service.engine.spec import EngineSpec
 from service.models.options import Mode, OffloadSettings
 from service.models.request import GenerationRequest
 from service.router.build import build_dispatcher
 from service.router.dispatcher import Dispatcher
 from service.router.policy import DeadlinePolicy
-from service.router.waves import Ticket
+from tests.fakes import RecordingSink
 
-
-class Collect:
-    def __init__(self) -> None:
-        self.started: dict[str, dict[str, Any]] = {}
-        self.finished: dict[str, Outcome] = {}
-        self.progress: dict[str, int] = {}
-        self._cv = threading.Condition()
-
-    def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        with self._cv:
-            self.started[ticket.id] = dict(info)
-
-    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        with self._cv:
-            self.progress[ticket_id] = step
-            self._cv.notify_all()
-
-    def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
-        with self._cv:
-            self.finished[ticket.id] = outcome
-            self._cv.notify_all()
-
-    def wait(self, ids: list[str], timeout: float = 180) -> list[Outcome]:
-        with self._cv:
-            assert self._cv.wait_for(lambda: all(i in self.finished for i in ids), timeout), self.finished
-            return [self.finished[i] for i in ids]
-
-    def wait_progress(self, tid: str, timeout: float = 120) -> None:
-        with self._cv:
-            assert self._cv.wait_for(lambda: self.progress.get(tid, 0) >= 1, timeout)
+pytestmark = pytest.mark.e2e  # each test kills real rank actors and waits for the rebuilds
 
 
 def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
@@ -63,8 +33,8 @@ def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
         assert d._cv.wait_for(lambda: d.status()["state"] == "ready", timeout), d.status()
 
 
-def running(spec: EngineSpec, **kw: Any) -> Iterator[tuple[Dispatcher, Collect]]:
-    sink = Collect()
+def running(spec: EngineSpec, **kw: Any) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    sink = RecordingSink()
     d = build_dispatcher(spec, sink, "ray", **kw)
     d.start()
     try:
@@ -79,8 +49,9 @@ def submit(d: Dispatcher, tid: str, req: GenerationRequest) -> None:
 
 
 @pytest.fixture
-def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
-    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.RANK_LOCAL), cpus_per_rank=0.5,
+def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    # auto, the default: on CPU ranks without a probe size it picks rank-local and says why
+    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.AUTO), cpus_per_rank=0.5,
                       pg_timeout_s=60, encoders_per_rank=0)
     yield from running(spec, deadlines=DeadlinePolicy(base_s=120))
 
@@ -89,6 +60,8 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
     d, sink = ranklocal
     ex = d.executor
     assert [g.size for g in ex.groups()] == [1, 1]
+    choice = d.status()["offload_mode"]
+    assert choice["mode"] == "rank-local" and choice["reason"].startswith("CPU ranks"), choice
     a = GenerationRequest(prompt="stays", seed=1, num_inference_steps=30)
     b = GenerationRequest(prompt="doomed", seed=2, num_inference_steps=400)
     c = GenerationRequest(prompt="queued", seed=3)
@@ -110,7 +83,7 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
 
 
 @pytest.fixture
-def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
+def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
                       pg_timeout_s=60, encoders_per_rank=1)
     # 1,000 steps (2,000 forwards, ~20 s here) cannot finish in 2 s even on a CPU 10x faster.
@@ -148,7 +121,7 @@ def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> N
 
 
 @pytest.fixture
-def allgather(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, Collect]]:
+def allgather(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
                       pg_timeout_s=60, encoders_per_rank=1)
     yield from running(spec, deadlines=DeadlinePolicy(base_s=300))

@@ -32,6 +32,7 @@ def run_batch(ray_cluster: dict, prompts: Path, out: Path) -> subprocess.Complet
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.e2e  # the batch job as its own process: load, run, run again
 def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path, resident) -> None:  # noqa: ANN001
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
@@ -45,6 +46,8 @@ def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path
     assert sorted(e["id"] for e in manifest) == ["fox", "item-00003", "owl"]
     for e in manifest:
         assert e["status"] == "completed" and sha256(out / e["file"]) == e["sha256"]
+        stages = {"queue_s", "text_encode_s", "denoise_s", "decode_s", "encode_s", "store_s"}
+        assert stages <= set(e["timings"]), e
     assert (out / "fox.mp4").read_bytes() == resident.generate(GenerationRequest(prompt="a red fox", seed=1))
 
     second = run_batch(ray_cluster, prompts, out)

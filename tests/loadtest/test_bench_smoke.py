@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e  # each runs a benchmark script end to end in its own processes
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -65,3 +68,31 @@ def test_fp8_bench_cpu_smoke(tmp_path: Path) -> None:
         assert 0 < r["rel_error_vs_bf16"] < 0.1
         assert r["block_gb"] < 0.75 * rows[("bf16-dlo", "bf16")]["block_gb"]  # tiny: many fp32 norms
         assert report["runs"]["fp8-dlo"]["computes"][compute]["scaled_mm_ran"] == (compute == "scaled_mm")
+
+
+def test_encode_bench_cpu_smoke(tmp_path: Path) -> None:
+    """Thread counts and the streamed encode at a toy size: one file per configuration,
+    streamed bytes equal to encode_mp4's, x264's hold-back counted."""
+    report = _run("bench_encode.py", ["--parts", "threads,stream", "--size", "64x48x9", "--threads", "1,2",
+                                      "--reps", "2", "--decode-s", "0,0.2"], tmp_path)
+    rows = report["threads"]["rows"]
+    assert {(r["kind"], r["threads"]) for r in rows} >= {("frame", 1), ("frame", 2), ("slice", 2)}
+    assert all(r["distinct_sha256"] == 1 and r["x264"]["threads"] for r in rows)
+    assert [r["role"] for r in rows if r["role"]] == ["before", "before"]  # X264_THREADS is not in 1,2
+    assert all(r["bytes_equal"] and r["held_back_frames"] == 9 for r in report["stream"]["rows"])
+
+
+def test_encode_determinism_smoke_and_its_fault(tmp_path: Path) -> None:
+    """The check passes on the service's settings and fails with the thread count taken
+    from the CPUs (a process pinned to one CPU then writes other bytes)."""
+    import os
+
+    args = ["--processes", "3", "--rounds", "1", "--full-reps", "0", "--load", "0",
+            "--inputs", "noise-96x96x9,smooth-96x96x9"]
+    report = _run("encode_determinism.py", args, tmp_path)
+    assert report["one_file_per_input"] and report["total_encodes"] == 6
+    if len(os.sched_getaffinity(0)) > 1:  # pinning changes nothing on a one-CPU host
+        proc = subprocess.run([sys.executable, str(ROOT / "loadtest" / "encode_determinism.py"), *args,
+                               "--fault", "auto-threads"], capture_output=True, text=True, timeout=400,
+                              env=_env())
+        assert proc.returncode == 1, proc.stdout

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.engine.local import generate
+from service.jobs.generate import generate
 from service.models.demo import ensure_demo_model
 from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner

@@ -11,40 +11,19 @@ from typing import Any
 
 import pytest
 
-from service.engine.spec import Outcome
 from service.models.request import GenerationRequest
 from service.router.dispatcher import Availability, Dispatcher, Unavailable
 from service.router.policy import DeadlinePolicy
 from service.router.scheduler import ContinuousScheduler, WaveScheduler
-from service.router.waves import Ticket
-from tests.fakes import Clock, FakeExecutor
+from tests.fakes import Clock, FakeExecutor, RecordingSink
 
 REQ = GenerationRequest(prompt="p", num_inference_steps=2)  # 4 forwards
 BIG = GenerationRequest(prompt="p", num_inference_steps=2, width=64)
 
 
-class Collect:
-    """A Sink that remembers everything."""
-
-    def __init__(self) -> None:
-        self.started: dict[str, dict[str, Any]] = {}
-        self.finished: dict[str, Outcome] = {}
-        self.progress: dict[str, int] = {}
-
-    def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        self.started[ticket.id] = dict(info)
-
-    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        self.progress[ticket_id] = step
-
-    def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
-        assert ticket.id not in self.finished, f"{ticket.id} ended twice"
-        self.finished[ticket.id] = outcome
-
-
 def make(sizes: tuple[int, ...] = (2,), outcomes: dict[int, list[bool]] | None = None, waves: bool = False,
-         **kw: Any) -> tuple[Dispatcher, FakeExecutor, Collect, Clock]:
-    ex, sink, clock = FakeExecutor(sizes, outcomes or {}), Collect(), Clock()
+         **kw: Any) -> tuple[Dispatcher, FakeExecutor, RecordingSink, Clock]:
+    ex, sink, clock = FakeExecutor(sizes, outcomes or {}), RecordingSink(), Clock()
     sched = WaveScheduler(max(sizes), max_wait_s=0.05) if waves else ContinuousScheduler(64, 30.0)
     d = Dispatcher(ex, sink, sched, deadlines=DeadlinePolicy(base_s=60, per_forward_s=1.0), clock=clock, **kw)
     d.open()

@@ -1,0 +1,127 @@
+"""A rank SIGKILLed mid-request under `dloserve serve` with default flags: what fails, how
+long until the service serves again, and that the next request completes.
+
+    python loadtest/rank_kill.py --model /tmp/wan12 --dp 2 --out $OUT/rank-kill.json
+
+It starts the service (only `--enable-distributed-layerwise-offload`: auto mode, auto
+encoders), times start-up to ready, sends a long request, kills one rank process once the
+request has made progress, and reports: the killed request's final status and reason, the
+seconds from the kill to `/readyz` 200 (serving again) and to the next request's completion,
+and the group's cold-start breakdown from the service log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.api.hostproc import matching  # noqa: E402
+from service.offload.spawn import free_port  # noqa: E402
+
+
+def final(url: str, vid: str, timeout: float) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()
+        if v["status"] in ("completed", "failed", "cancelled"):
+            return v
+        time.sleep(0.2)
+    raise TimeoutError(f"{vid} not final after {timeout} s")
+
+
+def ready(url: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"not ready after {timeout} s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--steps", type=int, default=20, help="steps of the request that is killed")
+    p.add_argument("--size", default="832x480x33", help="WIDTHxHEIGHTxFRAMES of the requests")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "service.cli", "serve", args.model, "--data-parallel-size", str(args.dp),
+           "--enable-distributed-layerwise-offload", "--port", str(port), "--max-steps", "1000"]
+    if args.device == "cpu":
+        cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
+    log_path = Path(args.out).with_suffix(".log")
+    log = open(log_path, "w")  # noqa: SIM115 - closed below
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
+    res: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+                           "host": platform.node(), "date": dt.datetime.now().isoformat(),
+                           "cpus": os.cpu_count()}
+    try:
+        res["ready_s"] = round(ready(url, 900), 1)
+        w, h, f = (int(x) for x in args.size.split("x"))
+        body = {"prompt": "killed mid-request", "seed": 1, "width": w, "height": h, "num_frames": f,
+                "num_inference_steps": args.steps}
+        warm = httpx.post(f"{url}/v1/videos", json={**body, "num_inference_steps": 1, "prompt": "warm-up"},
+                          timeout=60).json()["id"]
+        res["warm_up"] = final(url, warm, 900)["status"]
+        vid = httpx.post(f"{url}/v1/videos", json=body, timeout=60).json()["id"]
+        while httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()["progress"] < 10:
+            time.sleep(0.1)
+        ranks = matching(proc.pid, "RankActor")
+        res["rank_processes"] = len(ranks)
+        t_kill = time.monotonic()
+        os.kill(ranks[-1], signal.SIGKILL)
+        killed = final(url, vid, 600)
+        why = (killed.get("error") or {}).get("message")
+        res["killed_request"] = {"status": killed["status"], "reason": why}
+        time.sleep(0.5)  # the rebuild is under way by now; time until /readyz says it serves again
+        res["kill_to_ready_s"] = round(0.5 + ready(url, 600), 2)
+        after = httpx.post(f"{url}/v1/videos", json={**body, "num_inference_steps": 2, "prompt": "after"},
+                           timeout=60).json()["id"]
+        nxt = final(url, after, 900)
+        res["next_request"] = {"status": nxt["status"], "timings": nxt.get("timings")}
+        res["kill_to_next_completed_s"] = round(time.monotonic() - t_kill, 2)
+        res["readyz"] = httpx.get(f"{url}/readyz", timeout=30).json()
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        res["total_s"] = round(time.monotonic() - t0, 1)
+    res["group_starts"] = [line.strip()[-900:] for line in log_path.read_text().splitlines()
+                           if re.search(r"group \w+ gen \d+ ready in", line)]
+    res["last_start"] = [g.get("last_start") for g in res.get("readyz", {}).get("groups", [])]
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: res[k] for k in ("ready_s", "killed_request", "kill_to_ready_s", "next_request",
+                                          "kill_to_next_completed_s") if k in res}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
