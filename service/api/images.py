@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from service.api.schemas import BodyError
+from service.api.errors import BodyError
 from service.models.image import check_image
 from service.models.request import RequestError
 

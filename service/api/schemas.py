@@ -11,16 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.api.errors import BodyError
 from service.models.request import GenerationRequest
-
-
-class BodyError(ValueError):
-    """The body is unreadable or a field is invalid; becomes a 422 naming ``field``."""
-
-    def __init__(self, field: str, message: str, kind: str = "value_error") -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message, self.kind = field, message, kind
-
 
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
