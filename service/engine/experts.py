@@ -9,7 +9,7 @@ requests at different progress). The rule, agreed in the tick's one all-reduce:
   idle, like a rank with no work, and keep their forward for a later tick. So every tick
   gathers exactly one expert's blocks (no more bytes than a single-expert model), and the
   ring always knows what it fills.
-- **Why this rule.** Measured by ``simulate`` (forwards and ticks only, continuous
+- **Why this rule.** Measured by ``service.models.experts.simulate`` (forwards and ticks only, continuous
   scheduling, Wan2.2's expert plans; docs/models.md has the table): with requests of equal
   step counts every rule keeps a busy group in step (efficiency 1.0); with mixed step
   counts the majority rule with ties to expert 0 computed the most forwards per tick at
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-NONE = -1  # no expert needed
+from service.models.experts import NONE, choose
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,6 @@ def agree(experts: int, at_gate: bool, busy: bool, mine: tuple[int, int, int],
     return decide(v, experts)
 
 
-def choose(counts: Sequence[int]) -> int:
-    """The expert most ranks need; ties go to the earlier expert; NONE when none is needed."""
-    best = max(range(len(counts)), key=lambda e: (counts[e], -e))
-    return best if counts[best] else NONE
-
-
 def encode(experts: int, at_gate: bool, busy: bool, need: int, ran: int, waiting: int) -> list[int]:
     """This rank's vector for the SUM all-reduce.
 
@@ -115,36 +109,3 @@ def decide(v: Sequence[int], experts: int) -> Tick:
         base = 3 + experts + expert * experts
         upcoming = choose(v[base : base + experts])
     return Tick(bool(v[0]), bool(v[1]), not bool(v[2]), expert, upcoming if upcoming != NONE else 0)
-
-
-RULES = ("majority", "union", "later")
-
-
-def simulate(plans: Sequence[Sequence[int]], world: int, rule: str = "majority") -> dict[str, float]:
-    """Forwards per tick of a group of ``world`` ranks running ``plans`` (requests, taken in
-    order by whichever rank is free, continuous scheduling) under ``rule``: "majority" (what
-    the group does), "union" (every needed expert in one tick: a forward's time per expert)
-    or "later" (the later expert first). Counts only (no timing): docs/models.md, tests.
-    """
-    if rule not in RULES:
-        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-    queue = [list(p) for p in plans]
-    running: list[list[int]] = [queue.pop(0) if queue else [] for _ in range(world)]
-    cost = forwards = 0
-    while any(running):
-        needs = [r[0] for r in running if r]
-        counts = [needs.count(e) for e in range(max(needs) + 1)]
-        if rule == "union":
-            runs = [e for e, c in enumerate(counts) if c]
-        else:
-            runs = [max(needs) if rule == "later" else choose(counts)]
-        for e in runs:
-            cost += 1  # one forward's time per expert run
-            for i, r in enumerate(running):
-                if r and r[0] == e:
-                    r.pop(0)
-                    forwards += 1
-                    if not r and queue:
-                        running[i] = queue.pop(0)
-    return {"forward_times": cost, "forwards": forwards,
-            "efficiency": forwards / (world * cost) if cost else 1.0}

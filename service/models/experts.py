@@ -48,13 +48,56 @@ def expert_plan(scheduler: Any, steps: int, boundary_ratio: float | None, cfg: b
     return tuple(0 if t >= boundary else 1 for t in scheduler.timesteps.tolist() for _ in range(per_step))
 
 
-def mixed_share(plan: Sequence[int]) -> float:
-    """Chance that two ranks at independent, uniform points of this plan need different
-    experts: 2 h (1 - h) for a share h of high-noise forwards (0 with one expert)."""
-    if not plan:
+NONE = -1  # no expert needed
+RULES = ("majority", "union", "later")
+
+
+def choose(counts: Sequence[int]) -> int:
+    """The expert most ranks need; ties go to the earlier expert; NONE when none is needed."""
+    best = max(range(len(counts)), key=lambda e: (counts[e], -e))
+    return best if counts[best] else NONE
+
+
+def simulate(plans: Sequence[Sequence[int]], world: int, rule: str = "majority") -> dict[str, float]:
+    """Forwards per tick of a group of ``world`` ranks running ``plans`` (requests, taken in
+    order by whichever rank is free, continuous scheduling) under ``rule``: "majority" (what
+    the group does), "union" (every needed expert in one tick: a forward's time per expert)
+    or "later" (the later expert first). Counts only (no timing): docs/models.md, tests.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    queue = [list(p) for p in plans]
+    running: list[list[int]] = [queue.pop(0) if queue else [] for _ in range(world)]
+    cost = forwards = 0
+    while any(running):
+        needs = [r[0] for r in running if r]
+        counts = [needs.count(e) for e in range(max(needs) + 1)]
+        if rule == "union":
+            runs = [e for e, c in enumerate(counts) if c]
+        else:
+            runs = [max(needs) if rule == "later" else choose(counts)]
+        for e in runs:
+            cost += 1  # one forward's time per expert run
+            for i, r in enumerate(running):
+                if r and r[0] == e:
+                    r.pop(0)
+                    forwards += 1
+                    if not r and queue:
+                        running[i] = queue.pop(0)
+    return {"forward_times": cost, "forwards": forwards,
+            "efficiency": forwards / (world * cost) if cost else 1.0}
+
+
+def lockstep_expert_cost(plans: Sequence[Sequence[int]], world: int) -> float:
+    """What two experts cost an AllGather group of ``world`` ranks running ``plans`` under the
+    group's rule (``choose``), as a fraction of extra ticks: the simulated ticks against the
+    same requests with one expert (which keeps the queue's tail, so only the experts count).
+    0 at one rank or with one expert; auto mode charges AllGather this (offload.auto)."""
+    if world <= 1 or not plans:
         return 0.0
-    h = plan.count(0) / len(plan)
-    return 2 * h * (1 - h)
+    two = simulate(plans, world)["forward_times"]
+    one = simulate([[0] * len(p) for p in plans], world)["forward_times"]
+    return two / one - 1 if one else 0.0
 
 
 def expert_of(module: nn.Module) -> list[nn.Module]:

@@ -39,7 +39,7 @@ from service.offload import LayerwiseOffload, Placement, enable_layerwise_offloa
 from service.offload.auto import ProbeTimings, choose_mode, probe
 
 from .adapter import ModelAdapter
-from .experts import expert_of, mixed_share
+from .experts import expert_of, lockstep_expert_cost
 from .options import Mode, OffloadSettings
 from .progress import progress_bar
 from .registry import load_adapter
@@ -297,18 +297,25 @@ def decide_auto(adapter: ModelAdapter, dev: torch.device, settings: OffloadSetti
     timings = probe_transformer(adapter, dev, settings, group)
     if world is not None:
         timings = replace(timings, world=world)
-    return choose_mode(timings, expert_mix=expert_mix(adapter, settings)).as_dict(), timings
+    return choose_mode(timings, expert_mix=expert_mix(adapter, settings, timings.world)).as_dict(), timings
 
 
-def expert_mix(adapter: ModelAdapter, settings: OffloadSettings) -> float:
-    """The share of lock-step ticks in which two ranks need different experts, for auto mode:
-    ``mixed_share`` of the plan of a default request at the probe size (0 with one expert)."""
-    if len(adapter.experts) == 1:
+# The step counts auto mode's expert estimate mixes (requests of one size, steps as users vary
+# them): with equal plans a group stays in step and two experts cost nothing.
+MIX_STEPS = (20, 50, 30, 40) * 10
+
+
+def expert_mix(adapter: ModelAdapter, settings: OffloadSettings, world: int) -> float:
+    """What two experts cost an AllGather group of ``world`` ranks, for auto mode: the extra
+    ticks of the group's rule (``lockstep_expert_cost``) over requests at the probe size with
+    ``MIX_STEPS`` step counts (0 with one expert or one rank)."""
+    if len(adapter.experts) == 1 or world <= 1:
         return 0.0
     height, width, frames = settings.probe_shape or (480, 832, 81)
-    req = GenerationRequest(prompt="probe", height=height, width=width, num_frames=frames,
-                            num_inference_steps=40)
-    return mixed_share(adapter.expert_plan(req))
+    plans = [adapter.expert_plan(GenerationRequest(prompt="probe", height=height, width=width,
+                                                   num_frames=frames, num_inference_steps=steps))
+             for steps in MIX_STEPS]
+    return lockstep_expert_cost(plans, world)
 
 
 def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,

@@ -17,10 +17,10 @@ with injected timings; the measuring (``probe``) runs a few real forwards.
 
 Two experts (``expert_mix``): an AllGather group runs one expert per tick, so in a tick
 where its ranks need different experts only some of them compute (the others replay the
-gathers and keep their forward for a later tick). ``expert_mix`` is the share of such
-ticks (the caller estimates it from the request plan), and each costs a second tick for
-the same forwards: AllGather is charged ``1 + expert_mix``; rank-local ranks do not wait
-for each other and pay nothing.
+gathers and keep their forward for a later tick). ``expert_mix`` is the extra ticks this
+costs as a fraction (the caller simulates the group's rule over request plans:
+service.models.experts.lockstep_expert_cost): AllGather is charged ``1 + expert_mix``;
+rank-local ranks do not wait for each other and pay nothing.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN,
     if waits:
         facts += f"; lock-step with mixed shapes costs AllGather {waits:.0%} of compute"
     if mix:
-        facts += f"; ranks in different experts in an estimated {mix:.0%} of ticks (each costs a tick more)"
+        facts += f"; ranks in different experts cost AllGather an estimated {mix:.0%} more ticks"
     if rl <= ag:
         why = ("compute covers the rank-local fill: no lock-step, no gathers"
                if rl_fill <= t.compute_s else

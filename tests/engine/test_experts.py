@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from service.engine.encoder import Encoder
 from service.engine.events import EventKind
-from service.engine.experts import NONE, choose, decide, encode, needs, simulate
+from service.engine.experts import NONE, choose, decide, encode, needs
 from service.engine.rank import RankWorker
 from service.engine.start import control_group
 from service.models.demo import ensure_demo_model
+from service.models.experts import simulate
 from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
