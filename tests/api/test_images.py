@@ -176,3 +176,26 @@ def test_the_service_refuses_what_the_model_cannot_serve(service, bomb: bytes) -
     assert req.image == png() and req.extra == {"guidance_scale_2": 3.0}
     assert '"image":true' in req.compat_key() and "guidance_scale_2" not in req.compat_key()
     assert svc.readiness()["model_card"]["family"] == "wan22-i2v"
+
+
+def test_an_image_to_a_text_to_video_model_is_refused_naming_input_reference(demo_model: str,
+                                                                             tmp_path: Path) -> None:
+    ex = FakeExecutor((1,), {})
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
+    svc = VideoService(ServiceConfig(model=demo_model, results_url=str(tmp_path)), executor=ex, store=store,
+                       node_id="node-1")
+    try:
+        body = {"prompt": "a fox", "seed": 1, "num_inference_steps": 2}
+        with pytest.raises(BodyError) as e:
+            svc.create({**body, "input_reference": base64.b64encode(png()).decode()})
+        assert e.value.field == "input_reference" and "takes no image (t2v only)" in e.value.message, e.value
+        with pytest.raises(BodyError) as e:  # a bad image is named the same, whatever the model
+            svc.create({**body, "input_reference": "not base64!"})
+        assert e.value.field == "input_reference"
+        assert svc.dispatcher.depth == 0 and not ex.assigned
+        assert svc.readiness()["model_card"]["image_input"] == "none"
+        svc.create(dict(body))  # the same body without the image is served
+        assert svc.dispatcher.depth + len(ex.assigned) == 1
+    finally:
+        svc.close()
+        store.close()
