@@ -30,6 +30,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.catalog import ModelCard, ModelList, model_card
 from service.api.http import (
     NO_STORE,
     NOSNIFF,
@@ -40,6 +41,7 @@ from service.api.http import (
     read_capped,
     video_response,
 )
+from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
 from service.api.records import JobRecord, JobStatus
@@ -82,20 +84,12 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
     return walk(schema)
 
 
-_CREATE_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": _inlined(VideoCreate.model_json_schema())},
-            "multipart/form-data": {"schema": _inlined(VideoCreate.model_json_schema())},
-        },
-    }
-}
+_CREATE_BODY = create_body(_inlined(VideoCreate.model_json_schema()))  # input_reference: a string, or a file
 _ERR = {"model": ErrorResponse}
 _AUTH = {401: {**_ERR, "description": "missing or unknown API key"},
          422: {**_ERR, "description": "a query parameter is invalid (param names it)"}}
 _CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not arrive within body_timeout_s"},
-                  413: {**_ERR, "description": "body over the size limit"},
+                  413: {**_ERR, "description": "body (or its image) over the size limit"},
                   415: {**_ERR, "description": "not JSON or a form"},
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
                   429: {**_ERR, "description": "this API key's queue is full (quota_exceeded) or the "
@@ -177,7 +171,8 @@ class VideoIngress:
             log.warning("no API key configured: every client can read and delete every job")
         rules = body_rules(self.svc.adapter, self.svc.limits, self.svc.model_name)
         app.openapi_schema = None
-        app.openapi_schema = instance_openapi(app.openapi(), rules)
+        required = ("input_reference",) if self.svc.adapter.image_input == "required" else ()
+        app.openapi_schema = instance_openapi(app.openapi(), rules, required)
         app.state.svc = self.svc  # for _bad_params: the key is checked before a parameter is
 
     def check_health(self) -> None:
@@ -205,7 +200,9 @@ class VideoIngress:
         cfg = self.svc.cfg
         try:
             strict = media_type(ctype) == "application/json"  # a form's numbers are strings
-            raw = await read_capped(request, cfg.max_body_bytes, cfg.body_timeout_s)
+            cap = body_cap(media_type(ctype), cfg.max_body_bytes, cfg.max_image_bytes,
+                           self.svc.adapter.image_input != "none")
+            raw = await read_capped(request, cap, cfg.body_timeout_s)
             fields = await parse_body(ctype, raw)
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
@@ -215,6 +212,9 @@ class VideoIngress:
         except TooLarge as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return error(413, str(e), None, code="body_too_large")
+        except ImageTooLarge as e:
+            metrics()["requests"].inc(1, tags={"status": "rejected"})
+            return error(413, e.message, e.field, code=e.kind)
         except BodyTimeout as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return error(408, str(e), None, code="body_timeout", headers={"Connection": "close"})
@@ -331,6 +331,27 @@ class VideoIngress:
         if result == "missing":
             return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         return VideoDeleted(id=video_id, deleted=result == "deleted")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_AUTH)
+    def list_models(self, request: Request) -> Any:
+        """The model this service runs: its family and what it accepts (T2V, I2V, TI2V, image)."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_BY_ID)
+    def retrieve_model(self, request: Request, model: str) -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        if model != self.svc.model_name:
+            return error(404, f"no model {model!r}; this service runs {self.svc.model_name!r}", "model",
+                         code="model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return model_card(self.svc.model_name, self.svc.adapter.card(), self.svc.started_at)
 
     # -- adapters ------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.api.keys import owner_id
 from service.engine.spec import EngineSpec
+from service.models.image import MAX_IMAGE_PIXELS
 from service.models.options import Mode, OffloadSettings
 from service.router.tenants import Quota, Tenants
 
@@ -61,6 +62,10 @@ class ServiceConfig(BaseModel):
     key_quotas: dict[str, dict[str, int]] = Field(
         default_factory=dict, description="per-key overrides by key hash: {max_queued, max_running}")
     max_body_bytes: int = Field(65536, ge=1024)
+    max_image_bytes: int = Field(8 * 2**20, ge=1024, description="largest input_reference image file "
+                                 "(a body that may carry one is capped at max_body_bytes plus this)")
+    max_image_pixels: int = Field(MAX_IMAGE_PIXELS, ge=1, description="largest input_reference image, "
+                                  "width x height from its header, checked before decoding")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within this "
                                   "(408 otherwise)")
     unhealthy_after_s: float = Field(300.0, gt=0)

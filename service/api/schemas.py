@@ -12,23 +12,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from service.api.errors import BodyError
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
-
-
-class BodyError(ValueError):
-    """The body is unreadable or a field is invalid; becomes a 422 naming ``field``."""
-
-    def __init__(self, field: str, message: str, kind: str = "value_error") -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message, self.kind = field, message, kind
-
 
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # ASCII digits only: no "X", spaces or other scripts
 SECONDS_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"  # OpenAI sends seconds as a string ("4")
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
-                            "guidance_scale", "flow_shift", "max_sequence_length"})
+                            "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2"})
 
 
 class LoraUse(BaseModel):
@@ -76,6 +68,11 @@ class VideoCreate(BaseModel):
     negative_prompt: str | None = None
     flow_shift: float | None = None
     max_sequence_length: int | None = None
+    guidance_scale_2: float | None = Field(None, description="Wan2.2 A14B: the low-noise expert's guidance "
+                                           "(default guidance_scale)")
+    input_reference: str | dict[str, str] | None = Field(
+        None, description="image-to-video: the image as a data URL (data:image/png;base64,...), plain base64 "
+                          'or {"image_url": DATA_URL}; in a form, a file part (service.api.images)')
     loras: list[LoraUse] = Field(default_factory=list, max_length=MAX_LORAS,
                                  description="adapters to apply, in order, with their scales")
 
@@ -122,6 +119,8 @@ class VideoCreate(BaseModel):
         extra = {}
         if self.max_sequence_length is not None:
             extra["max_sequence_length"] = self.max_sequence_length
+        if self.guidance_scale_2 is not None:
+            extra["guidance_scale_2"] = self.guidance_scale_2
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -268,7 +267,7 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
         closing_boundary(content_type, raw)
     try:
         if ctype == "multipart/form-data":
-            parser: Any = MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS,
+            parser: Any = MultiPartParser(headers, stream(), max_files=1, max_fields=MAX_FORM_FIELDS,
                                           max_part_size=len(raw) + 1)
         else:
             parser = FormParser(headers, stream(), max_fields=MAX_FORM_FIELDS, max_part_size=len(raw) + 1)
@@ -276,11 +275,14 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
     except MultiPartException as e:
         field = "input_reference" if "file" in str(e).lower() else "body"
         raise BodyError(field, f"malformed or unsupported form: {e}", "multipart_invalid") from None
+    from service.api.images import from_upload
+
     out: dict[str, Any] = {}
-    for name, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            raise BodyError(name, "file uploads (input_reference) are not supported")
-        out[name] = value
+    try:
+        for name, value in form.multi_items():
+            out[name] = await from_upload(name, value) if isinstance(value, UploadFile) else value
+    finally:
+        await form.close()  # a file part is spooled to a temporary file
     return out
 
 

@@ -66,6 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
                    help="a request body must arrive within this long, or 408 (slow clients)")
+    p.add_argument("--max-image-bytes", type=int, default=8 * 2**20,
+                   help="largest input_reference image file; where the model takes images a body may be "
+                        "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="largest input_reference image (width x height from its header, before decoding)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="on SIGTERM: how long running jobs may take to finish")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
@@ -120,6 +125,8 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         body_timeout_s=args.body_timeout_s,
         loras=dict(lora_flags(args)[0]),
         lora_dirs=list(args.lora_dir),
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
         **extra,
     )
 

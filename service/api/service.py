@@ -7,6 +7,7 @@ config files -> operator limits): bad input never reaches a worker.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from service.api.config import ServiceConfig
+from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
 from service.api.results import open_storage
@@ -110,19 +112,20 @@ class VideoService:
         owner's own queue), QueueFull (429, the whole queue) or Unavailable (503: no rank
         group can serve and none is about to). ``strict``: a JSON body, whose numbers must
         be numbers (a form's are strings)."""
+        image = take_image(fields, self.cfg.max_image_bytes, self.cfg.max_image_pixels)
         body = validate_create(fields, strict=strict)
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
         if body.seed is None and "seed" not in self.cfg.defaults:
             # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
             body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
-        req = body.to_request(self.defaults)
+        req = dataclasses.replace(body.to_request(self.defaults), image=image)
         try:
             self.adapter.validate(req)
             self.limits.check(req)
             req = self._resolve_loras(req, owner)
         except RequestError as e:
-            field = "max_sequence_length" if e.field == "extra.max_sequence_length" else e.field
+            field = {"image": "input_reference"}.get(e.field, e.field.removeprefix("extra."))
             raise BodyError(field, e.message) from None
         now = time.time()
         rec = JobRecord(
@@ -245,6 +248,7 @@ class VideoService:
             "in_flight": self.dispatcher.held,
             "waves_run": self.dispatcher.assignments,
             "model": self.model_name,
+            "model_card": self.adapter.card(),
             "model_dir": self.model_dir,
             "dp_group": self.dp_group,
             "node_id": self.node_id,

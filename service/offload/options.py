@@ -65,6 +65,9 @@ class OffloadStats:
     quantization: str = ""  # "" or "fp8" (block Linear weights)
     quantization_source: str = ""  # "online" (quantized at load) or "prequantized" (in the files)
     fp8_compute: str = ""  # "upcast" or "scaled_mm"
+    experts: int = 1  # modules with a forward of their own sharing the ring (Wan2.2: 2)
+    expert_forwards: list[int] = field(default_factory=list)  # forwards begun per expert (experts > 1)
+    prefetch_redirects: int = 0  # prefetched fills dropped: another expert came than expected
 
     def as_dict(self) -> dict:
         return asdict(self)
