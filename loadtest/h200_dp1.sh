@@ -23,4 +23,8 @@ has encode && step 150 python3 loadtest/bench_encode.py --parts threads,stream -
   --clips noise --decode-s 0,5 --out "$OUT/h200-encode.json"
 # A rank-64 LoRA on every Linear against none, resident and streamed (issue 24).
 has lora && step 300 python3 loadtest/bench_lora.py --layers 12 --model /tmp/wan12 --out "$OUT/h200-lora.json"
+# Two experts (Wan2.2 A14B shape, 12 blocks each) streamed through one ring against both
+# resident, with and without the next expert's prefetch (issue 22; DP2 runs need two GPUs).
+has experts && step 330 python3 loadtest/bench_experts.py --device cuda --preset wan22-a14b-shape --layers 12 \
+  --sizes 832x480x81,832x480x33 --steps 4 --runs resident,dp1,dp1-noexpect --out "$OUT/h200-experts.json"
 ls -la "$OUT"
