@@ -308,5 +308,9 @@ def validate_create(data: dict[str, Any], strict: bool = True) -> VideoCreate:
         return VideoCreate.model_validate(data, strict=strict)
     except ValidationError as e:
         err = e.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "body"  # a union names its branch next
+        loc = err["loc"]
+        if len(loc) > 1 and isinstance(loc[1], int):  # an item of a list field: loras.0.scale
+            field = ".".join(str(x) for x in loc)
+        else:
+            field = str(loc[0]) if loc else "body"  # a union names its branch next: not a field
         raise BodyError(field, err["msg"], err["type"]) from None
