@@ -85,7 +85,8 @@ def test_device_budget_counts_both_experts(two: str) -> None:
         non_block += sum(r.nbytes for k, r in ckpt.records.items() if not k.startswith("blocks."))
     everything = blocks + non_block
     for budget, all_resident in ((everything, True), (everything - 1, False)):
-        settings = OffloadSettings(Mode.ALLGATHER, device_memory_gb=budget / 2**30)
+        # no adapter LRU in the budget (it reserves --lora-cache-gb): only the experts' bytes
+        settings = OffloadSettings(Mode.ALLGATHER, device_memory_gb=budget / 2**30, lora_cache_gb=0)
         runner = PipelineRunner.load(two, "cpu", settings=settings)
         try:
             plan = runner.handle.plan
