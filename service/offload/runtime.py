@@ -9,6 +9,11 @@ one block ahead of compute. Slots alternate per issued fill, not per block index
 odd block count does not make the wrap-around prefetch of block 0 land in the slot that
 block L-1 is still computing in. The same order on every rank is what keeps collectives
 matched, including on a rank that only replays gathers (``idle_forwards``).
+
+A forward may stop early (a step cache skipped the rest of it): ``Ring.stop`` right after
+its first block, or before any, keeps what the slots hold for the next forward (the
+prefetched next block, and block 0 still in its slot), so the fill sequence stays the
+same cycle on every rank and nothing is filled that no forward uses.
 """
 
 from __future__ import annotations
@@ -207,6 +212,8 @@ class Ring:
         self.next_slot = 0
         self.pending: Pending | None = None  # the one fill in flight or done, not yet used
         self.current: Pending | None = None  # the block compute is using now
+        self.last: Pending | None = None  # the block compute used last (its slot may still hold it)
+        self.reuse: Pending | None = None  # block 0, kept in its slot by a forward that stopped
         self.fills = 0
 
     def _issue(self) -> Pending:
@@ -233,6 +240,11 @@ class Ring:
 
     def acquire(self, block: int) -> tuple[Pending, float]:
         """Wait for ``block``'s weights, then start filling the next block in the ring."""
+        if self.reuse is not None:
+            r, self.reuse = self.reuse, None
+            if r.block == block:  # still in its slot; the block after it is pending already
+                self.current = self.last = r
+                return r, 0.0
         if self.pending is None:
             # Cold start (first forward): nothing prefetched yet.
             self.pending = self._issue()
@@ -252,9 +264,25 @@ class Ring:
         t0 = time.perf_counter()
         p.wait()
         waited = time.perf_counter() - t0  # host time blocked (CPU work, or a rank-local pack)
-        self.current = p
+        self.current = self.last = p
         self.pending = self._issue()
         return p, waited
+
+    def stop(self) -> bool:
+        """The forward ends here, before the pending block; True if block 0 stays for reuse.
+
+        Only before a forward's first block (block 0 is pending: it waits for the next
+        forward) or right after it (block 1 is pending and block 0 is still in its slot:
+        the next forward takes both without a fill). Elsewhere the slots hold blocks the
+        next forward cannot start with, so it is refused.
+        """
+        p = self.pending
+        if p is None or p.block == 0:
+            return False
+        if p.block == 1 and self.current is None and self.last is not None and self.last.block == 0:
+            self.reuse = Pending(0, self.last.slot, None)
+            return True
+        raise RuntimeError(f"a forward can stop before its first or second block, not before block {p.block}")
 
     def release(self) -> None:
         if self.current is not None:
@@ -270,7 +298,7 @@ class Ring:
         """Wait for the fill in flight (all ranks have issued the same one)."""
         if self.pending is not None:
             self.pending.wait()
-        self.pending = self.current = None
+        self.pending = self.current = self.last = self.reuse = None
         self.device.synchronize()
 
 
