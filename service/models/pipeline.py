@@ -33,6 +33,8 @@ from service.offload import LayerwiseOffload, Placement, enable_layerwise_offloa
 from service.offload.auto import ProbeTimings, choose_mode, probe
 
 from .adapter import ModelAdapter
+from .cache import StepCaches
+from .cache_spec import CacheSpec
 from .lora import RankAdapters
 from .options import Mode, OffloadSettings
 from .progress import progress_bar
@@ -74,6 +76,8 @@ class PipelineRunner:
         self.load_stages: dict[str, float] = {}  # seconds per loading stage (cold-start report)
         self.loras = RankAdapters(transformer, adapter.family, str(adapter.index.get("_class_name", "")),
                                   device, int(settings.lora_cache_gb * 2**30))
+        self.caches = StepCaches(transformer, handle, adapter.family, adapter.block_attrs,
+                                 CacheSpec.from_obj(settings.cache) if settings.cache else None)
         self._closed = False
 
     @classmethod
@@ -166,6 +170,7 @@ class PipelineRunner:
         """Raise RequestError naming the bad field, before any compute."""
         self.adapter.validate(req)
         self.loras.check(req.loras)
+        self.caches.check(self.caches.resolve(req.cache))
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None
@@ -173,7 +178,8 @@ class PipelineRunner:
         """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding)."""
         self._check_open()
         self.validate(req)
-        with self.loras.applied(req.loras):
+        cache = self.caches.resolve(req.cache)
+        with self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step)
 
     def generate(

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cache_spec import CacheError, CacheSpec
 from .lora_ref import LoraRef, lora_problem
 
 MAX_SIDE = 4096
@@ -34,6 +35,7 @@ class GenerationRequest:
 
     ``flow_shift`` overrides the checkpoint scheduler's shift (Wan: 3.0 at 480p, 5.0 at
     720p); ``extra`` carries family-specific pipeline arguments (Wan: ``max_sequence_length``).
+    ``cache``: the step cache (cache_spec.py); None takes the server's ``--cache`` default.
     """
 
     prompt: str
@@ -48,6 +50,14 @@ class GenerationRequest:
     flow_shift: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
     loras: tuple[LoraRef, ...] = ()
+    cache: CacheSpec | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, dict | str):  # a batch line's object, a CLI spec
+            try:
+                object.__setattr__(self, "cache", CacheSpec.from_obj(self.cache))
+            except CacheError as e:
+                raise RequestError(e.field, e.message) from None
 
     @property
     def cfg(self) -> bool:
@@ -62,7 +72,9 @@ class GenerationRequest:
         """Canonical JSON of every field that changes collective calls, shapes or schedule.
 
         The guidance *value* only scales a difference after the forwards, so only CFG
-        on/off is in the key: requests with guidance 4.0 and 6.0 can share a wave.
+        on/off is in the key: requests with guidance 4.0 and 6.0 can share a wave. The step
+        cache is not in it either: every forward passes the same decision points whatever
+        the cache, and a block is gathered when any rank needs it (docs/caches.md).
         """
         key = {
             "height": self.height,
@@ -100,6 +112,13 @@ class GenerationRequest:
         problem = lora_problem(self.loras)
         if problem:
             raise RequestError(*problem)
+        if self.cache is not None:
+            if not isinstance(self.cache, CacheSpec):
+                raise RequestError("cache", f"must be a cache object, got {type(self.cache).__name__}")
+            try:
+                self.cache.check()
+            except CacheError as e:
+                raise RequestError(e.field, e.message) from None
         if not isinstance(self.extra, dict):
             raise RequestError("extra", "must be an object")
         try:
