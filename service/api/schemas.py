@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from service.models.cache_spec import MAX_RATIOS, METHODS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
 
@@ -36,6 +37,27 @@ class LoraUse(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     scale: float = Field(1.0, description="multiplies the adapter's lora_alpha / r (diffusers' set_adapters)")
     expert: Literal["both", "high", "low"] | None = None
+
+
+class CacheUse(BaseModel):
+    """A request's step cache (docs/caches.md); parameters left out take the method's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal[METHODS]  # type: ignore[valid-type]
+    threshold: float | None = Field(None, description="first_block: relative change of block 0's residual "
+                                    "(default 0.05); mag: accumulated error (default 0.06)")
+    max_skip_steps: int | None = Field(None, description="mag: at most this many skipped steps in a row (3)")
+    retention_ratio: float | None = Field(None, description="mag: no skips in this first fraction of "
+                                          "the steps (0.2)")
+    mag_ratios: list[float] | None = Field(None, max_length=MAX_RATIOS,
+                                           description="mag (required): the model's magnitude ratio per step")
+
+    def spec(self) -> CacheSpec:
+        try:
+            return CacheSpec.from_obj(self.model_dump(exclude_none=True))
+        except CacheError as e:
+            raise BodyError(e.field, e.message) from None
 
 
 class LoraCreate(BaseModel):
@@ -70,6 +92,19 @@ class VideoCreate(BaseModel):
     max_sequence_length: int | None = None
     loras: list[LoraUse] = Field(default_factory=list, max_length=MAX_LORAS,
                                  description="adapters to apply, in order, with their scales")
+    cache: CacheUse | None = Field(None, description="step cache: skipped blocks skip their weight transfers "
+                                   "too; none given: the server's --cache default")
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache_from_form(cls, v: Any) -> Any:
+        """A multipart form carries the object as one JSON string."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError('must be a JSON object like {"method": "first_block"}') from None
+        return v
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -121,6 +156,7 @@ class VideoCreate(BaseModel):
             flow_shift=pick(self.flow_shift, defaults.flow_shift),
             extra=extra,
             loras=tuple(LoraRef(u.name, u.scale, u.expert) for u in self.loras),
+            cache=None if self.cache is None else self.cache.spec(),
         )
 
 

@@ -153,6 +153,8 @@ class RankWorker:
             runner.transformer.register_forward_pre_hook(self._gate_enter, prepend=True),
             runner.transformer.register_forward_hook(self._gate_leave, always_call=True),
         ]
+        if control is not None and not sequence_parallel:
+            runner.caches.agree_over(control)  # step-cache decisions: one CPU all-reduce, no device sync
         self._thread = threading.Thread(target=self._pipeline_loop, name=f"rank{rank}-pipeline",
                                         daemon=True)
         self._thread.start()

@@ -54,24 +54,35 @@ def diffusers_config(spec: CacheSpec, num_inference_steps: int) -> Any:
 class StepCaches:
     """The step cache of the request running on this rank (one at a time, like adapters)."""
 
-    def __init__(self, transformer: nn.Module, handle: Any, family: str, block_attrs: tuple[str, ...],
-                 default: CacheSpec | None) -> None:
+    def __init__(self, transformer: nn.Module, handle: Any, adapter: Any, default: CacheSpec | None) -> None:
         self.transformer = transformer
         self.handle = handle
-        self.family = family
-        self.supported = family in FAMILIES and len(block_attrs) == 1
-        self.blocks: nn.ModuleList | None = getattr(transformer, block_attrs[0]) if self.supported else None
+        attrs = adapter.block_attrs
+        if adapter.family not in FAMILIES or len(attrs) != 1:
+            self.unsupported = f"step caches are not supported for {adapter.family} yet (Wan T2V has them)"
+        elif adapter.sequence_parallel > 1:
+            # Each SP rank sees 1/S of the tokens, so a residual test would decide per rank, and
+            # a skipped block makes no attention all-to-all: the ranks would fall out of step.
+            self.unsupported = "step caches do not run with --sequence-parallel-size > 1 yet"
+        else:
+            self.unsupported = ""
+        self.blocks: nn.ModuleList | None = None if self.unsupported else getattr(transformer, attrs[0])
         self.default = default if default is not None else CacheSpec()
-        if not self.supported and self.default.enabled:
-            raise ValueError(f"--cache: step caches are not supported for {family} yet (Wan T2V has them)")
-        if handle is not None and self.supported:
-            handle.enable_skips(DECISION_POINTS)
+        if self.unsupported and self.default.enabled:
+            raise ValueError(f"--cache: {self.unsupported}")
+        self.agree_over(None)
+
+    def agree_over(self, group: Any) -> None:
+        """Decide at the offload's decision points; an AllGather group agrees over ``group`` (a
+        gloo group of the same ranks, the rank worker's control group: no device sync), else over
+        the offload's own group."""
+        if self.handle is not None and not self.unsupported:
+            self.handle.enable_skips(DECISION_POINTS, agree_group=group)
 
     def check(self, spec: CacheSpec) -> None:
         """RequestError if this model cannot run ``spec`` (before any compute)."""
-        if spec.enabled and not self.supported:
-            raise RequestError("cache.method", f"step caches are not supported for {self.family} yet "
-                               "(Wan T2V has them)")
+        if spec.enabled and self.unsupported:
+            raise RequestError("cache.method", self.unsupported)
 
     def resolve(self, spec: CacheSpec | None) -> CacheSpec:
         """The request's cache, or the server default when it names none."""

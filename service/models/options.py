@@ -298,6 +298,8 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
             refused.append(FLAGS["components"])
         if settings.quantization is not None:
             refused.append(FLAGS["quantization"])
+        if settings.cache is not None:
+            refused.append(FLAGS["cache"])
         if refused:
             raise FlagError(f"{', '.join(refused)}: not yet with --sequence-parallel-size > 1 (an SP group "
                             "always gathers over its ranks and streams the transformer only)")

@@ -76,7 +76,7 @@ class PipelineRunner:
         self.load_stages: dict[str, float] = {}  # seconds per loading stage (cold-start report)
         self.loras = RankAdapters(transformer, adapter.family, str(adapter.index.get("_class_name", "")),
                                   device, int(settings.lora_cache_gb * 2**30))
-        self.caches = StepCaches(transformer, handle, adapter.family, adapter.block_attrs,
+        self.caches = StepCaches(transformer, handle, adapter,
                                  CacheSpec.from_obj(settings.cache) if settings.cache else None)
         self._closed = False
 

@@ -156,3 +156,20 @@ def test_dp2_group_with_one_cached_and_one_uncached_request(demo_model: str, res
     assert ag0[1] > 0 and ag1[1] > 0  # each cached rank replayed the blocks it did not need
     assert ag0[2] == ag1[2] > 0
     assert got[0]["ranklocal2-stats"][0] > 0 and got[1]["ranklocal2-stats"][0] > 0  # alone, each skips
+
+
+def test_cache_flag_is_shared_and_checked() -> None:
+    from service.cli import build_parser
+    from service.models.options import settings_from_args
+
+    p = build_parser()
+    args = p.parse_args(["generate", "--prompt", "x", "--cache", "first_block:threshold=0.2"])
+    assert settings_from_args(args).cache == '{"method": "first_block", "threshold": 0.2}'
+    args = p.parse_args(["generate", "--prompt", "x", "--cache-default", "none"])
+    assert settings_from_args(args).cache is None
+    with pytest.raises(FlagError, match="--cache: cache.threshold"):
+        settings_from_args(p.parse_args(["generate", "--prompt", "x", "--cache", "first_block:threshold=-1"]))
+    sp = p.parse_args(["generate", "--prompt", "x", "--cache", "first_block", "--usp", "2",
+                       "--enable-distributed-layerwise-offload"])
+    with pytest.raises(FlagError, match="--cache"):
+        settings_from_args(sp)
