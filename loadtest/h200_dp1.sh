@@ -1,5 +1,5 @@
 #!/bin/bash
-# The one-GPU runs behind issues 20 and 27's figures, as run on a lent nvidia-h200 (after the
+# The one-GPU runs behind issues 20, 22, 23, 24 and 27's figures, as run on a lent nvidia-h200 (after the
 # wheels from ../shared/tools/gpu-wheels.sh are installed in /tmp/site). Every step has its own
 # time limit so that one slow step leaves the others' results; each writes JSON under $OUT.
 #
@@ -21,4 +21,10 @@ has serve && step 420 python3 loadtest/serve_bench.py --model /tmp/wan12 --dp 1 
 # MP4 encoding of a 480x832x81 clip by x264 thread count, and streamed during decode.
 has encode && step 150 python3 loadtest/bench_encode.py --parts threads,stream --threads 1,4,8,16 --reps 1 \
   --clips noise --decode-s 0,5 --out "$OUT/h200-encode.json"
+# A rank-64 LoRA on every Linear against none, resident and streamed (issue 24).
+has lora && step 300 python3 loadtest/bench_lora.py --layers 12 --model /tmp/wan12 --out "$OUT/h200-lora.json"
+# Two experts (Wan2.2 A14B shape, 12 blocks each) streamed through one ring against both
+# resident, with and without the next expert's prefetch (issue 22; DP2 runs need two GPUs).
+has experts && step 330 python3 loadtest/bench_experts.py --device cuda --preset wan22-a14b-shape --layers 12 \
+  --sizes 832x480x81,832x480x33 --steps 4 --runs resident,dp1,dp1-noexpect --out "$OUT/h200-experts.json"
 ls -la "$OUT"

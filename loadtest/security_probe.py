@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.api.hostproc import descendants, matching  # noqa: E402
+from service.api.hostproc import descendants, listeners, matching  # noqa: E402
 from service.offload.spawn import free_port  # noqa: E402
 
 
@@ -41,37 +41,6 @@ def rss(pid: int) -> int:
             return int(line.split()[1]) * 1024
     return 0
 
-
-
-def listeners(pids: list[int]) -> list[dict]:
-    owner = {}
-    for pid in pids:
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                link = os.readlink(fd)
-                if link.startswith("socket:["):
-                    owner[link[8:-1]] = pid
-        except OSError:
-            continue
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] != "0A" or f[9] not in owner:
-                continue
-            hexip, hexport = f[1].split(":")
-            ip = _ip(hexip)
-            cmd = Path(f"/proc/{owner[f[9]]}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            out.append({"address": ip, "port": int(hexport, 16), "process": os.path.basename(cmd)[:40],
-                        "loopback": ip.startswith("127.") or ip == "::1"})
-    return sorted(out, key=lambda x: (x["loopback"], x["process"], x["port"]))
-
-
-def _ip(h: str) -> str:
-    if len(h) == 8:
-        return socket.inet_ntop(socket.AF_INET, bytes.fromhex(h)[::-1])
-    raw = b"".join(bytes.fromhex(h[i:i + 8])[::-1] for i in range(0, 32, 8))
-    return socket.inet_ntop(socket.AF_INET6, raw)
 
 
 def declared_413(port: int) -> tuple[int, float]:

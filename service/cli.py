@@ -1,6 +1,6 @@
 """``dloserve``: the command line.
 
-    dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan14b-umt5xxl] [--layers N]
+    dloserve demo-model PATH [--preset tiny|small|wan14b-shape|wan22-a14b-shape|...] [--layers N]
     dloserve generate --prompt TEXT [--model PATH] [--out out.mp4] [DLO flags]
     dloserve quantize SRC DST     (a pipeline folder with an fp8 transformer)
     dloserve serve ...            (delegates to service.api.launch)
@@ -22,12 +22,13 @@ from collections.abc import Sequence
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    from service.models.demo import PRESETS
+    from service.models.demo import preset_names
 
-    p = sub.add_parser("demo-model", help="write an offline demo Wan T2V pipeline directory")
+    p = sub.add_parser("demo-model", help="write an offline demo Wan pipeline directory (any family)")
     p.add_argument("path", help="new or empty folder to write")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument("--layers", type=int, default=None, help="transformer blocks (preset default)")
+    p.add_argument("--preset", default="tiny", choices=preset_names())
+    p.add_argument("--layers", type=int, default=None,
+                   help="transformer blocks, per expert for Wan2.2 A14B (preset default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
 
@@ -48,6 +49,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fps", type=int, default=d.fps)
     p.add_argument("--steps", type=int, default=d.num_inference_steps)
     p.add_argument("--guidance-scale", type=float, default=d.guidance_scale)
+    p.add_argument("--guidance-scale-2", type=float, default=None,
+                   help="Wan2.2 A14B: the low-noise expert's guidance (default: --guidance-scale)")
+    p.add_argument("--image", default=None,
+                   help="image-to-video: a PNG, JPEG or WebP file (stretched to --width x --height, "
+                        "as diffusers' pipeline does; docs/models.md)")
     p.add_argument("--flow-shift", type=float, default=None, help="override the scheduler's shift")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     add_offload_arguments(p)
@@ -109,7 +115,7 @@ def _with_loras(args: argparse.Namespace, adapter: object, settings: object, req
 def cmd_generate(args: argparse.Namespace) -> int:
     from service.models.options import FlagError, settings_from_args
     from service.models.registry import load_adapter, resolve_model
-    from service.models.request import GenerationRequest
+    from service.models.request import GenerationRequest, RequestError
 
     try:
         settings = settings_from_args(args)
@@ -119,7 +125,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if sp > 1 and dp > 1:
         return _fail("--sequence-parallel-size with --data-parallel-size: generate runs one request on "
                      "one SP group; D SP groups are for 'dloserve serve' and the batch job")
+    image = None
+    if args.image is not None:
+        from service.models.image import check_image
+
+        try:
+            with open(args.image, "rb") as f:
+                image = f.read()
+        except OSError as e:
+            return _fail(f"--image: {e}")
+        try:
+            check_image(image, "--image")
+        except RequestError as e:
+            return _fail(str(e))
+    extra = {} if args.guidance_scale_2 is None else {"guidance_scale_2": args.guidance_scale_2}
     req = GenerationRequest(
+        image=image,
+        extra=extra,
         prompt=args.prompt,
         negative_prompt=args.negative_prompt,
         seed=args.seed,
@@ -139,7 +161,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                      f"found {torch.cuda.device_count()}")
     model = resolve_model(args.model)
     adapter = load_adapter(model, sequence_parallel=sp)
-    adapter.validate(req)  # bad input: refused before any process starts
+    try:
+        adapter.validate(req)  # bad input: refused before any process starts
+    except RequestError as e:
+        flag = {"image": "--image", "extra.guidance_scale_2": "--guidance-scale-2"}.get(e.field)
+        if flag is None:
+            raise
+        raise RequestError(flag, e.message) from None
     try:
         req = _with_loras(args, adapter, settings, req)
     except (FlagError, ValueError) as e:  # LoraError, RequestError: they name adapter and key

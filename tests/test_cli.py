@@ -90,3 +90,35 @@ def test_demo_model_command(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "m" / "model_index.json").is_file()
     assert (tmp_path / "m" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+
+
+@pytest.mark.e2e  # two ranks as processes, then the resident reference
+def test_generate_image_to_video_and_bad_images(tmp_path: Path, demo_model: str) -> None:
+    """--image on a Wan2.2 A14B I2V model, DP2 AllGather: the resident bytes; images the model
+    cannot take, or that are not images, exit 2 naming --image before any process starts."""
+    from service.models.demo import ensure_demo_model
+    from service.models.pipeline import PipelineRunner
+    from tests.api.test_images import png
+
+    model = str(ensure_demo_model("wan22-i2v-tiny"))
+    image = tmp_path / "a.png"
+    image.write_bytes(png(56, 40, seed=3))
+    out = tmp_path / "i2v.mp4"
+    r = dloserve("generate", "--model", model, "--prompt", "a fox", "--seed", "4", "--quiet",
+                 "--out", str(out), "--image", str(image), "--data-parallel-size", "2",
+                 "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather")
+    assert r.returncode == 0, r.stderr[-3000:]
+    runner = PipelineRunner.load(model, "cpu")
+    try:
+        want = runner.generate(GenerationRequest(prompt="a fox", seed=4, image=image.read_bytes()))
+    finally:
+        runner.close()
+    assert out.read_bytes() == want
+    (tmp_path / "t.gif").write_bytes(b"GIF89a" + bytes(30))
+    for args, text in (([str(image)], "takes no image"),
+                       ([str(tmp_path / "t.gif")], "not a PNG, JPEG or WebP")):
+        r = dloserve("generate", "--model", demo_model, "--prompt", "x", "--out", str(tmp_path / "x.mp4"),
+                     "--image", *args)
+        assert r.returncode == 2 and "--image: " in r.stderr and text in r.stderr, r.stderr
+    r = dloserve("generate", "--model", model, "--prompt", "x", "--out", str(tmp_path / "x.mp4"))
+    assert r.returncode == 2 and "--image: wan22-i2v is image-to-video" in r.stderr, r.stderr

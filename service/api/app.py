@@ -8,9 +8,13 @@ FastAPI must see real types, not strings.
 rides in bundle 0 of the placement group Serve reserves for it from
 ``placement_group_bundles``; the N worker actors take the N bundles.
 
-Every /v1 route asks ``_owner`` first (API keys, when configured); /healthz, /readyz and
-/openapi.json stay open. Bodies are read against ``max_body_bytes``: a declared length
-over it is refused before reading, a stream that grows past it is cut off at the cap.
+Every /v1 route asks ``_owner`` first (API keys, when configured), and so does a query
+string FastAPI cannot read (``_bad_params``): a caller without a key learns nothing, not
+even which parameter was wrong. /healthz, /readyz and /openapi.json stay open; /readyz
+tells an anonymous caller ready or not only (views.py). Bodies are read against
+``max_body_bytes`` and ``body_timeout_s`` (http.py). Every answer carries
+``X-Content-Type-Options: nosniff`` and a Cache-Control (``no-store`` unless the route
+says otherwise: an MP4 is ``private``).
 """
 
 import asyncio
@@ -20,12 +24,25 @@ from typing import Any, Literal
 
 import ray
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.catalog import ModelCard, ModelList, model_card
+from service.api.http import (
+    NO_STORE,
+    NOSNIFF,
+    BodyTimeout,
+    TooLarge,
+    allowed_methods,
+    error,
+    read_capped,
+    video_response,
+)
+from service.api.images import ImageTooLarge, body_cap, create_body
+from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
 from service.api.records import JobRecord, JobStatus
 from service.api.schemas import (
@@ -40,10 +57,11 @@ from service.api.schemas import (
     media_type,
     parse_body,
 )
-from service.api.service import AuthError, ServiceConfig, VideoService, video_object
+from service.api.service import ServiceConfig, VideoService, video_object
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.dispatcher import Unavailable
+from service.router.tenants import QuotaExceeded
 from service.router.waves import QueueFull
 
 log = logging.getLogger("dloserve.api")
@@ -66,23 +84,29 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
     return walk(schema)
 
 
-_CREATE_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {"schema": _inlined(VideoCreate.model_json_schema())},
-            "multipart/form-data": {"schema": _inlined(VideoCreate.model_json_schema())},
-        },
-    }
-}
+_CREATE_BODY = create_body(_inlined(VideoCreate.model_json_schema()))  # input_reference: a string, or a file
 _ERR = {"model": ErrorResponse}
-_AUTH = {401: {**_ERR, "description": "missing or unknown API key"}}
-_CREATE_ERRORS = {**_AUTH, 413: {**_ERR, "description": "body over the size limit"},
+_AUTH = {401: {**_ERR, "description": "missing or unknown API key"},
+         422: {**_ERR, "description": "a query parameter is invalid (param names it)"}}
+_CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not arrive within body_timeout_s"},
+                  413: {**_ERR, "description": "body (or its image) over the size limit"},
                   415: {**_ERR, "description": "not JSON or a form"},
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
-                  429: {**_ERR, "description": "queue full; see Retry-After"},
+                  429: {**_ERR, "description": "this API key's queue is full (quota_exceeded) or the "
+                                               "whole queue is (queue_full); see Retry-After"},
                   503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
+_MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; ranges on local storage)"},
+        206: {"content": {"video/mp4": {}}, "description": "the requested range"},
+        304: {"description": "not modified (If-None-Match had the current ETag)"},
+        400: {**_ERR, "description": "a malformed Range header"},
+        416: {**_ERR, "description": "a Range outside the video"}}
+
+
+def _unauthorized(e: AuthError) -> JSONResponse:
+    return error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 register_ui(app)  # the playground at /ui/ (service/api/ui)
 
 
@@ -92,54 +116,43 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     method the path has (Starlette names only those of the first route that matched)."""
     headers = dict(exc.headers or {})
     if exc.status_code == 405:
-        path, root = request.scope.get("path", ""), request.scope.get("root_path", "")
-        path = path[len(root):] if root and path.startswith(root) else path
-        methods: set[str] = set()
-        for route in app.router.routes:
-            if isinstance(route, APIRoute) and route.path_regex.match(path):
-                methods |= route.methods
-        headers["Allow"] = ", ".join(sorted(methods))
-    return _error(exc.status_code, str(exc.detail), None, code=f"http_{exc.status_code}", headers=headers)
+        headers["Allow"] = allowed_methods(request.app.router.routes, request.scope)
+    return error(exc.status_code, str(exc.detail), None, code=f"http_{exc.status_code}", headers=headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _bad_params(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A query or path parameter FastAPI could not read: the key is checked first (401),
+    then a 422 in the API's error shape naming the parameter."""
+    svc = getattr(request.app.state, "svc", None)
+    if svc is not None:
+        try:
+            svc.owner_of(request.headers.get("authorization"))
+        except AuthError as e:
+            return _unauthorized(e)
+    errors = exc.errors()
+    loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ())]
+    where, param = (loc[0], loc[-1]) if len(loc) > 1 else ("query", None)
+    msg = errors[0].get("msg", "invalid parameter") if errors else "invalid parameter"
+    code = errors[0].get("type") if errors else None
+    return error(422, f"{param}: {msg}" if param else msg, param, code=code, where=where)
 
 
 @app.middleware("http")
-async def _answered_by(request: Request, call_next: Any) -> Response:
+async def _headers(request: Request, call_next: Any) -> Response:
     """Every answer names the DP group (replica) that gave it: which replica served a read
     is visible to operators and to the multi-node tests. (The replica's id is its DP group's
-    id; asked from Serve here because the class's globals travel pickled by value.)"""
+    id; asked from Serve here because the class's globals travel pickled by value.) And
+    every answer is nosniff, and not cached unless the route said how."""
     response = await call_next(request)
     try:
         response.headers["x-dloserve-dp-group"] = serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - outside a replica (plain FastAPI test client)
         pass
+    for name, value in NOSNIFF.items():
+        response.headers.setdefault(name, value)
+    response.headers.setdefault("Cache-Control", NO_STORE)
     return response
-
-
-class TooLarge(Exception):
-    """The body is over the limit (413)."""
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    """OpenAI-style error body, plus FastAPI's ``detail`` list so both kinds of client read it."""
-    body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    if param is not None:
-        body["detail"] = [{"loc": ["body", param], "msg": message, "type": code or kind}]
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def read_capped(request: Request, cap: int) -> bytes:
-    """The body, never reading more than ``cap`` + one chunk of it."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > cap:
-        raise TooLarge(f"body of {declared} bytes is over the limit of {cap}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise TooLarge(f"body is over the limit of {cap} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256,
@@ -158,7 +171,9 @@ class VideoIngress:
             log.warning("no API key configured: every client can read and delete every job")
         rules = body_rules(self.svc.adapter, self.svc.limits, self.svc.model_name)
         app.openapi_schema = None
-        app.openapi_schema = instance_openapi(app.openapi(), rules)
+        required = ("input_reference",) if self.svc.adapter.image_input == "required" else ()
+        app.openapi_schema = instance_openapi(app.openapi(), rules, required)
+        app.state.svc = self.svc  # for _bad_params: the key is checked before a parameter is
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine cannot serve is reported unhealthy."""
@@ -170,41 +185,54 @@ class VideoIngress:
         try:
             return self.svc.owner_of(request.headers.get("authorization"))
         except AuthError as e:
-            return _error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return _unauthorized(e)
 
     async def _create(self, request: Request) -> JobRecord | JSONResponse:
-        """The job record as accepted, or the 401/413/415/422/429/503 answer."""
+        """The job record as accepted, or the 401/408/413/415/422/429/503 answer."""
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
             return owner
         draining = self.svc.draining()
         if draining:
-            return _error(503, draining, None, kind="server_error", code="draining",
-                          headers={"Retry-After": "30"})
+            return error(503, draining, None, kind="server_error", code="draining",
+                         headers={"Retry-After": "30"})
         ctype = request.headers.get("content-type", "")
+        cfg = self.svc.cfg
         try:
-            media_type(ctype)
-            raw = await read_capped(request, self.svc.cfg.max_body_bytes)
+            strict = media_type(ctype) == "application/json"  # a form's numbers are strings
+            cap = body_cap(media_type(ctype), cfg.max_body_bytes, cfg.max_image_bytes,
+                           self.svc.adapter.image_input != "none")
+            raw = await read_capped(request, cap, cfg.body_timeout_s)
             fields = await parse_body(ctype, raw)
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
-            return await asyncio.to_thread(self.svc.create, fields, owner)
+            return await asyncio.to_thread(self.svc.create, fields, owner, strict)
         except MediaTypeError as e:
-            return _error(415, str(e), None, code="unsupported_media_type")
+            return error(415, str(e), None, code="unsupported_media_type")
         except TooLarge as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
-            return _error(413, str(e), None, code="body_too_large")
+            return error(413, str(e), None, code="body_too_large")
+        except ImageTooLarge as e:
+            metrics()["requests"].inc(1, tags={"status": "rejected"})
+            return error(413, e.message, e.field, code=e.kind)
+        except BodyTimeout as e:
+            metrics()["requests"].inc(1, tags={"status": "rejected"})
+            return error(408, str(e), None, code="body_timeout", headers={"Connection": "close"})
         except BodyError as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
-            return _error(422, e.message, e.field, code=e.kind)
+            return error(422, e.message, e.field, code=e.kind)
+        except QuotaExceeded as e:  # the caller's own limit, not capacity: not what the alert counts
+            metrics()["requests"].inc(1, tags={"status": "over_quota"})
+            return error(429, str(e), kind="rate_limit_error", code="quota_exceeded",
+                         headers={"Retry-After": str(e.retry_after_s)})
         except QueueFull as e:
             metrics()["requests"].inc(1, tags={"status": "throttled"})
-            return _error(429, str(e), kind="rate_limit_error", code="queue_full",
-                          headers={"Retry-After": str(e.retry_after_s)})
+            return error(429, str(e), kind="rate_limit_error", code="queue_full",
+                         headers={"Retry-After": str(e.retry_after_s)})
         except Unavailable as e:
             metrics()["requests"].inc(1, tags={"status": "refused_down"})
-            return _error(503, str(e), kind="server_error", code="engine_down",
-                          headers={"Retry-After": str(e.retry_after_s)})
+            return error(503, str(e), kind="server_error", code="engine_down",
+                         headers={"Retry-After": str(e.retry_after_s)})
 
     @app.post("/v1/videos", status_code=202, openapi_extra=_CREATE_BODY, response_model=Video,
               responses=_CREATE_ERRORS)
@@ -216,8 +244,7 @@ class VideoIngress:
         return JSONResponse(video_object(rec), status_code=202)
 
     @app.post("/v1/videos/sync", openapi_extra=_CREATE_BODY, response_class=Response,
-              responses={200: {"content": {"video/mp4": {}}, "description": "the MP4"},
-                         **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
+              responses={200: _MP4[200], **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
     async def create_video_sync(self, request: Request) -> Response:
         """Generate and answer the MP4 itself; the job is also listed under /v1/videos.
 
@@ -231,34 +258,20 @@ class VideoIngress:
         while True:
             final = await asyncio.to_thread(self.svc.get, vid, owner)  # a call to the job store
             if final is None:
-                return _error(404, f"video {vid} was deleted before it finished", "video_id",
-                              code="not_found")
+                return error(404, f"video {vid} was deleted before it finished", "video_id",
+                             code="not_found")
             if final.final:
                 break
             await asyncio.sleep(0.1)
         headers = {"x-video-id": vid}
         if final.status is not JobStatus.COMPLETED:
             err = final.error or {}
-            return _error(500, err.get("message", "generation failed"), None, kind="server_error",
-                          code=err.get("code", "generation_failed"), headers=headers)
+            return error(500, err.get("message", "generation failed"), None, kind="server_error",
+                         code=err.get("code", "generation_failed"), headers=headers)
         gone = f"video {vid} has no content (expired or deleted)"
-        video = await asyncio.to_thread(self._video, vid, headers)  # S3: network calls
-        return video or _error(404, gone, "video_id", code="not_found", headers=headers)
-
-    def _video(self, vid: str, headers: dict[str, str] | None = None) -> Response | None:
-        """The MP4 from the results storage, whichever replica stored it; None if it is gone.
-
-        A local folder is sent as a file (ranges, sendfile); any other URL is streamed."""
-        storage = self.svc.storage
-        path = storage.video_path(vid)
-        if path is not None:
-            return FileResponse(path, media_type="video/mp4", filename=f"{vid}.mp4", headers=headers)
-        if storage.local_path is not None or not storage.has_video(vid):
-            return None
-        name = f"{vid}.mp4"
-        head = {**(headers or {}), "content-length": str(storage.size(name)),
-                "content-disposition": f'attachment; filename="{name}"'}
-        return StreamingResponse(storage.chunks(name), media_type="video/mp4", headers=head)
+        # S3: network calls, off the event loop
+        video = await asyncio.to_thread(video_response, self.svc.storage, vid, request, headers)
+        return video or error(404, gone, "video_id", code="not_found", headers=headers)
 
     @app.get("/v1/videos", response_model=VideoList, responses=_AUTH)
     def list_videos(
@@ -287,23 +300,24 @@ class VideoIngress:
             return owner
         rec = self.svc.get(video_id, owner)
         if rec is None:
-            return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
+            return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         headers = {"openai-poll-after-ms": "250"} if not rec.final else {}
         return JSONResponse(video_object(rec), headers=headers)
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
-             responses={200: {"content": {"video/mp4": {}}, "description": "the MP4"}, **_BY_ID,
-                        409: {**_ERR, "description": "not completed"}})
+             responses={**_MP4, **_BY_ID, 409: {**_ERR, "description": "not completed"}})
+    @app.head("/v1/videos/{video_id}/content", response_class=Response,
+              responses={**_MP4, **_BY_ID, 409: {**_ERR, "description": "not completed"}})
     def video_content(self, request: Request, video_id: str, variant: Literal["video"] = "video") -> Any:
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
             return owner
         rec = self.svc.get(video_id, owner)
         if rec is None:
-            return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
+            return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         if rec.status is not JobStatus.COMPLETED:
-            return _error(409, f"video {video_id} is {rec.status.value}", "video_id", code="not_ready")
-        return self._video(video_id) or _error(
+            return error(409, f"video {video_id} is {rec.status.value}", "video_id", code="not_ready")
+        return video_response(self.svc.storage, video_id, request) or error(
             404, f"video {video_id} has no content (expired or deleted)", "video_id", code="not_found")
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=_BY_ID)
@@ -315,8 +329,29 @@ class VideoIngress:
             return owner
         result = self.svc.delete(video_id, owner)
         if result == "missing":
-            return _error(404, f"no video {video_id!r}", "video_id", code="not_found")
+            return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         return VideoDeleted(id=video_id, deleted=result == "deleted")
+
+    @app.get("/v1/models", response_model=ModelList, responses=_AUTH)
+    def list_models(self, request: Request) -> Any:
+        """The model this service runs: its family and what it accepts (T2V, I2V, TI2V, image)."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses=_BY_ID)
+    def retrieve_model(self, request: Request, model: str) -> Any:
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        if model != self.svc.model_name:
+            return error(404, f"no model {model!r}; this service runs {self.svc.model_name!r}", "model",
+                         code="model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
+        return model_card(self.svc.model_name, self.svc.adapter.card(), self.svc.started_at)
 
     # -- adapters ------------------------------------------------------------------------
 
@@ -336,22 +371,24 @@ class VideoIngress:
         from service.models.lora import LoraError
 
         try:
-            raw = await read_capped(request, self.svc.cfg.max_body_bytes)
+            raw = await read_capped(request, self.svc.cfg.max_body_bytes, self.svc.cfg.body_timeout_s)
             body = LoraCreate.model_validate(json.loads(raw or b"null"))
             entry = await asyncio.to_thread(self.svc.add_lora, body.name, body.source, owner)
         except TooLarge as e:
-            return _error(413, str(e), None, code="body_too_large")
+            return error(413, str(e), None, code="body_too_large")
+        except BodyTimeout as e:
+            return error(408, str(e), None, code="body_timeout", headers={"Connection": "close"})
         except json.JSONDecodeError as e:
-            return _error(422, f"body is not JSON: {e}", "body", code="invalid_json")
+            return error(422, f"body is not JSON: {e}", "body", code="invalid_json")
         except ValidationError as e:
             err = e.errors()[0]
-            return _error(422, err["msg"], ".".join(str(x) for x in err["loc"]) or "body", code=err["type"])
+            return error(422, err["msg"], ".".join(str(x) for x in err["loc"]) or "body", code=err["type"])
         except PermissionError as e:
-            return _error(403, str(e), "source", code="forbidden_source")
+            return error(403, str(e), "source", code="forbidden_source")
         except KeyError as e:
-            return _error(409, str(e.args[0]), "name", code="lora_exists")
+            return error(409, str(e.args[0]), "name", code="lora_exists")
         except LoraError as e:
-            return _error(422, str(e), e.key, code="invalid_lora")
+            return error(422, str(e), e.key, code="invalid_lora")
         return JSONResponse(entry.public(), status_code=201)
 
     @app.get("/v1/loras", responses=_AUTH)
@@ -370,29 +407,36 @@ class VideoIngress:
         if isinstance(owner, JSONResponse):
             return owner
         if not self.svc.delete_lora(name, owner):
-            return _error(404, f"no adapter {name!r}", "name", code="not_found")
+            return error(404, f"no adapter {name!r}", "name", code="not_found")
         return {"id": name, "object": "lora.deleted", "deleted": True}
 
-    @app.get("/v1/waves", responses=_AUTH)
+    @app.get("/v1/waves", responses={401: _AUTH[401]})
     def waves(self, request: Request) -> Any:
-        """Recent assignments (ids, rank, latency): for operators and tests."""
-        owner = self._owner(request)
-        if isinstance(owner, JSONResponse):
+        """Recent assignments (ids, rank, latency): the caller's own, or every key's for an
+        admin key."""
+        caller = self.svc.caller(request.headers.get("authorization"))
+        if not (caller.user or caller.admin):
+            owner = self._owner(request)  # the 401, with its reason
+            assert isinstance(owner, JSONResponse)
             return owner
-        return self.svc.waves(owner)
+        return self.svc.waves(caller)
 
     async def drain(self, timeout_s: float) -> dict[str, Any]:
         """Called by the launcher on SIGTERM before the app is deleted (not a route)."""
         return await asyncio.to_thread(self.svc.drain, timeout_s)
 
     @app.get("/healthz")
+    @app.head("/healthz")
     def healthz(self) -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", responses={503: {"description": "starting, rebuilding, broken or draining"}})
-    def readyz(self) -> JSONResponse:
-        """200 when a rank group serves; 503 while starting, rebuilding or draining (says which)."""
-        r = self.svc.readiness()
+    @app.head("/readyz", responses={503: {"description": "starting, rebuilding, broken or draining"}})
+    def readyz(self, request: Request) -> JSONResponse:
+        """200 when a rank group serves; 503 while starting, rebuilding or draining. Without
+        a key (when keys are configured) only ``ready`` and ``instance``; an API key adds
+        the engine's state and the caller's own counts; an admin key everything."""
+        r = self.svc.readiness_for(self.svc.caller(request.headers.get("authorization")))
         return JSONResponse(r, status_code=200 if r["ready"] else 503)
 
     def __del__(self) -> None:

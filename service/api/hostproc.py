@@ -120,3 +120,46 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"  # a zombie is dead, only not yet reaped
+
+
+def listeners(pids: list[int]) -> list[dict[str, object]]:
+    """Every listening TCP socket held by ``pids``: address, port, process, and whether it
+    is reachable only from this machine (127.0.0.0/8, ::1, or IPv4-mapped 127.x)."""
+    owner: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owner[link[8:-1]] = pid
+        except OSError:
+            continue
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in owner:  # 0A: LISTEN
+                continue
+            hexip, hexport = f[1].split(":")
+            ip = _ip(hexip)
+            try:
+                argv0 = Path(f"/proc/{owner[f[9]]}/cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                argv0 = b"?"
+            cmd = argv0.decode(errors="replace")
+            loopback = ip.startswith(("127.", "::ffff:127.")) or ip == "::1"
+            out.append({"address": ip, "port": int(hexport, 16), "process": os.path.basename(cmd)[:40],
+                        "pid": owner[f[9]], "loopback": loopback})
+    return sorted(out, key=lambda x: (bool(x["loopback"]), str(x["process"]), str(x["port"]).zfill(5)))
+
+
+def _ip(h: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it (little-endian 32-bit words, hex)."""
+    if len(h) == 8:
+        return socket.inet_ntop(socket.AF_INET, bytes.fromhex(h)[::-1])
+    raw = b"".join(bytes.fromhex(h[i:i + 8])[::-1] for i in range(0, 32, 8))
+    return socket.inet_ntop(socket.AF_INET6, raw)

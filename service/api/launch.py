@@ -4,9 +4,10 @@
 
 With no MODEL the tiny demo model is served. RAY_ADDRESS (or --address) joins a running
 cluster (within --join-timeout-s); without one a new local cluster is started, never the
-last one this machine ran. A busy port ends it with exit code 2 before anything starts.
-SIGINT or SIGTERM at any moment stops the service and every process of a cluster it
-started.
+last one this machine ran, and with a loopback --host every Ray listener of it is on the
+loopback address too (``_start_local_cluster``). A busy port ends it with exit code 2
+before anything starts. SIGINT or SIGTERM at any moment stops the service and every
+process of a cluster it started; reads of jobs answer until the HTTP proxy stops.
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from service.api.serve_flags import add_arguments, api_key_hashes, config_from_args, results_url
+from service.api.serve_flags import (
+    add_arguments,
+    admin_key_hashes,
+    api_key_hashes,
+    config_from_args,
+    results_url,
+)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -104,17 +113,29 @@ def _run(args: argparse.Namespace) -> int:
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
+    from service.api.keys import KeyFileError
+
     try:
         keys = api_key_hashes(args)
-    except OSError as e:
-        print(f"dloserve serve: --api-key-file: {e}", file=sys.stderr)
+        admin_key_hashes(args)
+    except (OSError, KeyFileError) as e:
+        print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
     if not keys:
         print("dloserve serve: WARNING: no --api-key given: any client that reaches the port can read, "
               "download and delete every job", file=sys.stderr, flush=True)
+    if args.api_key or args.admin_key:
+        print("dloserve serve: note: keys given as --api-key/--admin-key are visible to every user of "
+              "this machine in the process list; use --api-key-file/--admin-key-file (or "
+              "DLOSERVE_API_KEYS) instead", file=sys.stderr, flush=True)
     from service.api.store import StoreLocked, lock_folder
 
     url = results_url(args)
+    if args.results_url is None:  # the default per-port folders: stopped instances' are cleaned
+        from service.api.cleanup import clean_results
+
+        for gone in clean_results(Path(url).parent, Path(url), args.retention_s):
+            print(f"removed the results folder of a stopped instance: {gone}", file=sys.stderr, flush=True)
     try:
         if "://" not in url and not args.address:  # joined: the cluster's store may hold it
             lock_folder(Path(url)).close()
@@ -139,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        _start_local_cluster(loopback=args.host in ("127.0.0.1", "localhost", "::1"))
+        _start_local_cluster(loopback=args.host in LOOPBACK)
 
     import ray
 
@@ -161,6 +182,7 @@ def _run(args: argparse.Namespace) -> int:
     except (TimeoutError, PortTaken) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortTaken) else 1
+    _report_listeners(args.host)
     print(f"dloserve ready at {url} in {time.monotonic() - t0:.1f} s "
           f"(POST {url}/v1/videos, docs {url}/docs); Ctrl-C to stop", flush=True)
     while True:
@@ -171,18 +193,57 @@ def _start_local_cluster(loopback: bool) -> None:
     """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names.
 
     Ray's token authentication stays on (ray.init handles the token for this process and
-    the workers it starts). With a loopback --host the node is advertised as 127.0.0.1
-    and the dashboard binds there.
+    the workers it starts); the dashboard binds 127.0.0.1. With a loopback --host the node's
+    address is the loopback one, so Ray's listeners (GCS, raylet, agents, the metrics export
+    port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
+    host's outward address, but takes the loopback address as the node's when
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its single-machine mode, meant for laptops; on
+    Linux it does the same). Its child processes inherit the setting.
     """
     import ray
 
     _own_cluster["started"] = True  # from here on, our descendants are ours to stop
     _own_cluster["ray"] = True
-    kw: dict[str, Any] = {"dashboard_host": "127.0.0.1"}
     if loopback:
-        kw["_node_ip_address"] = "127.0.0.1"
-    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, **kw)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read at import: ray may be imported already
+    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, dashboard_host="127.0.0.1")
     _install_handlers()
+
+
+def _report_listeners(host: str) -> None:
+    """Say at start which of our processes listen beyond loopback: with a loopback --host
+    there should be none (a warning names any); otherwise Ray's ports are reachable, and
+    its metrics export port answers without the cluster's token."""
+    if not _own_cluster["started"]:
+        return  # a joined cluster's listeners are its operator's
+    from service.api.hostproc import descendants, listeners
+
+    found = [x for x in listeners([os.getpid(), *descendants(os.getpid())]) if not x["loopback"]]
+    if not found:
+        return
+    names = ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in found)
+    if host in LOOPBACK:
+        replica = [x for x in found if str(x["process"]).startswith(SERVE_REPLICA)]
+        if replica:  # Ray 2.60 binds it to [::]:0 in serve/_private/replica.py, whatever the node
+            print(f"dloserve serve: note: Serve's replica gRPC server (calls between deployments) listens "
+                  f"on {', '.join(str(x['port']) for x in replica)} on every interface (Ray binds it so); "
+                  "Ray's token authentication refuses callers without the cluster's token",
+                  file=sys.stderr, flush=True)
+        others = [x for x in found if x not in replica]
+        if others:
+            print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: "
+                  + ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in others),
+                  file=sys.stderr, flush=True)
+        return
+    import ray
+
+    port = next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive")), None)
+    print(f"dloserve serve: WARNING: Ray listens on {len(found)} ports beyond loopback ({names}); its "
+          f"token authentication guards the control ports, but its metrics export port ({port}) answers "
+          f"anyone: firewall it (docs/operate.md, 'Ray's ports')", file=sys.stderr, flush=True)
 
 
 def _join(address: str, timeout_s: float) -> str | None:
@@ -241,10 +302,11 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
 
             try:
                 _drain(drain_s)
-                serve.delete("dloserve")
-                _stop_store()
-                if not joined:
-                    serve.shutdown()
+                if joined:  # the cluster lives on: our app and its job store go
+                    serve.delete("dloserve")
+                    _stop_store()
+                else:  # reads answer until HTTP stops; then the whole cluster goes
+                    _stop_http()
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
                 pass
             ray.shutdown()
@@ -257,6 +319,35 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
 
 
 _store_url: dict[str, str] = {}
+
+
+def _stop_http() -> None:
+    """End HTTP before anything behind it: the Serve controller first (it would start a new
+    proxy), then the proxies. Clients then get a refused connection, never a 404 from a
+    proxy whose app was deleted under it (what ``serve.delete`` before the proxy's end
+    did for about 2 s). The replica and the job store go with the cluster afterwards: the
+    drain has stored every outcome."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE, SERVE_PROXY_NAME
+
+    def kill(name: str) -> None:
+        try:
+            ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
+        except ValueError:
+            return  # not running
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            try:
+                ray.get_actor(name, namespace=SERVE_NAMESPACE)
+            except ValueError:
+                return  # gone: its name is free
+            time.sleep(0.05)
+
+    proxies = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a.get("namespace") == SERVE_NAMESPACE and a["name"].startswith(SERVE_PROXY_NAME)]
+    kill(SERVE_CONTROLLER_NAME)
+    for name in proxies:
+        kill(name)
 
 
 def _stop_store() -> None:

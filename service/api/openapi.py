@@ -49,15 +49,22 @@ def body_rules(adapter: ModelAdapter, limits: Limits, model_name: str) -> dict[s
         "flow_shift": {"minimum": 0.001, "maximum": 100},
         "max_sequence_length": {"minimum": 1, "maximum": 512},
         "seconds": {"minimum": 0, "maximum": MAX_SECONDS},
+        "guidance_scale_2": {"minimum": 0, "maximum": 100},
     }
+    if len(adapter.experts) == 1:  # only Wan2.2 A14B has a second guidance scale
+        rules["guidance_scale_2"] = {"not": {}}
+    if adapter.image_input == "none":  # an image is refused (422) by a model that takes none
+        rules["input_reference"] = {"not": {}}
     if adapter.family == "flux-t2i":  # refused fields (see FluxAdapter.validate)
         rules["negative_prompt"] = {"maxLength": 0}
         rules["flow_shift"] = {"not": {}}
     return rules
 
 
-def instance_openapi(base: dict[str, Any], rules: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``base`` (FastAPI's schema) with the create bodies' field rules filled in."""
+def instance_openapi(base: dict[str, Any], rules: dict[str, dict[str, Any]],
+                     required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``base`` (FastAPI's schema) with the create bodies' field rules filled in; ``required``:
+    fields this model needs besides the prompt (an image-to-video model's input_reference)."""
     spec = copy.deepcopy(base)
     for path in CREATE_PATHS:
         body = spec.get("paths", {}).get(path, {}).get("post", {}).get("requestBody", {})
@@ -77,6 +84,8 @@ def instance_openapi(base: dict[str, Any], rules: dict[str, dict[str, Any]]) -> 
                     props[name] = {**{k: v for k, v in prop.items() if k not in ("anyOf", "default")},
                                    **target}
             media["schema"]["not"] = {"anyOf": [_both(a, b) for a, b in EXCLUSIVE]}
+            if required:
+                media["schema"]["required"] = sorted(set(media["schema"].get("required", [])) | set(required))
     return spec
 
 

@@ -7,26 +7,22 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from service.api.errors import BodyError
 from service.models.cache_spec import MAX_RATIOS, METHODS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
 
-
-class BodyError(ValueError):
-    """The body is unreadable or a field is invalid; becomes a 422 naming ``field``."""
-
-    def __init__(self, field: str, message: str, kind: str = "value_error") -> None:
-        super().__init__(f"{field}: {message}")
-        self.field, self.message, self.kind = field, message, kind
-
-
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
+SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # ASCII digits only: no "X", spaces or other scripts
+SECONDS_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"  # OpenAI sends seconds as a string ("4")
+NESTED_OBJECTS = frozenset({"cache"})  # object fields whose errors name the inner field: cache.threshold
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
-                            "guidance_scale", "flow_shift", "max_sequence_length"})
+                            "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2"})
 
 
 class LoraUse(BaseModel):
@@ -71,17 +67,22 @@ class LoraCreate(BaseModel):
 
 
 class VideoCreate(BaseModel):
-    """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body)."""
+    """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body).
+
+    Validated strictly from JSON (``validate_create(strict=True)``: ``"seed": "7"`` is a
+    422) and leniently from a form, whose values are all strings."""
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str = Field(min_length=1, max_length=10_000, pattern=r"\S",
                         description="what to generate; the instance's own limit is in /openapi.json")
     model: str | None = None
-    size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "832x480"')
+    size: str | None = Field(None, pattern=SIZE_PATTERN, description='"WIDTHxHEIGHT", e.g. "832x480"')
     width: int | None = None
     height: int | None = None
-    seconds: float | None = Field(None, description="duration; frames = seconds * fps + 1")
+    seconds: float | Annotated[str, StringConstraints(pattern=SECONDS_PATTERN)] | None = Field(
+        None, description='duration, a number or a decimal string as OpenAI sends it ("4"); '
+                          "frames = seconds * fps + 1")
     num_frames: int | None = None
     fps: int | None = None
     seed: int | None = None
@@ -90,6 +91,11 @@ class VideoCreate(BaseModel):
     negative_prompt: str | None = None
     flow_shift: float | None = None
     max_sequence_length: int | None = None
+    guidance_scale_2: float | None = Field(None, description="Wan2.2 A14B: the low-noise expert's guidance "
+                                           "(default guidance_scale)")
+    input_reference: str | dict[str, str] | None = Field(
+        None, description="image-to-video: the image as a data URL (data:image/png;base64,...), plain base64 "
+                          'or {"image_url": DATA_URL}; in a form, a file part (service.api.images)')
     loras: list[LoraUse] = Field(default_factory=list, max_length=MAX_LORAS,
                                  description="adapters to apply, in order, with their scales")
     cache: CacheUse | None = Field(None, description="step cache: skipped blocks skip their weight transfers "
@@ -117,28 +123,40 @@ class VideoCreate(BaseModel):
                 raise ValueError("must be a JSON list of {name, scale} objects") from None
         return v
 
+    @field_validator("prompt", "negative_prompt", "model", "size")
+    @classmethod
+    def _unicode(cls, value: str | None) -> str | None:
+        """Text a tokenizer can read: JSON can carry a lone surrogate ("\\ud800"), UTF-8 cannot."""
+        if value is not None:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("must be valid Unicode text (it holds a lone surrogate such as \\ud800)"
+                                 ) from None
+        return value
+
     def to_request(self, defaults: GenerationRequest) -> GenerationRequest:
         """Resolve size/seconds aliases against the service defaults."""
         width, height = self.width, self.height
-        if self.size is not None:
+        if self.size is not None:  # the pattern already holds: ASCII digits, one lower-case x
             if width is not None or height is not None:
                 raise BodyError("size", "give either size or width/height, not both")
-            try:
-                w, h = self.size.lower().split("x")
-                width, height = int(w), int(h)
-            except ValueError:
-                raise BodyError("size", f'must look like "832x480", got {self.size!r}') from None
+            w, h = self.size.split("x")
+            width, height = int(w), int(h)
         fps = self.fps if self.fps is not None else defaults.fps
         frames = self.num_frames
         if self.seconds is not None:
+            seconds = float(self.seconds)
             if frames is not None:
                 raise BodyError("seconds", "give either seconds or num_frames, not both")
-            if not math.isfinite(self.seconds) or not 0 <= self.seconds <= MAX_SECONDS or fps < 1:
+            if not math.isfinite(seconds) or not 0 <= seconds <= MAX_SECONDS or fps < 1:
                 raise BodyError("seconds", f"must be in [0, {MAX_SECONDS}], got {self.seconds}")
-            frames = round(self.seconds * fps) + 1
+            frames = round(seconds * fps) + 1
         extra = {}
         if self.max_sequence_length is not None:
             extra["max_sequence_length"] = self.max_sequence_length
+        if self.guidance_scale_2 is not None:
+            extra["guidance_scale_2"] = self.guidance_scale_2
 
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -219,7 +237,6 @@ class Video(BaseModel):
     num_inference_steps: int
     guidance_scale: float
     dp_rank: int | None = None
-    wave: int | None = None
     dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
     node_id: str | None = Field(None, description="the Ray node of that DP group")
     timings: Timings | None = Field(None, description="where its time went (once it ended)")
@@ -283,9 +300,11 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
         yield b""
 
     headers = Headers({"content-type": content_type})
+    if ctype == "multipart/form-data":
+        closing_boundary(content_type, raw)
     try:
         if ctype == "multipart/form-data":
-            parser: Any = MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS,
+            parser: Any = MultiPartParser(headers, stream(), max_files=1, max_fields=MAX_FORM_FIELDS,
                                           max_part_size=len(raw) + 1)
         else:
             parser = FormParser(headers, stream(), max_fields=MAX_FORM_FIELDS, max_part_size=len(raw) + 1)
@@ -293,22 +312,42 @@ async def parse_body(content_type: str, raw: bytes) -> dict[str, Any]:
     except MultiPartException as e:
         field = "input_reference" if "file" in str(e).lower() else "body"
         raise BodyError(field, f"malformed or unsupported form: {e}", "multipart_invalid") from None
+    from service.api.images import from_upload
+
     out: dict[str, Any] = {}
-    for name, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            raise BodyError(name, "file uploads (input_reference) are not supported")
-        out[name] = value
+    try:
+        for name, value in form.multi_items():
+            out[name] = await from_upload(name, value) if isinstance(value, UploadFile) else value
+    finally:
+        await form.close()  # a file part is spooled to a temporary file
     return out
 
 
-def validate_create(data: dict[str, Any]) -> VideoCreate:
-    """pydantic validation with the first failing field turned into a BodyError."""
+def closing_boundary(content_type: str, raw: bytes) -> None:
+    """A multipart body must end with its closing delimiter (``--BOUNDARY--``): one cut off
+    in the middle is not a request (python-multipart would hand over the parts it saw)."""
+    m = re.search(r'boundary="?([^";]+)"?', content_type, re.IGNORECASE)
+    if m is None:
+        return  # no boundary: Starlette's parser says so
+    boundary = re.escape(m.group(1).strip().encode("latin-1", "replace"))
+    if not re.search(rb"(?:^|\r\n)--" + boundary + rb"--", raw):
+        raise BodyError("body", "the multipart body has no closing boundary (--BOUNDARY--): it was cut off",
+                        "multipart_invalid")
+
+
+def validate_create(data: dict[str, Any], strict: bool = True) -> VideoCreate:
+    """pydantic validation with the first failing field turned into a BodyError; ``strict``
+    for JSON (numbers must be numbers), not for a form (whose values are strings)."""
     for name in NUMERIC_FIELDS & set(data):
         if isinstance(data[name], bool):  # pydantic's lax mode would read true as 1
             raise BodyError(name, "must be a number, not a boolean", "type_error")
     try:
-        return VideoCreate.model_validate(data)
+        return VideoCreate.model_validate(data, strict=strict)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"]) or "body"
+        loc = err["loc"]
+        if len(loc) > 1 and (isinstance(loc[1], int) or loc[0] in NESTED_OBJECTS):
+            field = ".".join(str(x) for x in loc)  # an item of a list field (loras.0.scale), cache.method
+        else:
+            field = str(loc[0]) if loc else "body"  # a union names its branch next: not a field
         raise BodyError(field, err["msg"], err["type"]) from None

@@ -45,13 +45,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--retention-s", type=float, default=86400.0, help="keep finished jobs this long")
     p.add_argument("--max-jobs", type=int, default=1000, help="keep at most this many jobs")
     p.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' (repeatable); jobs belong to their key")
-    p.add_argument("--api-key-file", default=None, help="one API key per line")
+                   help="require 'Authorization: Bearer KEY' (repeatable); jobs belong to their key. "
+                        "Visible in the process list: prefer --api-key-file or DLOSERVE_API_KEYS")
+    p.add_argument("--api-key-file", default=None,
+                   help="one API key per line: KEY, or KEY max_queued=N max_running=N (that key's "
+                        "own limits); '#' starts a comment line")
+    p.add_argument("--admin-key", action="append", default=None,
+                   help="a key that reads /readyz's detail and every key's /v1/waves (repeatable; "
+                        "visible in the process list: prefer --admin-key-file)")
+    p.add_argument("--admin-key-file", default=None, help="one admin key per line")
+    p.add_argument("--max-queued-per-key", type=int, default=16,
+                   help="queued jobs per API key; beyond it 429 quota_exceeded (0: no limit but "
+                        "--queue-size)")
+    p.add_argument("--max-running-per-key", type=int, default=0,
+                   help="jobs per API key on ranks at once (0: as many as are free)")
     p.add_argument("--lora-dir", action="append", default=[], metavar="FOLDER",
                    help="POST /v1/loras may register .safetensors files under FOLDER (repeatable; "
                         "none: adapters come only from --lora NAME=PATH at start)")
     p.add_argument("--max-body-bytes", type=int, default=65536,
                    help="larger request bodies are refused with 413 before they are read")
+    p.add_argument("--body-timeout-s", type=float, default=10.0,
+                   help="a request body must arrive within this long, or 408 (slow clients)")
+    p.add_argument("--max-image-bytes", type=int, default=8 * 2**20,
+                   help="largest input_reference image file; where the model takes images a body may be "
+                        "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
+    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
+                   help="largest input_reference image (width x height from its header, before decoding)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="on SIGTERM: how long running jobs may take to finish")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
@@ -67,6 +86,7 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
 
     extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
                              "storage_options": args.storage_options}
+    quotas = api_keys(args)
     return ServiceConfig(
         model=args.model,
         dp_size=args.data_parallel_size,
@@ -96,10 +116,17 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
             "per_forward_s": args.wave_deadline_per_forward_s,
         },
         instance=uuid.uuid4().hex[:12],
-        api_key_hashes=api_key_hashes(args),
+        api_key_hashes=sorted(quotas),
+        key_quotas={h: q for h, q in quotas.items() if q},
+        admin_key_hashes=admin_key_hashes(args),
+        max_queued_per_key=args.max_queued_per_key or None,
+        max_running_per_key=args.max_running_per_key or None,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout_s,
         loras=dict(lora_flags(args)[0]),
         lora_dirs=list(args.lora_dir),
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
         **extra,
     )
 
@@ -111,14 +138,34 @@ def results_url(args: argparse.Namespace) -> str:
     return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
-def api_key_hashes(args: argparse.Namespace) -> list[str]:
-    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS; the keys
-    themselves never leave this process (the Serve config carries only hashes)."""
-    import hashlib
+def api_keys(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS, each with
+    its own limits from the key file (empty: the flags' defaults); the keys themselves never
+    leave this process (the Serve config carries only hashes). OSError or KeyFileError for
+    a file that cannot be read."""
+    from service.api.keys import KeyEntry, key_hash, parse_key_lines
 
-    keys = list(args.api_key or [])
+    entries = [KeyEntry(k) for k in args.api_key or []]
     if args.api_key_file:
-        keys += [ln.strip() for ln in open(args.api_key_file).read().splitlines()
-                 if ln.strip() and not ln.startswith("#")]
-    keys += [k.strip() for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",") if k.strip()]
-    return sorted({hashlib.sha256(k.encode()).hexdigest() for k in keys})
+        with open(args.api_key_file) as f:
+            entries += parse_key_lines(f, args.api_key_file)
+    entries += [KeyEntry(k.strip()) for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",") if k.strip()]
+    out: dict[str, dict[str, int]] = {}
+    for e in entries:
+        out.setdefault(key_hash(e.key), {}).update(e.quota)
+    return out
+
+
+def api_key_hashes(args: argparse.Namespace) -> list[str]:
+    return sorted(api_keys(args))
+
+
+def admin_key_hashes(args: argparse.Namespace) -> list[str]:
+    """SHA-256 of every --admin-key and --admin-key-file key (a file's lines: one key each)."""
+    from service.api.keys import key_hash, parse_key_lines
+
+    keys = list(args.admin_key or [])
+    if args.admin_key_file:
+        with open(args.admin_key_file) as f:
+            keys += [e.key for e in parse_key_lines(f, args.admin_key_file)]
+    return sorted({key_hash(k) for k in keys})

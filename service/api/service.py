@@ -7,8 +7,7 @@ config files -> operator limits): bad input never reaches a worker.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import dataclasses
 import logging
 import os
 import secrets
@@ -17,19 +16,20 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
+from service.api.config import ServiceConfig
+from service.api.images import take_image
+from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
 from service.api.results import open_storage
 from service.api.schemas import BodyError, Video, validate_create
 from service.api.store import JobTable
+from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
-from service.engine.spec import EngineSpec, Outcome
+from service.engine.spec import Outcome
 from service.models.lora import LoraRegistry, Registered, targets_of
-from service.models.options import Mode, OffloadSettings
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -37,70 +37,7 @@ from service.router.policy import DeadlinePolicy, Limits
 from service.router.waves import Ticket
 
 log = logging.getLogger("dloserve.api")
-
-
-class AuthError(Exception):
-    """No or a wrong API key (401)."""
-
-
-class ServiceConfig(BaseModel):
-    """Everything `dloserve serve` flags and the Serve config file's ``args`` can set."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = Field(None, description="diffusers pipeline dir; None = demo model")
-    model_name: str | None = None
-    dp_size: int = Field(1, ge=1)
-    sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
-    offload: OffloadSettings = Field(default_factory=lambda: OffloadSettings(Mode.AUTO),
-                                     description="where the weights live: mode (resident, allgather, "
-                                                 "rank-local, auto), resident_layers, device_memory_gb, "
-                                                 "components, probe_shape, dtype (service.models.options)")
-    cpus_per_rank: float = 1.0
-    gpus_per_rank: float = 0.0
-    strategy: str = "STRICT_PACK"
-    num_replicas: int = 1
-    max_wait_ms: float = 50.0
-    queue_size: int = 64
-    max_queue_wait_s: float = Field(1800.0, gt=0, description="a queued job waits at most this long "
-                                    "for a rank (e.g. while its group is rebuilt)")
-    results_url: str = Field(str(Path.home() / ".cache" / "dloserve" / "results"),
-                             description="folder or fsspec URL (s3://...) for job records and MP4s")
-    storage_options: dict[str, Any] = Field(default_factory=dict,
-                                            description="fsspec options for results_url (endpoint, ...)")
-    group_timeout_s: float = Field(30.0, gt=0, description="a DP group silent this long is lost: "
-                                   "its jobs fail")
-    retention_s: float = 86400.0
-    max_jobs: int = 1000
-    pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
-    scheduler: Literal["continuous", "waves"] = "continuous"
-    starve_s: float = Field(30.0, gt=0)
-    encoders_per_rank: int | None = Field(None, ge=0, description="None: from the rank's CPUs")
-    instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
-    api_key_hashes: list[str] = Field(default_factory=list,
-                                      description="SHA-256 (hex) of the accepted API keys; empty = open")
-    max_body_bytes: int = Field(65536, ge=1024)
-    unhealthy_after_s: float = Field(300.0, gt=0)
-    limits: dict[str, Any] = Field(default_factory=dict)
-    deadline: dict[str, Any] = Field(default_factory=dict)
-    defaults: dict[str, Any] = Field(default_factory=dict)
-    loras: dict[str, str] = Field(default_factory=dict, description="adapters registered at start: "
-                                  "name -> .safetensors path (--lora NAME=PATH); a bad one fails the start")
-    lora_dirs: list[str] = Field(default_factory=list, description="folders POST /v1/loras may register "
-                                 "files from (--lora-dir); none: run-time registration is off")
-
-    @model_validator(mode="after")
-    def _sp_always_gathers(self) -> ServiceConfig:
-        """An SP group gathers over its ranks: auto has one mode to choose from."""
-        if self.sp_size > 1 and self.offload.mode is Mode.AUTO:
-            self.offload = self.offload.resolved(Mode.ALLGATHER)
-        return self
-
-    def engine_spec(self, model_dir: str) -> EngineSpec:
-        return EngineSpec(model_dir=model_dir, dp_size=self.dp_size, sp_size=self.sp_size,
-                          settings=self.offload, cpus_per_rank=self.cpus_per_rank,
-                          gpus_per_rank=self.gpus_per_rank, strategy=self.strategy,
-                          pg_timeout_s=self.pg_timeout_s, encoders_per_rank=self.encoders_per_rank)
+__all__ = ["AuthError", "ServiceConfig", "VideoService", "video_object"]
 
 
 class VideoService:
@@ -121,6 +58,7 @@ class VideoService:
             self.loras.register(name, os.path.expanduser(source))
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
+        self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
         if node_id is None:
             import ray
@@ -137,7 +75,7 @@ class VideoService:
             cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,
             scheduler=cfg.scheduler, queue_size=cfg.queue_size, starve_s=cfg.starve_s,
             max_wait_s=cfg.max_wait_ms / 1000.0, deadlines=DeadlinePolicy(**cfg.deadline),
-            max_queue_wait_s=cfg.max_queue_wait_s,
+            max_queue_wait_s=cfg.max_queue_wait_s, tenants=cfg.tenants(),
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -169,22 +107,25 @@ class VideoService:
                 log.warning("heartbeat to the job store failed: %s", e)
 
     # -- requests ----------------------------------------------------------------------
-    def create(self, fields: dict[str, Any], owner: str | None = None) -> JobRecord:
-        """Validate fully, record, queue. Raises BodyError (422), QueueFull (429) or
-        Unavailable (503: no rank group can serve and none is about to)."""
-        body = validate_create(fields)
+    def create(self, fields: dict[str, Any], owner: str | None = None, strict: bool = True) -> JobRecord:
+        """Validate fully, record, queue. Raises BodyError (422), QuotaExceeded (429, the
+        owner's own queue), QueueFull (429, the whole queue) or Unavailable (503: no rank
+        group can serve and none is about to). ``strict``: a JSON body, whose numbers must
+        be numbers (a form's are strings)."""
+        image = take_image(fields, self.cfg.max_image_bytes, self.cfg.max_image_pixels)
+        body = validate_create(fields, strict=strict)
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
         if body.seed is None and "seed" not in self.cfg.defaults:
             # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
             body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
-        req = body.to_request(self.defaults)
+        req = dataclasses.replace(body.to_request(self.defaults), image=image)
         try:
             self.adapter.validate(req)
             self.limits.check(req)
             req = self._resolve_loras(req, owner)
         except RequestError as e:
-            field = "max_sequence_length" if e.field == "extra.max_sequence_length" else e.field
+            field = {"image": "input_reference"}.get(e.field, e.field.removeprefix("extra."))
             raise BodyError(field, e.message) from None
         now = time.time()
         rec = JobRecord(
@@ -206,7 +147,7 @@ class VideoService:
         )
         self.store.put(rec)
         try:
-            self.dispatcher.submit(rec.id, req.compat_key(), req)
+            self.dispatcher.submit(rec.id, req.compat_key(), req, tenant=owner)
         except Exception:
             self.store.delete(rec.id)
             raise
@@ -248,7 +189,7 @@ class VideoService:
     def get(self, job_id: str, owner: str | None = None) -> JobRecord | None:
         """The job if it exists and belongs to ``owner`` (with API keys on, jobs are private)."""
         rec = self.store.get(job_id)
-        if rec is None or (self.cfg.api_key_hashes and rec.owner != owner):
+        if rec is None or (not self.keys.open and rec.owner != owner):
             return None  # another key's job is "not found": its existence is not told either
         return rec
 
@@ -271,24 +212,28 @@ class VideoService:
 
     def list(self, after: str | None, limit: int, order: str, owner: str | None = None,
              ) -> tuple[list[JobRecord], bool]:
-        return self.store.page(owner, bool(self.cfg.api_key_hashes), after, limit, order)
+        return self.store.page(owner, not self.keys.open, after, limit, order)
 
     def owner_of(self, authorization: str | None) -> str | None:
         """The caller's owner id from ``Authorization: Bearer KEY``; AuthError if keys are on
         and it is missing or unknown. Keys are compared by SHA-256, in constant time."""
-        if not self.cfg.api_key_hashes:
-            return None
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise AuthError("Missing bearer authentication in header (Authorization: Bearer YOUR_KEY)")
-        digest = hashlib.sha256(token.strip().encode()).hexdigest()
-        match = None
-        for h in self.cfg.api_key_hashes:
-            if hmac.compare_digest(h, digest):
-                match = h
-        if match is None:
-            raise AuthError("Incorrect API key provided")
-        return match[:16]
+        return self.keys.owner_of(authorization)
+
+    def caller(self, authorization: str | None) -> Caller:
+        return self.keys.caller(authorization)
+
+    def readiness_for(self, caller: Caller) -> dict[str, Any]:
+        """/readyz as ``caller`` may read it (views.py): ready or not for anyone, the engine
+        and its own counts for an API key, everything for an admin key."""
+        full = self.readiness()
+        if caller.admin:
+            return full
+        if not caller.user:
+            return public_ready(full)
+        quota = self.dispatcher.scheduler.tenants.quota(caller.owner)
+        yours = {**self.dispatcher.counts(caller.owner), "max_queued": quota.max_queued,
+                 "max_running": quota.max_running}
+        return tenant_ready(full, yours)
 
     def readiness(self) -> dict[str, Any]:
         st = self.dispatcher.status()
@@ -303,6 +248,7 @@ class VideoService:
             "in_flight": self.dispatcher.held,
             "waves_run": self.dispatcher.assignments,
             "model": self.model_name,
+            "model_card": self.adapter.card(),
             "model_dir": self.model_dir,
             "dp_group": self.dp_group,
             "node_id": self.node_id,
@@ -342,11 +288,13 @@ class VideoService:
         self._finisher.shutdown(wait=True)  # every outcome stored before the app goes
         return {"queued_failed": queued, "running_failed": left, "seconds": round(time.monotonic() - t0, 1)}
 
-    def waves(self, owner: str | None = None) -> list[dict[str, Any]]:
+    def waves(self, caller: Caller) -> list[dict[str, Any]]:
+        """The recent assignments: an admin's (or an open service's) every record, an API
+        key's own only (views.tenant_record: no tenant, no global wave number)."""
         hist = list(self.dispatcher.history)
-        if not self.cfg.api_key_hashes:
-            return hist
-        return [r for r in hist if all(self.get(i, owner) for i in r.get("ids", []))]
+        if caller.admin:
+            return [{k: v for k, v in r.items() if k != "tenant" or not self.keys.open} for r in hist]
+        return [tenant_record(r) for r in hist if r.get("tenant") == caller.owner]
 
     def close(self) -> None:
         self._closed.set()
@@ -392,8 +340,9 @@ class VideoService:
             fields = {"status": JobStatus.CANCELLED,
                       "error": {"code": "cancelled", "message": "cancelled (DELETE) while it ran"}}
         else:
-            fields = {"status": JobStatus.FAILED,
-                      "error": {"code": "generation_failed", "message": outcome.error or "unknown error"}}
+            # A group's failure reason may quote the request that caused it: name no other job.
+            message = redact(outcome.error, ticket.id) or "unknown error"
+            fields = {"status": JobStatus.FAILED, "error": {"code": "generation_failed", "message": message}}
         timings = dict(outcome.timings)
         if timings:
             timings["store_s"] = time.monotonic() - t0

@@ -281,7 +281,7 @@ class GroupExecutor(Executor):
                         raise RuntimeError("executor closed while the group started")
                     g.forwarding.clear()
                     g.serving = 0
-                    g.state, g.last_error = GroupState.READY, None
+                    g.state = GroupState.READY  # last_error stays: what the last failure was (readyz, /ui)
                 self._pending.put(Event(EventKind.GROUP_READY, group=g.info.id))
             except Exception as e:  # noqa: BLE001 - any start failure leaves a clean, failed group
                 why = f"group {'rebuild' if rebuild else 'start'} failed: {short(e)}"

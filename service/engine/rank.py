@@ -13,6 +13,11 @@ forward waiting, and does anyone have work at all. No forward waiting but work s
 with work ends ``serve``. So a rank whose request ends starts the next one at the next
 forward boundary, and requests of any size, step count or CFG setting share a group.
 
+Two experts (Wan2.2 A14B): a tick runs one expert's forward; the agreement also says which
+(the one most ranks need) and which the next tick will need, so the ring prefetches across
+the switch. A rank at the gate with the other expert holds: it replays the tick idle and
+keeps its forward (engine/experts.py has the rule and why).
+
 Sequence parallel (``sequence_parallel=True``): the group is one SP group and every rank
 holds the same request, each running all its forwards on 1/S of the tokens. Attention
 all-to-alls cannot be replayed idle, so a tick runs only when *every* rank is at the gate
@@ -42,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -52,6 +58,7 @@ from service.models.request import GenerationRequest
 
 from .encoder import Encoder
 from .events import Event, EventKind
+from .experts import NONE, Tick, agree, needs
 
 
 class Phase(enum.Enum):
@@ -71,6 +78,7 @@ class Job:
 
     id: str
     req: GenerationRequest
+    plan: tuple[int, ...] = ()  # the expert of each forward (two-expert models only)
 
 
 class JobCancelled(Exception):
@@ -144,15 +152,21 @@ class RankWorker:
         self.null_ticks = 0
         self.agree_s = 0.0  # time spent in the per-tick agreement
         self.tick_log: deque[str] = deque(maxlen=4096)  # per tick: the job that ran, "" if idle
+        self.experts = len(runner.experts)  # 2: the tick agrees which expert runs (engine.experts)
+        runner.tick_driven = self.experts > 1
+        self.held_ticks = 0  # ticks this rank was at the gate with the expert the tick did not run
+        self._gate_expert = 0
+        self._needs = (NONE, NONE, NONE)  # (at the gate, after running it, if not running)
         dev = runner.device
         self._cuda_index = (dev.index if dev.index is not None else torch.cuda.current_device()) \
             if dev.type == "cuda" else None
-        self._hooks = [
+        self._hooks = []
+        for expert, module in enumerate(runner.experts):
             # First of the pre-hooks: a forward the gate stops (cancel) never begins, so the
             # offload's own hooks neither start it nor replay its gathers.
-            runner.transformer.register_forward_pre_hook(self._gate_enter, prepend=True),
-            runner.transformer.register_forward_hook(self._gate_leave, always_call=True),
-        ]
+            gate = partial(self._gate_enter, expert)
+            self._hooks.append(module.register_forward_pre_hook(gate, prepend=True))
+            self._hooks.append(module.register_forward_hook(self._gate_leave, always_call=True))
         if control is not None and not sequence_parallel:
             runner.caches.agree_over(control)  # step-cache decisions: one CPU all-reduce, no device sync
         self._thread = threading.Thread(target=self._pipeline_loop, name=f"rank{rank}-pipeline",
@@ -164,12 +178,13 @@ class RankWorker:
     def assign(self, job_id: str, req: GenerationRequest) -> None:
         """Queue a request on this rank; it starts when the pipeline thread is free."""
         self.runner.validate(req)  # a bad request fails here, at the caller, not mid-tick
+        plan = self.runner.adapter.expert_plan(req) if self.experts > 1 else ()
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"rank {self.rank} is closed")
             if self._failed:
                 raise RuntimeError(f"rank {self.rank} is out of service: {self._failed}")
-            self._inbox.append(Job(job_id, req))
+            self._inbox.append(Job(job_id, req, plan))
             self._cv.notify_all()
 
     def cancel(self, job_id: str) -> bool:
@@ -209,6 +224,7 @@ class RankWorker:
                 "forwards": self.forwards,
                 "idle_ticks": self.idle_ticks,
                 "null_ticks": self.null_ticks,
+                "held_ticks": self.held_ticks,
                 "agree_s": self.agree_s,
                 "encoding": self.encoder.inflight,
                 "failed": self._failed,
@@ -227,14 +243,25 @@ class RankWorker:
             if self.on_report is not None and time.monotonic() - self._reported > self.report_every_s:
                 self._report()
             at_gate, busy = self._local_flags()
-            any_gate, any_busy, all_gate = self._agree(at_gate, busy)
+            tick = self._agree_experts(at_gate, busy) if self.experts > 1 else None
+            any_gate, any_busy, all_gate = self._agree(at_gate, busy) if tick is None else \
+                (tick.any_gate, tick.any_busy, tick.all_gate)
             if self.sequence_parallel and any_gate and not all_gate:
                 any_gate = False  # SP: all ranks run a forward together, or none does
+            if any_gate and tick is not None:
+                self.runner.expect(tick.upcoming)  # before the forward: its last block prefetches it
+                if at_gate and self._gate_expert != tick.expert:
+                    at_gate = False  # held: another expert's tick; the forward waits at the gate
+                    self.held_ticks += 1
             if any_gate:
                 self.ticks += 1
                 if at_gate:
                     self.tick_log.append(self._current.id if self._current else "?")
                     self._open_gate()
+                elif tick is not None:
+                    self.tick_log.append("")
+                    self.idle_ticks += 1
+                    self.runner.idle_forwards(1, tick.expert)
                 else:
                     self.tick_log.append("")
                     self.idle_ticks += 1
@@ -276,7 +303,28 @@ class RankWorker:
                 self._cv.wait_for(lambda: not self._abort)
             at_gate = self._phase is Phase.GATE
             busy = at_gate or self._phase is Phase.HEAD or bool(self._inbox)
+            if self.experts > 1:
+                self._needs = self._expert_needs(at_gate)
             return at_gate, busy
+
+    def _expert_needs(self, at_gate: bool) -> tuple[int, int, int]:
+        """What this rank needs, for the agreement (called with ``_cv`` held, beside the flags)."""
+        job = self._current
+        if self._phase is Phase.HEAD and job is not None and job.plan:
+            starting = job.plan[0]
+        elif self._phase is Phase.IDLE and self._inbox and self._inbox[0].plan:
+            starting = self._inbox[0].plan[0]
+        else:
+            starting = NONE  # decoding (TAIL): not at the next tick
+        return needs(self._gate_expert if at_gate and job is not None else NONE, job.plan if job else (),
+                     self._done_forwards, starting)
+
+    def _agree_experts(self, at_gate: bool, busy: bool) -> Tick:
+        """The per-tick agreement with two experts, in one SUM all-reduce (engine.experts)."""
+        t0 = time.perf_counter()
+        tick = agree(self.experts, at_gate, busy, self._needs, self.control)
+        self.agree_s += time.perf_counter() - t0
+        return tick
 
     def _report(self) -> None:
         self._reported = time.monotonic()
@@ -303,8 +351,9 @@ class RankWorker:
 
     # -- the pipeline thread -----------------------------------------------------------
 
-    def _gate_enter(self, module: torch.nn.Module, args: object) -> None:
+    def _gate_enter(self, expert: int, module: torch.nn.Module, args: object) -> None:
         with self._cv:
+            self._gate_expert = expert
             if self._done_forwards == 0 and "first_gate" not in self._marks:
                 self._marks["first_gate"] = time.monotonic()
             self._phase = Phase.GATE

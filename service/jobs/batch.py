@@ -5,9 +5,11 @@
 
 ``prompts.jsonl``: one JSON object per line with GenerationRequest fields (``prompt``
 required; ``seed``, ``height``, ``width``, ``num_frames``, ``fps``,
-``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``flow_shift``) and an
-optional ``id`` (default: ``item-<line>``). Every line is validated before any worker
-starts. Outputs go to ``OUT/<id>.mp4``; ``OUT/manifest.jsonl`` gets one line per
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``flow_shift``; Wan2.2
+A14B: ``guidance_scale_2``; image-to-video: ``image``, a path (relative to the prompts
+file's folder) or an fsspec URL of a PNG, JPEG or WebP file) and an optional ``id``
+(default: ``item-<line>``). Every line is validated (its image read and checked) before
+any worker starts. Outputs go to ``OUT/<id>.mp4``; ``OUT/manifest.jsonl`` gets one line per
 finished item with the file's SHA-256. Re-running skips items whose manifest entry is
 completed and whose file still has that hash (resumable); failed items are retried.
 Each entry carries the item's ``timings`` (seconds per stage). Stopping the job (``ray job
@@ -32,6 +34,28 @@ from typing import Any
 from service.models.request import GenerationRequest, RequestError
 
 FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)} - {"extra"}
+EXTRA = {"guidance_scale_2"}  # family arguments a line may give (they go to ``extra``)
+
+
+def read_image(source: object, base: Path, where: str) -> bytes:
+    """The checked bytes of a line's ``image``: a path (relative to ``base``) or an fsspec URL."""
+    import fsspec
+
+    from service.models.image import check_image
+
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"{where}: image: must be a path or URL, got {source!r}")
+    url = source if "://" in source else str((base / source).resolve())
+    try:
+        with fsspec.open(url, "rb") as f:
+            data = f.read()
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"{where}: image: cannot read {source!r}: {e}") from None
+    try:
+        check_image(data, "image")
+    except RequestError as e:
+        raise ValueError(f"{where}: {e} ({source})") from None
+    return data
 
 
 def read_prompts(path: Path) -> list[tuple[str, GenerationRequest]]:
@@ -50,18 +74,30 @@ def read_prompts(path: Path) -> list[tuple[str, GenerationRequest]]:
         item_id = str(obj.pop("id", f"item-{n:05d}"))
         if not item_id.replace("-", "").replace("_", "").isalnum() or item_id in seen:
             raise ValueError(f"{path}:{n}: id {item_id!r} must be unique and [A-Za-z0-9_-]")
-        unknown = sorted(set(obj) - FIELDS)
+        unknown = sorted(set(obj) - FIELDS - EXTRA)
         if unknown:
             raise ValueError(f"{path}:{n}: unknown field(s) {unknown}")
         if "prompt" not in obj:
             raise ValueError(f"{path}:{n}: prompt: missing")
+        if "image" in obj:
+            obj["image"] = read_image(obj["image"], path.parent, f"{path}:{n}")
+        extra = {k: obj.pop(k) for k in EXTRA & set(obj)}
         seen.add(item_id)
-        items.append((item_id, GenerationRequest(**obj)))
+        items.append((item_id, GenerationRequest(**obj, extra=extra)))
     return items
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def public(req: GenerationRequest) -> dict[str, Any]:
+    """The request as the manifest records it: the image by its SHA-256, not its bytes."""
+    d = dataclasses.asdict(req)
+    image = d.pop("image")
+    if image is not None:
+        d["image_sha256"] = hashlib.sha256(image).hexdigest()
+    return d
 
 
 def finished(out: Path) -> dict[str, dict[str, Any]]:
@@ -109,7 +145,7 @@ class ManifestSink:
         req: GenerationRequest = ticket.payload
         entry: dict[str, Any] = {
             "id": ticket.id,
-            "request": dataclasses.asdict(req),
+            "request": public(req),
             "wave": info.get("wave"),
             "group": info.get("group"),
             "node_id": info.get("node_id"),

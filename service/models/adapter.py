@@ -5,8 +5,11 @@ An adapter declares, per family, which ``ModuleList``s of the transformer are st
 size rules of a request, and how one request runs. Everything else (offload, MP4,
 processes) is family-independent and lives in ``pipeline.py``/``local.py``.
 
-The family comes from ``model_index.json``'s ``_class_name``, as diffusers does it;
-components load through the library classes that file names, never re-implemented.
+The family comes from ``model_index.json``'s ``_class_name``, as diffusers does it (and,
+where one pipeline class serves several families, from what the index holds: Wan2.2's
+``transformer_2``, ``expand_timesteps``, an ``image_encoder``); components load through the
+library classes that file names, never re-implemented. A family also says what it accepts
+(``tasks``, ``image_input``), so a request it cannot serve is refused before any compute.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ class ModelAdapter(ABC):
     # text encoders whose block lists can stream (components option "text_encoder")
     text_encoder_blocks: ClassVar[dict[str, tuple[str, ...]]] = {}
     can_probe: ClassVar[bool] = False  # has probe_inputs (--dlo-mode auto, a memory budget on CUDA)
+    tasks: ClassVar[tuple[str, ...]] = ("t2v",)  # "t2v", "i2v", "t2i": what /v1/models reports
+    image_input: ClassVar[str] = "none"  # "none", "optional" (TI2V) or "required" (I2V)
+    experts: ClassVar[tuple[str, ...]] = ("transformer",)  # denoiser folders (Wan2.2 A14B: two)
+
+    @classmethod
+    def accepts(cls, index: dict[str, Any]) -> bool:
+        """Whether this family serves a pipeline whose class is one of ``pipeline_classes``."""
+        return True
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         self.model_dir = model_dir
@@ -69,17 +80,47 @@ class ModelAdapter(ABC):
         """
         return tuple(getattr(self.component_class("transformer"), "_keep_in_fp32_modules", None) or ())
 
-    def build_transformer(self) -> nn.Module:
-        """The denoiser on the meta device with real buffers (weights come from the runtime)."""
-        cls = self.component_class("transformer")
-        config = cls.load_config(self.model_dir / "transformer")
-        # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
-        with empty_weights():
-            return cls.from_config(config).eval()
+    def build_transformer(self, only: str | None = None) -> nn.Module:
+        """The denoiser on the meta device with real buffers (weights come from the runtime);
+        with two experts an ``Experts`` module holding both (``only``: that one alone)."""
+        from .experts import Experts
 
-    def transformer_checkpoint(self) -> Path:
-        """The transformer's safetensors: the sharded index's folder, or the single file."""
-        folder = self.model_dir / "transformer"
+        def build(name: str) -> nn.Module:
+            cls = self.component_class(name)
+            config = cls.load_config(self.model_dir / name)
+            # init_empty_weights keeps buffers real (rope tables are not in the checkpoint).
+            with empty_weights():
+                return cls.from_config(config).eval()
+
+        if only is not None or len(self.experts) == 1:
+            return build(only or self.experts[0])
+        return Experts({name: build(name) for name in self.experts})
+
+    def transformer_checkpoint(self, only: str | None = None) -> Path | dict[str, Path]:
+        """The denoiser's safetensors (the sharded index's folder, or the single file); with
+        two experts a key prefix -> checkpoint mapping (``only``: that one's alone)."""
+        if only is None and len(self.experts) > 1:
+            return {f"{name}.": self._checkpoint(name) for name in self.experts}
+        return self._checkpoint(only or self.experts[0])
+
+    @property
+    def offload_block_attrs(self) -> tuple[str, ...]:
+        """The block lists as the offload sees them (prefixed by the expert with two)."""
+        if len(self.experts) == 1:
+            return self.block_attrs
+        return tuple(f"{e}.{a}" for e in self.experts for a in self.block_attrs)
+
+    def expert_plan(self, req: GenerationRequest) -> tuple[int, ...]:
+        """The expert of each of ``req``'s transformer forwards (all 0 with one expert)."""
+        return (0,) * self.forwards(req)
+
+    def card(self) -> dict[str, Any]:
+        """What this model does, for /v1/models and /readyz."""
+        return {"family": self.family, "pipeline": self.index.get("_class_name"), "tasks": list(self.tasks),
+                "image_input": self.image_input, "experts": list(self.experts)}
+
+    def _checkpoint(self, name: str) -> Path:
+        folder = self.model_dir / name
         if any(folder.glob("*.safetensors.index.json")):
             return folder
         single = folder / "diffusion_pytorch_model.safetensors"
@@ -101,6 +142,10 @@ class ModelAdapter(ABC):
     def validate(self, req: GenerationRequest) -> None:
         """Family rules on top of ``req.check()``; raises RequestError naming the field."""
         req.check()
+        if req.image is None and self.image_input == "required":
+            raise RequestError("image", f"{self.family} is image-to-video: an image is required")
+        if req.image is not None and self.image_input == "none":
+            raise RequestError("image", f"{self.family} takes no image ({'/'.join(self.tasks)} only)")
         unknown = sorted(set(req.extra) - self.extra_args)
         if unknown:
             allowed = sorted(self.extra_args) or "none"

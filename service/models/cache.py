@@ -58,7 +58,14 @@ class StepCaches:
         self.transformer = transformer
         self.handle = handle
         attrs = adapter.block_attrs
-        if adapter.family not in FAMILIES or len(attrs) != 1:
+        if len(getattr(adapter, "experts", ())) > 1:
+            # Two experts (Wan2.2 A14B): diffusers' hooks and their residual state would sit on
+            # one expert only, and the switch between them is a decision of its own. The offload
+            # can stop each expert's forward early (its decision points are the first two blocks
+            # of the expert that runs), but the model side is not wired up: refused per request.
+            self.unsupported = (f"step caches are not supported on a two-expert model ({adapter.family}: "
+                                f"{' + '.join(adapter.experts)}) yet")
+        elif adapter.family not in FAMILIES or len(attrs) != 1:
             self.unsupported = f"step caches are not supported for {adapter.family} yet (Wan T2V has them)"
         elif adapter.sequence_parallel > 1:
             # Each SP rank sees 1/S of the tokens, so a residual test would decide per rank, and

@@ -13,6 +13,9 @@ holding more than one block in memory. ``wan14b-umt5xxl`` adds the real UMT5-XXL
 encoder shapes of Wan2.1 (24 layers, d_model 4096, d_ff 10240, 64 heads, vocabulary
 256,384: 11.4 GB in bf16), written the same way, so the text encoder's device memory can
 be measured beside the transformer.
+
+The other families (Wan2.1 I2V, Wan2.2 A14B T2V/I2V, TI2V-5B) have presets of their own,
+written by ``demo_families.py`` (``preset_names()`` lists every preset).
 """
 
 from __future__ import annotations
@@ -47,6 +50,23 @@ FORMAT_VERSION = 1
 WORDS = ("a the of and in on with red blue green fox cat dog bird running flying snow sea "
          "forest city night sky light slow motion close up camera video of").split()
 SHARD_BYTES = 2**30  # ~one 14B block per shard: peak RAM while writing ~1 GB
+
+
+def preset_names() -> list[str]:
+    """Every preset ``write_demo_model`` takes (Wan2.1 T2V's, then the other families')."""
+    from .demo_families import FAMILY_PRESETS
+
+    return sorted(PRESETS) + sorted(FAMILY_PRESETS)
+
+
+def _preset(name: str) -> dict[str, Any]:
+    from .demo_families import FAMILY_PRESETS
+
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in FAMILY_PRESETS:
+        return FAMILY_PRESETS[name]
+    raise ValueError(f"preset must be one of {preset_names()}, got {name!r}")
 
 
 def _tokenizer() -> Any:
@@ -103,9 +123,7 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
     """
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    p = PRESETS[preset]
+    p = _preset(preset)
     n_layers = p["layers"] if layers is None else int(layers)
     if n_layers < 1:
         raise ValueError(f"layers must be >= 1, got {n_layers}")
@@ -113,6 +131,11 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out}: exists and is not an empty folder")
     out.mkdir(parents=True, exist_ok=True)
+    if preset not in PRESETS:
+        from .demo_families import write_family
+
+        write_family(out, preset, n_layers, seed, progress, init_device)
+        return _stamp(out, preset, n_layers, seed)
     tokenizer = _tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -133,8 +156,12 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
         index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     if p.get("umt5xxl"):
         _write_streamed_text_encoder(out / "text_encoder", p["dtype"], seed, progress, init_device)
+    return _stamp(out, preset, n_layers, seed)
+
+
+def _stamp(out: Path, preset: str, layers: int, seed: int) -> Path:
     (out / "dloserve_demo.json").write_text(json.dumps(
-        {"preset": preset, "layers": n_layers, "seed": seed, "format": FORMAT_VERSION}, indent=2) + "\n")
+        {"preset": preset, "layers": layers, "seed": seed, "format": FORMAT_VERSION}, indent=2) + "\n")
     return out
 
 
@@ -255,9 +282,7 @@ def ensure_demo_model(preset: str = "tiny", layers: int | None = None, seed: int
     Written into a temporary sibling folder and renamed into place: concurrent processes
     either win the rename or find the finished folder, never a half-written one.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
-    n_layers = PRESETS[preset]["layers"] if layers is None else int(layers)
+    n_layers = _preset(preset)["layers"] if layers is None else int(layers)
     root = cache_dir()
     final = root / f"wan-{preset}-L{n_layers}-s{seed}-v{FORMAT_VERSION}"
     if (final / "model_index.json").is_file():

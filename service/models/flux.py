@@ -25,6 +25,7 @@ class FluxAdapter(ModelAdapter):
     """Flux.1 dev/schnell T2I."""
 
     family = "flux-t2i"
+    tasks = ("t2i",)
     pipeline_classes = ("FluxPipeline",)
     block_attrs = ("transformer_blocks", "single_transformer_blocks")
     components = (

@@ -13,6 +13,12 @@ gathers, so all ranks make the same collective calls in the same order (service.
 decides which, forward by forward). With ``sequence_parallel`` S > 1 the S ranks of the
 world are one SP group: all of them run every forward of the same request, each on 1/S of
 its tokens (``sequence.py``), and the offload gathers each block over the same S ranks.
+
+Two experts (Wan2.2 A14B): ``transformer`` is an ``Experts`` module and one offload handle
+streams both through the same two slots; every forward uses one expert, and the handle is
+told which expert the *next* forward uses (``expect``) so the switch is prefetched. Run by
+the tick loop, the group agrees on that per tick (engine.experts); run directly (``frames``,
+``idle``), the request's own plan says it (``adapter.expert_plan``), the same on every rank.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from service.offload.auto import ProbeTimings, choose_mode, probe
 from .adapter import ModelAdapter
 from .cache import StepCaches
 from .cache_spec import CacheSpec
+from .experts import expert_of, lockstep_expert_cost
 from .lora import RankAdapters
 from .options import Mode, OffloadSettings
 from .progress import progress_bar
@@ -79,6 +86,13 @@ class PipelineRunner:
         self.caches = StepCaches(transformer, handle, adapter,
                                  CacheSpec.from_obj(settings.cache) if settings.cache else None)
         self._closed = False
+        self.experts = expert_of(transformer)  # the modules that each make one forward
+        # Who says which expert comes next: the request's plan (False), or a tick loop that
+        # agrees it with the group and calls expect() itself (engine.rank sets this).
+        self.tick_driven = False
+        self._plan: list[int] = []  # experts of the running request's forwards still to come
+        self._plan_hooks = [m.register_forward_pre_hook(self._next_from_plan) for m in self.experts] \
+            if len(self.experts) > 1 and handle is not None else []
 
     @classmethod
     def load(
@@ -133,13 +147,14 @@ class PipelineRunner:
                     device=dev,
                     group=group,
                     use_allgather=settings.use_allgather,
-                    block_attrs=list(adapter.block_attrs),
+                    block_attrs=list(adapter.offload_block_attrs),
                     dtype=dtype,
                     keep_fp32=adapter.keep_fp32,
                     progress=progress_bar("sharding blocks", "block") if progress else None,
                     placement=Placement(resident_blocks=settings.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
                     quantization=settings.quantization,
+                    experts=adapter.experts if len(adapter.experts) > 1 else None,
                 )
             except ValueError as e:
                 if "device_memory_budget" in str(e) or "resident_blocks" in str(e):
@@ -147,7 +162,7 @@ class PipelineRunner:
                 raise
         else:
             load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32,
-                          quantization=settings.quantization, block_attrs=list(adapter.block_attrs))
+                          quantization=settings.quantization, block_attrs=list(adapter.offload_block_attrs))
         if sequence_parallel > 1:
             from .sequence import enable_sequence_parallel
 
@@ -178,6 +193,8 @@ class PipelineRunner:
         """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding)."""
         self._check_open()
         self.validate(req)
+        if self._plan_hooks and not self.tick_driven:
+            self._plan = list(self.adapter.expert_plan(req))
         cache = self.caches.resolve(req.cache)
         with self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step)
@@ -188,18 +205,39 @@ class PipelineRunner:
         """Run ``req`` and return the MP4 bytes; ``on_step(done, total)`` after each step."""
         return encode_mp4(self.frames(req, on_step), req.fps)
 
-    def idle_forwards(self, k: int) -> None:
-        """Join the gathers of ``k`` transformer forwards without computing (one tick each)."""
+    def idle_forwards(self, k: int, expert: int = 0) -> None:
+        """Join the gathers of ``k`` forwards of ``expert`` without computing (one tick each)."""
         self._check_open()
         if self.handle is not None:
-            self.handle.idle_forwards(k)
+            self.handle.idle_forwards(k, expert)
+
+    def expect(self, expert: int) -> None:
+        """The expert the next forward uses (the ring prefetches its first block)."""
+        if self.handle is not None and len(self.experts) > 1:
+            self.handle.expect(expert)
 
     def idle(self, req: GenerationRequest) -> None:
         """Join the gathers of ``req``'s transformer forwards without computing (idle rank)."""
         self._check_open()
         self.validate(req)
-        if self.handle is not None:
+        if self.handle is None:
+            return
+        if len(self.experts) == 1:
             self.handle.idle_forwards(self.adapter.forwards(req))
+            return
+        plan = self.adapter.expert_plan(req)  # what the running rank's plan says, forward by forward
+        for k, expert in enumerate(plan):
+            self.handle.expect(plan[k + 1] if k + 1 < len(plan) else 0)
+            self.handle.idle_forwards(1, expert)
+
+    def _next_from_plan(self, module: torch.nn.Module, args: object) -> None:
+        """Before each forward of a request run by ``frames``: expect the next one's expert
+        (a new request starts with the high-noise expert, 0)."""
+        if self.tick_driven or self.handle is None:
+            return
+        if self._plan:
+            self._plan.pop(0)
+        self.handle.expect(self._plan[0] if self._plan else 0)
 
     # -- introspection and teardown ----------------------------------------------------------
 
@@ -210,6 +248,7 @@ class PipelineRunner:
         """What is loaded and how (for health endpoints and logs)."""
         return {
             "family": self.adapter.family,
+            "card": self.adapter.card(),
             "model_dir": str(self.adapter.model_dir),
             "device": str(self.device),
             "strategy": self.settings.mode.value,
@@ -230,6 +269,8 @@ class PipelineRunner:
         if self._closed:
             return
         self._closed = True
+        for h in self._plan_hooks:
+            h.remove()
         if self.handle is not None:
             self.handle.close()
         self.adapter.close()
@@ -270,17 +311,37 @@ def decide_auto(adapter: ModelAdapter, dev: torch.device, settings: OffloadSetti
     timings = probe_transformer(adapter, dev, settings, group)
     if world is not None:
         timings = replace(timings, world=world)
-    return choose_mode(timings).as_dict(), timings
+    return choose_mode(timings, expert_mix=expert_mix(adapter, settings, timings.world)).as_dict(), timings
+
+
+# The step counts auto mode's expert estimate mixes (requests of one size, steps as users vary
+# them): with equal plans a group stays in step and two experts cost nothing.
+MIX_STEPS = (20, 50, 30, 40) * 10
+
+
+def expert_mix(adapter: ModelAdapter, settings: OffloadSettings, world: int) -> float:
+    """What two experts cost an AllGather group of ``world`` ranks, for auto mode: the extra
+    ticks of the group's rule (``lockstep_expert_cost``) over requests at the probe size with
+    ``MIX_STEPS`` step counts (0 with one expert or one rank)."""
+    if len(adapter.experts) == 1 or world <= 1:
+        return 0.0
+    height, width, frames = settings.probe_shape or (480, 832, 81)
+    plans = [adapter.expert_plan(GenerationRequest(prompt="probe", height=height, width=width,
+                                                   num_frames=frames, num_inference_steps=steps))
+             for steps in MIX_STEPS]
+    return lockstep_expert_cost(plans, world)
 
 
 def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,
                       group: dist.ProcessGroup | None) -> ProbeTimings:
     """Timings of the transformer at ``settings.probe_shape`` through a throw-away rank-local
     handle (mmap only, nothing sharded). Every rank of ``group`` calls it (it agrees)."""
-    module = adapter.build_transformer()
-    h = enable_layerwise_offload(module, adapter.transformer_checkpoint(), device=dev, use_allgather=False,
-                                 block_attrs=list(adapter.block_attrs), dtype=dtype_of(settings),
-                                 keep_fp32=adapter.keep_fp32, quantization=settings.quantization)
+    only = adapter.experts[0]  # experts have one block shape: probing the first is enough
+    module = adapter.build_transformer(only)
+    h = enable_layerwise_offload(module, adapter.transformer_checkpoint(only), device=dev,
+                                 use_allgather=False, block_attrs=list(adapter.block_attrs),
+                                 dtype=dtype_of(settings), keep_fp32=adapter.keep_fp32,
+                                 quantization=settings.quantization)
     try:
         height, width, frames = settings.probe_shape or (480, 832, 81)
         inputs = adapter.probe_inputs(module, height, width, frames, dev)

@@ -12,13 +12,22 @@ from pathlib import Path
 from .adapter import ModelAdapter, ModelError, read_index
 from .flux import FluxAdapter
 from .wan import WanAdapter
+from .wan22 import Wan22Adapter, Wan22TI2VAdapter
+from .wan_i2v import Wan22I2VAdapter, WanI2VAdapter
 
-FAMILIES: tuple[type[ModelAdapter], ...] = (WanAdapter, FluxAdapter)
+# One pipeline class can serve several families (WanPipeline: Wan2.1 T2V, Wan2.2 A14B T2V,
+# TI2V-5B); each family's ``accepts`` tells them apart from the index.
+FAMILIES: tuple[type[ModelAdapter], ...] = (
+    WanAdapter, Wan22Adapter, Wan22TI2VAdapter, WanI2VAdapter, Wan22I2VAdapter, FluxAdapter)
 
 
-def families() -> dict[str, type[ModelAdapter]]:
-    """Pipeline class name -> adapter class, for every supported family."""
-    return {name: cls for cls in FAMILIES for name in cls.pipeline_classes}
+def families() -> dict[str, list[type[ModelAdapter]]]:
+    """Pipeline class name -> the adapter classes that may serve it, for every family."""
+    out: dict[str, list[type[ModelAdapter]]] = {}
+    for cls in FAMILIES:
+        for name in cls.pipeline_classes:
+            out.setdefault(name, []).append(cls)
+    return out
 
 
 def load_adapter(model_dir: str | Path, sequence_parallel: int = 1) -> ModelAdapter:
@@ -34,7 +43,11 @@ def load_adapter(model_dir: str | Path, sequence_parallel: int = 1) -> ModelAdap
         raise ModelError(
             f"{path / 'model_index.json'}: unknown model family {name!r}; supported: {sorted(known)}"
         )
-    adapter = known[name](path, index)
+    matching = [cls for cls in known[name] if cls.accepts(index)]
+    if not matching:
+        raise ModelError(f"{path / 'model_index.json'}: a {name} with this layout is not supported "
+                         f"(families of {name}: {[c.family for c in known[name]]})")
+    adapter = matching[0](path, index)
     if sequence_parallel != 1:
         adapter.set_sequence_parallel(sequence_parallel)
     return adapter

@@ -18,6 +18,8 @@ MAX_SIDE = 4096
 MAX_FRAMES = 1025
 MAX_STEPS = 1000
 MAX_PROMPT_CHARS = 10_000
+# ``extra`` values that only scale the guidance after the forwards: not in the compatibility key
+VALUE_ONLY_EXTRA = frozenset({"guidance_scale_2"})
 
 
 class RequestError(ValueError):
@@ -31,10 +33,14 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A text-to-video request. Defaults are the tiny demo model's CI-sized request.
+    """A text-to-video (or image-to-video) request. Defaults are the tiny demo model's
+    CI-sized request.
 
     ``flow_shift`` overrides the checkpoint scheduler's shift (Wan: 3.0 at 480p, 5.0 at
-    720p); ``extra`` carries family-specific pipeline arguments (Wan: ``max_sequence_length``).
+    720p); ``extra`` carries family-specific pipeline arguments (Wan: ``max_sequence_length``;
+    Wan2.2 A14B: ``guidance_scale_2``). ``image``: the conditioning image as its file's
+    bytes (PNG, JPEG or WebP, checked by ``service.models.image.check_image``), decoded on
+    the rank, so every front end that passes the same file gets the same video.
     ``cache``: the step cache (cache_spec.py); None takes the server's ``--cache`` default.
     """
 
@@ -50,6 +56,7 @@ class GenerationRequest:
     flow_shift: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
     loras: tuple[LoraRef, ...] = ()
+    image: bytes | None = field(default=None, repr=False)
     cache: CacheSpec | None = None
 
     def __post_init__(self) -> None:
@@ -72,8 +79,11 @@ class GenerationRequest:
         """Canonical JSON of every field that changes collective calls, shapes or schedule.
 
         The guidance *value* only scales a difference after the forwards, so only CFG
-        on/off is in the key: requests with guidance 4.0 and 6.0 can share a wave. The step
-        cache is not in it either: every forward passes the same decision points whatever
+        on/off is in the key: requests with guidance 4.0 and 6.0 can share a wave (and
+        ``guidance_scale_2``'s value is left out the same way). An image changes no gather
+        but does change the work before the first forward (the VAE encodes it, and CLIP
+        for Wan2.1 I2V) and, for TI2V, the pipeline that runs: whether there is one is in.
+        The step cache is not in it: every forward passes the same decision points whatever
         the cache, and a block is gathered when any rank needs it (docs/caches.md).
         """
         key = {
@@ -86,7 +96,8 @@ class GenerationRequest:
             "flow_shift": self.flow_shift,
             "num_outputs": 1,
             "lora": None,  # kept for stable keys: adapters are per rank, never per wave
-            "extra": self.extra,
+            "image": self.image is not None,
+            "extra": {k: v for k, v in self.extra.items() if k not in VALUE_ONLY_EXTRA},
         }
         return json.dumps(key, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
@@ -109,6 +120,8 @@ class GenerationRequest:
         _float_in("guidance_scale", self.guidance_scale, 0.0, 100.0)
         if self.flow_shift is not None:
             _float_in("flow_shift", self.flow_shift, 1e-3, 100.0)
+        if self.image is not None and not isinstance(self.image, bytes):
+            raise RequestError("image", f"must be the image file's bytes, got {type(self.image).__name__}")
         problem = lora_problem(self.loras)
         if problem:
             raise RequestError(*problem)

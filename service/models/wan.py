@@ -1,30 +1,48 @@
-"""Wan2.1 text-to-video: diffusers' own ``WanPipeline`` with our transformer plugged in.
+"""Wan2.1 text-to-video, and what every Wan family shares: diffusers' own pipelines, our transformer.
 
 We drive the library pipeline rather than copy its loop, so prompt cleaning, text
-padding, CFG, the scheduler step and latent de-normalisation are exactly diffusers'
-(the reference test compares against ``WanPipeline.from_pretrained``). Only the
-transformer differs: it is the meta-built module whose blocks the offload runtime feeds.
+padding, CFG, the scheduler step, the expert switch of Wan2.2, image conditioning and
+latent de-normalisation are exactly diffusers' (the reference tests compare against
+``WanPipeline`` / ``WanImageToVideoPipeline.from_pretrained``). Only the transformer(s)
+differ: the meta-built modules whose blocks the offload runtime feeds.
+
+The other Wan families (``wan_i2v.py``, ``wan22.py``) are this class with other class
+variables: which pipeline class takes a text request and which an image one, the
+denoiser folders (one, or Wan2.2 A14B's two experts), the extra components (CLIP for
+Wan2.1 I2V) and what the family accepts.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 
 from .adapter import ModelAdapter, ModelError, StepCallback, frames_to_uint8
+from .experts import expert_of, expert_plan
 from .request import GenerationRequest, RequestError
 from .sequence import SequenceParallelError, check_heads, split_hint
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default: part of the key via ``extra``
+CLIP_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 256 patches + the class token (Wan2.1 I2V's image context)
+
+
+def two_experts(index: dict[str, Any]) -> bool:
+    """Whether a Wan model index is a two-stage Wan2.2 A14B (``transformer_2``, ``boundary_ratio``)."""
+    return index.get("boundary_ratio") is not None or bool((index.get("transformer_2") or [None])[0])
+
+
+def named(index: dict[str, Any], component: str) -> bool:
+    """Whether the index names a class for ``component`` (diffusers writes [null, null] for none)."""
+    return bool((index.get(component) or [None, None])[-1])
 
 
 class WanAdapter(ModelAdapter):
-    """Wan2.1 T2V (1.3B, 14B, and the demo presets)."""
+    """Wan2.1 T2V (1.3B, 14B, and the demo presets); the base of every Wan family."""
 
     family = "wan-t2v"
     pipeline_classes = ("WanPipeline",)
@@ -33,11 +51,18 @@ class WanAdapter(ModelAdapter):
     extra_args = frozenset({"max_sequence_length"})
     text_encoder_blocks = {"text_encoder": ("encoder.block",)}  # UMT5
     can_probe = True
+    tasks = ("t2v",)
+    text_pipeline: ClassVar[str | None] = "WanPipeline"  # runs a request without an image
+    image_pipeline: ClassVar[str | None] = None  # runs a request with one
+
+    @classmethod
+    def accepts(cls, index: dict[str, Any]) -> bool:
+        return not two_experts(index) and not index.get("expand_timesteps")
 
     def __init__(self, model_dir: Path, index: dict[str, Any]) -> None:
         super().__init__(model_dir, index)
-        if index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0]:
-            raise ModelError(f"{model_dir}: two-stage Wan2.2 (transformer_2) is not supported yet")
+        if len(self.experts) == 1 and two_experts(index):
+            raise ModelError(f"{model_dir}: a two-expert Wan2.2 model (transformer_2) given to {self.family}")
         self.transformer_config = _read_json(model_dir / "transformer" / "config.json")
         vae_config = _read_json(model_dir / "vae" / "config.json")
         patch = self.transformer_config.get("patch_size", [1, 2, 2])
@@ -46,9 +71,13 @@ class WanAdapter(ModelAdapter):
         self.multiple = (spatial * int(patch[1]), spatial * int(patch[2]))
         sched = model_dir / "scheduler" / "scheduler_config.json"
         self.scheduler_config = _read_json(sched) if sched.is_file() else {}
+        self.boundary_ratio = index.get("boundary_ratio")
         self._parts: dict[str, Any] = {}
+        self._base_scheduler: Any = None
 
     def set_sequence_parallel(self, degree: int) -> None:
+        if len(self.experts) > 1 or self.family != "wan-t2v":
+            super().set_sequence_parallel(degree)
         try:
             check_heads(int(self.transformer_config.get("num_attention_heads", 40)), degree)
         except SequenceParallelError as e:
@@ -77,10 +106,21 @@ class WanAdapter(ModelAdapter):
         msl = req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
         if isinstance(msl, bool) or not isinstance(msl, int) or not 1 <= msl <= 512:
             raise RequestError("extra.max_sequence_length", f"must be an integer in [1, 512], got {msl!r}")
+        g2 = req.extra.get("guidance_scale_2")
+        if g2 is not None and (isinstance(g2, bool) or not isinstance(g2, int | float) or not 0 <= g2 <= 100):
+            raise RequestError("extra.guidance_scale_2", f"must be a number in [0, 100], got {g2!r}")
+        if req.loras and len(self.experts) > 1:  # the side branches hook one transformer today
+            raise RequestError("loras", f"{self.family}: LoRA adapters on a two-expert model are not "
+                                        "supported yet (one-transformer Wan models only)")
         if self.sequence_parallel > 1:  # after the size rules: the grid is whole by now
             why = split_hint(self.tokens(req), self.sequence_parallel)
             if why:
                 raise RequestError("num_frames", why)
+
+    def expert_plan(self, req: GenerationRequest) -> tuple[int, ...]:
+        if len(self.experts) == 1:
+            return super().expert_plan(req)
+        return expert_plan(self._scheduler(req), req.num_inference_steps, self.boundary_ratio, req.cfg)
 
     def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         self._parts = {
@@ -89,6 +129,9 @@ class WanAdapter(ModelAdapter):
             "vae": self.load_part("vae", device, components),
             "scheduler": self.load_component("scheduler"),
         }
+        for name in ("image_encoder", "image_processor"):  # Wan2.1 I2V's CLIP (resident)
+            if name in self.components:
+                self._parts[name] = self.load_component(name, device)
 
     def probe_inputs(self, transformer: nn.Module, height: int, width: int, frames: int,
                      device: torch.device) -> dict[str, Any]:
@@ -100,16 +143,24 @@ class WanAdapter(ModelAdapter):
         lat = (1, int(cfg.get("in_channels", 16)), (frames - 1) // self.temporal + 1,
                height // spatial, width // spatial)
         text = (1, DEFAULT_MAX_SEQUENCE_LENGTH, int(cfg.get("text_dim", 4096)))
-        return {
+        inputs = {
             "hidden_states": torch.randn(lat, generator=g).to(device, dtype),
             "timestep": torch.tensor([500], device=device),
             "encoder_hidden_states": torch.randn(text, generator=g).to(device, dtype),
             "return_dict": False,
         }
+        if cfg.get("image_dim"):  # Wan2.1 I2V: the CLIP image context too
+            image = (1, CLIP_TOKENS, int(cfg["image_dim"]))
+            inputs["encoder_hidden_states_image"] = torch.randn(image, generator=g).to(device, dtype)
+        return inputs
 
     def _scheduler(self, req: GenerationRequest) -> Any:
         """A fresh scheduler per request (they are stateful), with the request's shift."""
-        base = self._parts["scheduler"]
+        base = self._parts.get("scheduler")
+        if base is None:  # an expert plan before load_components (the scheduler config alone)
+            if self._base_scheduler is None:
+                self._base_scheduler = self.load_component("scheduler")
+            base = self._base_scheduler
         overrides = {}
         if req.flow_shift is not None:
             if "flow_shift" not in base.config and "shift" not in base.config:
@@ -117,17 +168,26 @@ class WanAdapter(ModelAdapter):
             overrides["flow_shift" if "flow_shift" in base.config else "shift"] = req.flow_shift
         return type(base).from_config(base.config, **overrides)
 
+    def _pipeline(self, transformer: nn.Module, req: GenerationRequest) -> Any:
+        """The diffusers pipeline object for ``req``: our denoiser(s), the loaded parts and the
+        index's own settings (``boundary_ratio``, ``expand_timesteps``)."""
+        import diffusers
+
+        name = self.image_pipeline if req.image is not None else self.text_pipeline
+        assert name is not None  # validate() refused the request otherwise
+        denoisers = dict(zip(self.experts, expert_of(transformer), strict=True))
+        parts = {k: v for k, v in self._parts.items() if k != "scheduler"}
+        config = {k: self.index[k] for k in ("boundary_ratio", "expand_timesteps") if self.index.get(k)}
+        pipe = getattr(diffusers, name)(scheduler=self._scheduler(req), **denoisers, **parts, **config)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
     def run(
         self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
     ) -> np.ndarray:
-        from diffusers import WanPipeline
-
         if not self._parts:
             raise RuntimeError("load_components() was not called")
-        pipe = WanPipeline(transformer=transformer, scheduler=self._scheduler(req), **{
-            k: v for k, v in self._parts.items() if k != "scheduler"
-        })
-        pipe.set_progress_bar_config(disable=True)
+        pipe = self._pipeline(transformer, req)
         steps = req.num_inference_steps
         step = self.step_callback(on_step, steps)
 
@@ -135,6 +195,13 @@ class WanAdapter(ModelAdapter):
             step(i + 1, steps)
             return {}
 
+        extra: dict[str, Any] = {}
+        if req.image is not None:
+            from .image import decode_image
+
+            extra["image"] = decode_image(req.image)
+        if req.extra.get("guidance_scale_2") is not None:
+            extra["guidance_scale_2"] = float(req.extra["guidance_scale_2"])
         # Latents from a CPU generator: the same numbers on every rank and device.
         generator = torch.Generator("cpu").manual_seed(req.seed)
         try:
@@ -150,6 +217,7 @@ class WanAdapter(ModelAdapter):
                 output_type="pt",  # stays on the device: uint8 there, 4x fewer bytes to copy
                 callback_on_step_end=callback,
                 max_sequence_length=req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
+                **extra,
             )
             return frames_to_uint8(out.frames[0])  # [T, C, H, W] -> uint8 [T, H, W, 3]
         finally:

@@ -14,6 +14,13 @@ loadtest/results/h200x2-placement-2026-11-30-ranklocal.json): it pins no private
 
 The decision (``choose_mode``) is pure arithmetic on ``ProbeTimings`` so it is tested
 with injected timings; the measuring (``probe``) runs a few real forwards.
+
+Two experts (``expert_mix``): an AllGather group runs one expert per tick, so in a tick
+where its ranks need different experts only some of them compute (the others replay the
+gathers and keep their forward for a later tick). ``expert_mix`` is the extra ticks this
+costs as a fraction (the caller simulates the group's rule over request plans:
+service.models.experts.lockstep_expert_cost): AllGather is charged ``1 + expert_mix``;
+rank-local ranks do not wait for each other and pay nothing.
 """
 
 from __future__ import annotations
@@ -85,18 +92,20 @@ def allgather_fill_s(t: ProbeTimings) -> float:
 
 
 def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN,
-                shape_spread: float = SHAPE_SPREAD) -> ModeChoice:
+                shape_spread: float = SHAPE_SPREAD, expert_mix: float = 0.0) -> ModeChoice:
     """AllGather or rank-local for these timings, with the reason in words.
 
     AllGather's compute is charged what lock-step costs with mixed shapes (``lockstep_cost``)
-    and ``lockstep_margin`` for the gathers sharing the GPU; rank-local ranks pay neither.
+    and ``lockstep_margin`` for the gathers sharing the GPU, and with two experts the ticks
+    whose ranks need different experts (``expert_mix``); rank-local ranks pay none of it.
     """
     if min(t.compute_s, t.h2d_bps, t.ranklocal_bps) <= 0 or t.world < 1:
         raise ValueError(f"probe timings must be positive: {t}")
     ag_fill = allgather_fill_s(t)
     rl_fill = t.block_bytes / t.ranklocal_bps
     waits = lockstep_cost(t.world, shape_spread)
-    ag = max(t.compute_s * (1 + waits), ag_fill) * (1 + (lockstep_margin if t.world > 1 else 0.0))
+    mix = expert_mix if t.world > 1 else 0.0
+    ag = max(t.compute_s * (1 + waits), ag_fill) * (1 + mix) * (1 + (lockstep_margin if t.world > 1 else 0.0))
     rl = max(t.compute_s, rl_fill)
     if t.world == 1 and rl_fill <= ag_fill * (1 + SAME_LINK):
         rl = min(rl, ag)  # one rank, both over the same link: no private pinned copy wins
@@ -105,6 +114,8 @@ def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN,
              f"(N={t.world}), rank-local fill {rl_fill * ms:.2f} ms ({t.ranklocal_source})")
     if waits:
         facts += f"; lock-step with mixed shapes costs AllGather {waits:.0%} of compute"
+    if mix:
+        facts += f"; ranks in different experts cost AllGather an estimated {mix:.0%} more ticks"
     if rl <= ag:
         why = ("compute covers the rank-local fill: no lock-step, no gathers"
                if rl_fill <= t.compute_s else

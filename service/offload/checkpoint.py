@@ -11,13 +11,14 @@ turn a shared page into a private copy by accident.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import mmap
 import os
 import struct
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,19 +185,33 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     return singles
 
 
-class Checkpoint:
-    """All tensors of a (possibly sharded) safetensors checkpoint, mapped read-only."""
+CheckpointPath = str | os.PathLike | Mapping[str, str | os.PathLike]
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+
+class Checkpoint:
+    """All tensors of a (possibly sharded) safetensors checkpoint, mapped read-only.
+
+    ``path`` is one checkpoint, or a mapping of key prefix -> checkpoint: several component
+    folders served as one module (a two-expert pipeline's ``transformer`` and
+    ``transformer_2``, keys ``"transformer." + key`` and ``"transformer_2." + key``).
+    """
+
+    def __init__(self, path: CheckpointPath) -> None:
+        roots = list(path.items()) if isinstance(path, Mapping) else [("", path)]
+        if not roots:
+            raise CheckpointError("checkpoint: an empty mapping of prefixes")
+        paths = [Path(r) for _, r in roots]
+        self.path = paths[0] if len(paths) == 1 else Path(os.path.commonpath(paths))
         self.records: dict[str, TensorRecord] = {}  # what is served (stored, or derived)
         self._files: dict[Path, _MappedFile] = {}
-        for f in checkpoint_files(path):
-            for key, rec in _records(f).items():
-                if key in self.records:
-                    raise CheckpointError(f"{f}: key {key!r} also stored in {self.records[key].file}")
-                self.records[key] = rec
-            self._files[f] = _MappedFile(f)
+        for prefix, root in roots:
+            for f in checkpoint_files(root):
+                for key, rec in _records(f).items():
+                    key = prefix + key
+                    if key in self.records:
+                        raise CheckpointError(f"{f}: key {key!r} also stored in {self.records[key].file}")
+                    self.records[key] = dataclasses.replace(rec, key=key) if prefix else rec
+                self._files[f] = _MappedFile(f)
         self.stored = dict(self.records)  # what the files hold
 
     @property

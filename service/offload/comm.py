@@ -74,6 +74,9 @@ class Device:
     _gather_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     _gather_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Ring positions that start a forward (block 0; and each expert's first block): their stall
+    # is measured from their own wait, not from the end of the previous block's compute.
+    firsts: frozenset[int] = frozenset({0})
 
     def __post_init__(self) -> None:
         if self.is_cuda:
@@ -203,7 +206,7 @@ class Device:
             # The stall of a block is the gap since the previous block's compute ended:
             # a late host (rank-local pack) shows there as well as a late slot. Block 0
             # starts after the non-block layers, so it measures from its own wait.
-            start = self._last_end if block != 0 else None
+            start = self._last_end if block not in self.firsts else None
             if start is None:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record(compute)

@@ -8,16 +8,16 @@ placeholders that a forward pre-hook points at a device slot for the block's for
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import Checkpoint, serving_dtype
+from .checkpoint import Checkpoint, CheckpointPath, serving_dtype
 from .comm import Device, Group
 from .layout import BlockLayout, plan_block
 from .modules import _back_to, _expected, _place_non_persistent, _to_host, find_blocks, load_resident
@@ -36,12 +36,17 @@ class LayerwiseOffload:
 
     Set-up runs in named phases: plan (layouts, resident set), place (device-resident
     tensors, host-kept modules, placeholders), host (shards or page cache, slots), hooks.
+
+    ``experts``: submodules of ``module`` that each run as a forward of their own (the two
+    denoisers of a Wan2.2 pipeline). Their blocks share the host arena, the two slots and
+    the ring; only the expert that runs has its blocks filled, and ``expect`` says which
+    expert comes next so its first block is prefetched before the switch.
     """
 
     def __init__(
         self,
         module: nn.Module,
-        checkpoint: str | os.PathLike,
+        checkpoint: CheckpointPath,
         device: str | torch.device,
         group: dist.ProcessGroup | None,
         use_allgather: bool,
@@ -51,6 +56,7 @@ class LayerwiseOffload:
         progress: Callable[[int, int], None] | None,
         options: Placement | None = None,
         quantization: str | Fp8 | None = None,
+        experts: Sequence[str] | None = None,
     ) -> None:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -66,6 +72,10 @@ class LayerwiseOffload:
         self._plan(blocks, dtype, keep, opts, use_allgather)
         resident = self._place(dev, opts)
         self._streamed = [i for i in range(len(self.layouts)) if i not in self.plan.resident]
+        self.experts = tuple(experts or ())
+        self._segments = self._segment(blocks)
+        if opts.free_slots and self.experts:
+            raise ValueError("free_slots is for a module run once per request, not for experts")
         if opts.free_slots and use_allgather and self.group.world > 1 and self._streamed:
             raise ValueError("free_slots needs a module whose fills are not collectives")
         self.host = HostBlocks(
@@ -88,7 +98,9 @@ class LayerwiseOffload:
             self.host.close()
             self.device.close()
             raise
-        self.ring = Ring(self.host, self.device, self.slots, self._count_fill)
+        self.ring = Ring(self.host, self.device, self.slots, self._count_fill, self._segments)
+        self._starts = frozenset(lo for lo, hi in self._segments if lo < hi)
+        self.device.firsts = self._starts or frozenset({0})
         self._register_hooks()
         by_dtype: dict[str, int] = {}
         for lay in self.layouts:
@@ -112,6 +124,8 @@ class LayerwiseOffload:
             activation_bytes=opts.activation_bytes,
             largest_block_bytes=max(lay.total_bytes for lay in self.layouts),
             block_bytes_by_dtype=by_dtype,
+            experts=max(1, len(self.experts)),
+            expert_forwards=[0] * max(1, len(self.experts)),
             **(self.quant.stats() if self.quant else {}),
         )
         self._closed = False
@@ -173,6 +187,28 @@ class LayerwiseOffload:
             fixed_bytes=non_block + opts.activation_bytes,
         )
 
+    def _segment(self, blocks: list[tuple[str, nn.Module]]) -> list[tuple[int, int]]:
+        """[lo, hi) ring positions of each expert's streamed blocks (one range without experts)."""
+        if not self.experts:
+            self._expert_first = [0]
+            return [(0, len(self._streamed))]
+        owner = []
+        for prefix, _ in blocks:
+            names = [e for e in self.experts if prefix.startswith(f"{e}.")]
+            if len(names) != 1:
+                raise ValueError(f"experts: block {prefix!r} belongs to {names or 'none'} of "
+                                 f"{list(self.experts)}")
+            owner.append(self.experts.index(names[0]))
+        if owner != sorted(owner):
+            raise ValueError(f"experts: each expert's blocks must be one run in block order, got {owner}")
+        self._expert_first = [owner.index(e) if e in owner else 0 for e in range(len(self.experts))]
+        streamed = [owner[i] for i in self._streamed]  # non-decreasing: one run per expert
+        out, lo = [], 0
+        for e in range(len(self.experts)):
+            out.append((lo, lo + streamed.count(e)))
+            lo = out[-1][1]
+        return out
+
     def _place(self, dev: torch.device, opts: Placement) -> int:
         """Put non-block tensors and resident blocks on the device; returns their bytes."""
         module, placed = self.module, 0
@@ -226,13 +262,17 @@ class LayerwiseOffload:
         # them, so a forward stopped before it began (a hook ahead of ours raised) replays none.
         self._entered = len(self._streamed)
         self._stopped = False  # this forward stopped at a decision point (step caches)
-        self._decide_at: dict[int, int] = {}  # streamed position -> its block index
+        # Streamed position -> its block index within its expert (the module that runs).
+        self._decide_at: dict[int, int] = {}
         self._agree_pg: dist.ProcessGroup | None = self.group.pg
         self._vote: Callable[[int], bool] | None = None
-        # Around the whole module: a forward that raises midway still makes every gather of
-        # a forward, so the other ranks' collectives stay in step (see _finish_forward).
-        self._hooks.append(module.register_forward_pre_hook(self._begin_forward))
-        self._hooks.append(module.register_forward_hook(self._finish_forward, always_call=True))
+        # Around the whole module (each expert): a forward that raises midway still makes every
+        # gather of a forward, so the other ranks' collectives stay in step (_finish_forward).
+        self._active: int | None = None  # the segment whose forward is running
+        for seg, sub in enumerate([module.get_submodule(e) for e in self.experts] or [module]):
+            self._hooks.append(sub.register_forward_pre_hook(partial(self._begin_forward, seg)))
+            finish = partial(self._finish_forward, seg)
+            self._hooks.append(sub.register_forward_hook(finish, always_call=True))
         for pos, i in enumerate(self._streamed):
             blk = self._blocks[i]
             self._hooks.append(blk.register_forward_pre_hook(self._pre_hook(pos, i)))
@@ -241,9 +281,11 @@ class LayerwiseOffload:
 
     # -- hooks ------------------------------------------------------------------------
 
-    def _forward_start(self, idle: bool) -> None:
-        """Counters of a forward that reaches its first streamed block (real or replayed)."""
+    def _forward_start(self, pos: int, idle: bool) -> None:
+        """Counters of a forward that reaches its first streamed block ``pos`` (real or replayed)."""
         st = self._stats
+        if self.experts:
+            st.expert_forwards[self.ring._segment_of[pos]] += 1
         st.gather_s += self.device.take_gather_s(block=False)  # keep event lists short
         if self.device.is_cuda:
             st.stall_s += self.device.device_stall_s(block=False)
@@ -259,9 +301,9 @@ class LayerwiseOffload:
     def _enter(self, i: int) -> int:
         """Make streamed block ``i`` (position in the ring) ready; returns its slot."""
         st = self._stats
-        reused = self.ring.reuse is not None
+        reused = self.ring.reuse
         p, waited = self.ring.acquire(i)
-        if reused and self.ring.reuse is None:
+        if reused is not None and p is reused:
             st.blocks_reused += 1
             st.fill_bytes_skipped += self.layouts[self._streamed[i]].total_bytes
         if not self.device.is_cuda:  # on CUDA the stall comes from events (comm.Device)
@@ -274,6 +316,10 @@ class LayerwiseOffload:
     def enable_skips(self, points: Iterable[int], agree_group: dist.ProcessGroup | None = None) -> None:
         """Let a forward stop before block ``p`` (a block index) for each ``p`` in ``points``.
 
+        With experts each expert's forward is one segment of the ring and ``p`` is a block
+        index within the expert: the decision points are the first two streamed blocks of
+        the segment that runs.
+
         At the first streamed block at or after ``p`` every rank asks ``vote(block)`` (set
         with ``set_vote``; None: yes) whether it will run that block. In an AllGather group
         the ranks agree (an all-reduce of one flag, over ``agree_group`` if given: a gloo
@@ -283,19 +329,22 @@ class LayerwiseOffload:
         only at the first two streamed blocks. Every rank must pass the same points.
         """
         by_pos: dict[int, int] = {}
-        for p in points:
-            pos = next((q for q, i in enumerate(self._streamed) if i >= p), None)
-            if pos is None:
-                continue  # nothing streamed from there on: nothing to save
-            if pos > 1:
-                raise ValueError(f"a forward can stop before its first or second streamed block; block {p} "
-                                 f"is streamed position {pos}")
-            by_pos[pos] = self._streamed[pos]
+        for seg, (lo, hi) in enumerate(self._segments):
+            base = self._expert_first[seg]  # block index of the expert's first block
+            for p in points:
+                pos = next((q for q in range(lo, hi) if self._streamed[q] - base >= p), None)
+                if pos is None:
+                    continue  # nothing streamed from there on: nothing to save
+                if pos - lo > 1:
+                    raise ValueError(f"a forward can stop before its first or second streamed block; "
+                                     f"block {p} is streamed position {pos - lo}")
+                by_pos[pos] = self._streamed[pos] - base
         self._decide_at = by_pos
         self._agree_pg = agree_group if agree_group is not None else self.group.pg
 
     def set_vote(self, vote: Callable[[int], bool] | None) -> None:
-        """``vote(block)``: whether this rank's forward runs ``block`` (asked at decision points)."""
+        """``vote(block)``: whether this rank's forward runs ``block`` (asked at decision points;
+        a block index within the module that runs, the expert with experts)."""
         self._vote = vote
 
     def _agree(self, need: bool) -> bool:
@@ -318,21 +367,23 @@ class LayerwiseOffload:
         if go:
             st.skip_overruled += int(not need)
             return True
-        self.ring.stop()
+        lo, hi = self._segments[self.ring._segment_of[pos]]
+        self.ring.stop(lo)
         self._stopped = True
         st.skips += 1
-        rest = [self.layouts[i].total_bytes for i in self._streamed[pos:]]
+        rest = [self.layouts[i].total_bytes for i in self._streamed[pos:hi]]
         st.blocks_skipped += len(rest)
         st.fill_bytes_skipped += sum(rest)
         return False
 
-    def _replay(self, start: int, idle: bool = True) -> None:
-        """Take part in the fills of streamed positions ``start``.. of one forward, computing
-        nothing (voting no at every decision point): an idle rank, or the rest of a forward
-        that raised or did not call its remaining blocks (``idle=False``: it counts as one)."""
-        for pos in range(start, len(self._streamed)):
-            if pos == 0:
-                self._forward_start(idle=idle)
+    def _replay(self, segment: int, start: int, idle: bool = True) -> None:
+        """Take part in the fills of streamed positions ``start``.. of one forward of ``segment``,
+        computing nothing (voting no at every decision point): an idle rank, or the rest of a
+        forward that raised or did not call its remaining blocks (``idle=False``: it counts as one)."""
+        lo, hi = self._segments[segment]
+        for pos in range(start, hi):
+            if pos == lo:
+                self._forward_start(pos, idle=idle)
             if self._stopped or (pos in self._decide_at and not self._decide(pos, False)):
                 return
             self._enter(pos)
@@ -358,12 +409,12 @@ class LayerwiseOffload:
         def hook(module: nn.Module, args: object) -> None:
             self._check_open()
             self._entered = pos + 1
-            if pos == 0:
-                self._forward_start(idle=False)
+            if pos in self._starts:
+                self._forward_start(pos, idle=False)
             if self._stopped:
                 return  # the group stopped this forward: the block keeps its placeholders
             if pos in self._decide_at:
-                need = self._vote is None or self._vote(i)
+                need = self._vote is None or self._vote(self._decide_at[pos])
                 if not self._decide(pos, need):
                     return
             slot = self.slots[self._enter(pos)]
@@ -382,16 +433,20 @@ class LayerwiseOffload:
 
         return hook
 
-    def _begin_forward(self, module: nn.Module, args: object) -> None:
-        self._entered = 0
+    def _begin_forward(self, segment: int, module: nn.Module, args: object) -> None:
+        self._active = segment
+        self._entered = self._segments[segment][0]
         self._stopped = False
         if self._free_slots and self._streamed and not self.slots[0].numel():
             self.slots[:] = [torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device.device)
                              for _ in range(2)]
-        if not self._streamed:  # nothing streamed: no ring to count forwards
+        if self._streamed:
+            self.ring.begin(segment)  # a prefetch of another expert's block is refilled here
+        lo, hi = self._segments[segment]
+        if lo == hi:  # nothing streamed: no ring to count forwards
             self._stats.forwards += 1
 
-    def _finish_forward(self, module: nn.Module, args: object, output: object) -> None:
+    def _finish_forward(self, segment: int, module: nn.Module, args: object, output: object) -> None:
         """Replay the gathers of the blocks a raising forward never reached.
 
         Each rank makes the same collective calls in the same order: a forward that
@@ -399,35 +454,49 @@ class LayerwiseOffload:
         others waiting in block 4's gather. After this the ring is back at block 0. A model
         that skips blocks without calling them (a step cache) is caught up here the same way.
         """
-        n = len(self._streamed)
+        if self._active != segment:  # a hook ahead of ours stopped it before it began
+            return
+        self._active = None
+        lo, n = self._segments[segment]
         if self._free_slots and not self._closed and self._streamed:
             self.ring.reset()  # the prefetch of block 0 is dropped with the slots
             self.slots[:] = [torch.empty(0, dtype=torch.uint8, device=self.device.device) for _ in range(2)]
         if self._closed or self._entered == n:
             return
         if self.host.collective:
-            self._replay(self._entered, idle=False)
+            self._replay(segment, self._entered, idle=False)
         elif self._entered in self._decide_at and not self._stopped:
             # A model that did not call the blocks it skipped: the stop is recorded here.
-            if self._entered == 0:
-                self._forward_start(idle=False)
+            if self._entered == lo:
+                self._forward_start(lo, idle=False)
             self._decide(self._entered, False)
         self._entered = n
 
     # -- public -----------------------------------------------------------------------
 
-    def idle_forwards(self, k: int) -> None:
-        """Take part in every gather of ``k`` forwards without computing (idle replay).
+    def idle_forwards(self, k: int, expert: int = 0) -> None:
+        """Take part in every gather of ``k`` forwards (of ``expert``) without computing.
 
         Where fills are not collectives (rank-local mode, or a single rank) there is
         nothing to take part in: the forwards are only counted.
         """
         self._check_open()
-        if not self.host.collective:
+        lo, hi = self._segments[expert]
+        if not self.host.collective or lo == hi:
             self._stats.idle_forwards += k
             return
         for _ in range(k):
-            self._replay(0)
+            self.ring.begin(expert)
+            self._replay(expert, lo)
+
+    def expect(self, expert: int) -> None:
+        """The expert whose forward comes after the current one: its first block is the fill
+        after the current expert's last. Every rank of a group must expect the same (a wrong
+        guess costs a dropped fill, never a wrong weight: ``begin`` refills)."""
+        if not 0 <= expert < len(self._segments):
+            raise ValueError(f"expert {expert} out of range ({len(self._segments)} experts)")
+        if self._streamed:
+            self.ring.expect(expert)
 
     def stats(self, sync: bool = True) -> OffloadStats:
         """Counters so far. ``sync`` waits for fills in flight so their times count; without
@@ -436,6 +505,7 @@ class LayerwiseOffload:
         if sync:
             self.device.synchronize()
         st.gather_s += self.device.take_gather_s(block=sync)
+        st.prefetch_redirects = self.ring.redirects
         if self.device.is_cuda:
             stall = self.device.device_stall_s(block=sync)
             st.stall_s += stall
@@ -469,7 +539,7 @@ class LayerwiseOffload:
 
 def enable_layerwise_offload(
     module: nn.Module,
-    checkpoint: str | os.PathLike,
+    checkpoint: CheckpointPath,
     device: str | torch.device = "cuda",
     group: dist.ProcessGroup | None = None,
     use_allgather: bool = True,
@@ -480,6 +550,7 @@ def enable_layerwise_offload(
     progress: Callable[[int, int], None] | None = None,
     placement: Placement | None = None,
     quantization: str | Fp8 | None = None,
+    experts: Sequence[str] | None = None,
 ) -> LayerwiseOffload:
     """Stream ``module``'s blocks from host memory through two device slots.
 
@@ -492,11 +563,14 @@ def enable_layerwise_offload(
     every rank of an AllGather group must pass the same resident set. ``quantization``
     ``"fp8"`` (or ``quant.Fp8(compute=...)``) serves the blocks' Linear weights in fp8, from a
     bf16/fp32 checkpoint (quantized while sharding) or one written by ``write_quantized``.
+    ``experts`` names submodules that each run a forward of their own over their share of
+    the blocks (see LayerwiseOffload); ``checkpoint`` is then a mapping of key prefix ->
+    checkpoint (``{"transformer.": ..., "transformer_2.": ...}``).
     """
     t0 = time.perf_counter()
     handle = LayerwiseOffload(
         module, checkpoint, device, group, use_allgather, block_attrs, dtype, keep_fp32, progress, placement,
-        quantization,
+        quantization, experts,
     )
     handle.load_s = time.perf_counter() - t0
     return handle

@@ -73,8 +73,11 @@ class OffloadStats:
     skips: int = 0  # forwards that stopped at a decision point (the group agreed none needed more)
     skip_overruled: int = 0  # this rank needed no more but another rank did: it replayed
     blocks_skipped: int = 0  # streamed blocks not run and not filled
-    blocks_reused: int = 0  # block 0 taken from its slot again after a forward stopped after it
+    blocks_reused: int = 0  # a forward's first block taken from its slot again after one stopped after it
     fill_bytes_skipped: int = 0  # bytes of the skipped and reused blocks: fills never made
+    experts: int = 1  # modules with a forward of their own sharing the ring (Wan2.2: 2)
+    expert_forwards: list[int] = field(default_factory=list)  # forwards begun per expert (experts > 1)
+    prefetch_redirects: int = 0  # prefetched fills dropped: another expert came than expected
 
     def as_dict(self) -> dict:
         return asdict(self)

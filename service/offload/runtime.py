@@ -10,17 +10,26 @@ odd block count does not make the wrap-around prefetch of block 0 land in the sl
 block L-1 is still computing in. The same order on every rank is what keeps collectives
 matched, including on a rank that only replays gathers (``idle_forwards``).
 
+Segments (two experts): the blocks may be split into runs that each make one module's
+forward (a Wan2.2 pipeline's ``transformer`` and ``transformer_2``). Within a segment fills
+go in block order; after a segment's last block the ring fills the first block of the
+segment it was told to ``expect`` next, so the switch to the other expert is prefetched
+like any other block. ``begin`` drops a prefetch that guessed wrong and fills the right
+block; every rank of a group must be told the same, so their fills stay matched.
+
 A forward may stop early (a step cache skipped the rest of it): ``Ring.stop`` right after
-its first block, or before any, keeps what the slots hold for the next forward (the
-prefetched next block, and block 0 still in its slot), so the fill sequence stays the
-same cycle on every rank and nothing is filled that no forward uses.
+its segment's first block, or before any, keeps what the slots hold for the next forward
+(the prefetched next block, and the first block still in its slot), so the fill sequence
+stays the same on every rank and nothing is filled that no forward uses. If the next
+forward is another segment's, ``begin`` drops what was kept, as it drops any prefetch of
+the wrong segment (one redirect, the same on every rank).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -202,22 +211,36 @@ class Ring:
         device: Device,
         slots: list[torch.Tensor],
         on_fill: Callable[[BlockLayout], None] = lambda layout: None,
+        segments: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.host = host
         self.on_fill = on_fill
         self.device = device
         self.slots = slots
         self.n = len(host.blocks)
-        self.next_block = 0  # the next block the ring will fill
+        # The next block the ring will fill; None: the successor of the last one filled, found
+        # when it is issued (so an ``expect`` made since the last fill still counts).
+        self.next_block: int | None = 0
+        self._last = 0
         self.next_slot = 0
         self.pending: Pending | None = None  # the one fill in flight or done, not yet used
         self.current: Pending | None = None  # the block compute is using now
         self.last: Pending | None = None  # the block compute used last (its slot may still hold it)
-        self.reuse: Pending | None = None  # block 0, kept in its slot by a forward that stopped
+        self.reuse: Pending | None = None  # a segment's first block, kept by a forward that stopped
         self.fills = 0
+        # [lo, hi) ring positions of each segment (one module's forward); one segment: all.
+        self.segments = list(segments) if segments else [(0, self.n)]
+        self._segment_of = [s for s, (lo, hi) in enumerate(self.segments) for _ in range(lo, hi)]
+        if len(self._segment_of) != self.n:
+            raise ValueError(f"segments {self.segments} do not tile the {self.n} streamed blocks")
+        # The segment whose first block follows the last block of a segment; None: the same
+        # segment again (a single segment is the plain ring 0..L-1, 0..).
+        self.upcoming: int | None = None
+        self.redirects = 0  # prefetches dropped because another segment came next
 
     def _issue(self) -> Pending:
-        block, slot = self.next_block, self.next_slot
+        block = self._successor(self._last) if self.next_block is None else self.next_block
+        slot = self.next_slot
         b = self.host.blocks[block]
         world = self.host.group.world
         if self.host.use_allgather:
@@ -232,11 +255,49 @@ class Ring:
             staging = self.host.staging[slot] if self.device.is_cuda else None
             staged = staging.narrow(0, 0, b.layout.total_bytes) if staging is not None else None
             p = self.device.stage(block, slot, out, staged, lambda dst, i=block: self.host.pack(i, dst))
-        self.next_block = (block + 1) % self.n
+        self._last, self.next_block = block, None
         self.next_slot = 1 - slot
         self.fills += 1
         self.on_fill(b.layout)
         return p
+
+    def _successor(self, block: int) -> int:
+        """The fill after ``block``: the next block of its segment, or the expected segment's first."""
+        seg = self._segment_of[block]
+        if block + 1 < self.segments[seg][1]:
+            return block + 1
+        return self.segments[seg if self.upcoming is None else self.upcoming][0]
+
+    def expect(self, segment: int) -> None:
+        """Prefetch ``segment``'s first block after the current segment's last (a segment with
+        nothing streamed is skipped: the fill goes to the next one that has blocks)."""
+        k = len(self.segments)
+        for s in (segment + j for j in range(k)):
+            lo, hi = self.segments[s % k]
+            if lo < hi:
+                self.upcoming = s % k
+                return
+
+    def begin(self, segment: int) -> bool:
+        """A forward of ``segment`` starts: if the prefetched fill is another block, wait it out
+        and fill this segment's first block instead. True when a prefetch was dropped."""
+        lo, hi = self.segments[segment]
+        if lo == hi:
+            return False
+        if self.reuse is not None:
+            if self.reuse.block == lo:  # a stopped forward of this segment kept lo in its slot
+                return False
+            self.reuse = None  # another segment: its slot is the next one filled
+        if self.pending is None:
+            self.next_block = lo  # cold start: acquire() issues it
+            return False
+        if self.pending.block == lo:
+            return False
+        self.pending.wait()  # every rank made the same fill: drop it on every rank
+        self.redirects += 1
+        self.next_block = lo
+        self.pending = self._issue()
+        return True
 
     def acquire(self, block: int) -> tuple[Pending, float]:
         """Wait for ``block``'s weights, then start filling the next block in the ring."""
@@ -268,19 +329,21 @@ class Ring:
         self.pending = self._issue()
         return p, waited
 
-    def stop(self) -> bool:
-        """The forward ends here, before the pending block; True if block 0 stays for reuse.
+    def stop(self, lo: int = 0) -> bool:
+        """The forward of the segment starting at ``lo`` ends here, before the pending block;
+        True if ``lo`` stays in its slot for reuse.
 
-        Only before a forward's first block (block 0 is pending: it waits for the next
-        forward) or right after it (block 1 is pending and block 0 is still in its slot:
-        the next forward takes both without a fill). Elsewhere the slots hold blocks the
-        next forward cannot start with, so it is refused.
+        Only before the forward's first block (``lo`` is pending: it waits for the next
+        forward) or right after it (``lo + 1`` is pending and ``lo`` is still in its slot:
+        the next forward of this segment takes both without a fill). Elsewhere the slots
+        hold blocks the next forward cannot start with, so it is refused.
         """
         p = self.pending
-        if p is None or p.block == 0:
+        if p is None or p.block == lo:
             return False
-        if p.block == 1 and self.current is None and self.last is not None and self.last.block == 0:
-            self.reuse = Pending(0, self.last.slot, None)
+        if (p.block == lo + 1 and self._segment_of[lo] == self._segment_of[p.block] and self.current is None
+                and self.last is not None and self.last.block == lo):
+            self.reuse = Pending(lo, self.last.slot, None)
             return True
         raise RuntimeError(f"a forward can stop before its first or second block, not before block {p.block}")
 

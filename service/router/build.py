@@ -10,6 +10,7 @@ from service.engine.spec import EngineSpec
 from service.router.dispatcher import Dispatcher, Sink
 from service.router.policy import DeadlinePolicy
 from service.router.scheduler import make_scheduler
+from service.router.tenants import Tenants
 
 
 def make_executor(spec: EngineSpec, backend: Literal["ray", "local"], placement: Any = None,
@@ -40,10 +41,11 @@ def build_dispatcher(
     max_queue_wait_s: float = 1800.0,
     max_attempts: int | None = None,
     progress: bool = False,
+    tenants: Tenants | None = None,
 ) -> Dispatcher:
     """A dispatcher over a new executor for ``spec`` (or the one given); call ``start()`` on it."""
     executor = executor or make_executor(spec, backend, placement, progress)
     return Dispatcher(
-        executor, sink, make_scheduler(scheduler, spec.dp_size, queue_size, starve_s, max_wait_s),
+        executor, sink, make_scheduler(scheduler, spec.dp_size, queue_size, starve_s, max_wait_s, tenants),
         deadlines=deadlines or DeadlinePolicy(), max_queue_wait_s=max_queue_wait_s, max_attempts=max_attempts,
     )

@@ -44,12 +44,12 @@ class ContinuousQueue:
         return len(self._q)
 
     def submit(self, ticket_id: str, key: str, payload: Any, cost: float = 1.0,
-               now: float | None = None) -> Ticket:
+               now: float | None = None, tenant: str | None = None) -> Ticket:
         if ticket_id in self._ids:
             raise ValueError(f"duplicate ticket id {ticket_id}")
         if len(self._q) >= self.max_queue:
             raise QueueFull(len(self._q), self.retry_after_s())
-        t = Ticket(ticket_id, key, payload, time.monotonic() if now is None else now, cost)
+        t = Ticket(ticket_id, key, payload, time.monotonic() if now is None else now, cost, tenant)
         self._q.append(t)
         self._ids.add(ticket_id)
         return t

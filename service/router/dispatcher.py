@@ -96,6 +96,18 @@ def request_cost(req: Any) -> float:
     return float(req.width * req.height * req.num_frames)
 
 
+def failure_kind(why: str) -> str:
+    """A word for why a group failed, for a metric label: a fixed vocabulary, never the
+    free text (which may quote a request's own error, and would make label values without
+    bound)."""
+    lowered = why.lower()
+    for word, kind in (("deadline", "deadline"), (" died", "rank_died"), ("stopped answering", "lost"),
+                       (" failed", "rank_failed")):
+        if word in lowered:
+            return kind
+    return "other"
+
+
 def backoff_s(failures: int) -> float:
     """Wait before the attempt after ``failures`` failed ones in a row: at once, then longer."""
     return BACKOFF_S[failures - 1] if failures <= len(BACKOFF_S) else BACKOFF_CAP_S
@@ -160,14 +172,15 @@ class Dispatcher:
             self._fail_all("service stopped")
         self.executor.close()
 
-    def submit(self, ticket_id: str, key: str, payload: Any) -> Ticket:
-        """Queue one validated request; QueueFull when the queue is full, Unavailable when
-        no group can serve and none is about to."""
+    def submit(self, ticket_id: str, key: str, payload: Any, tenant: str | None = None) -> Ticket:
+        """Queue one validated request of ``tenant`` (an API key's owner id); QuotaExceeded
+        when that tenant's own queue is full, QueueFull when the whole queue is, Unavailable
+        when no group can serve and none is about to."""
         with self._cv:
             availability, why = self._availability()
             if availability is Availability.DOWN:
                 raise Unavailable(why, self._retry_after_down())
-            t = self.scheduler.submit(ticket_id, key, payload, request_cost(payload), self.clock())
+            t = self.scheduler.submit(ticket_id, key, payload, request_cost(payload), self.clock(), tenant)
             self._depth()
             self._cv.notify_all()
             return t
@@ -193,6 +206,11 @@ class Dispatcher:
     @property
     def held(self) -> int:
         return len(self._held)
+
+    def counts(self, tenant: str | None) -> dict[str, int]:
+        """One tenant's own requests here: queued, and held by a rank."""
+        with self._cv:
+            return self.scheduler.counts(tenant)
 
     @property
     def alive(self) -> bool:
@@ -285,7 +303,7 @@ class Dispatcher:
     def _give(self, g: GroupInfo, pick: Pick, now: float, wave: int) -> None:
         t = pick.ticket
         deadline = self.deadlines.deadline_s(list(pick.alongside))
-        rec = {**pick.info, "wave": wave, "ids": [t.id], "group": g.id,
+        rec = {**pick.info, "wave": wave, "ids": [t.id], "tenant": t.tenant, "group": g.id,
                "rank": g.first_rank + pick.rank, "deadline_s": round(deadline, 1), "started_at": time.time(),
                "queued_s": round(now - t.enqueued_at, 3)}
         self.history.append(rec)
@@ -338,7 +356,9 @@ class Dispatcher:
             self._end(h, Outcome(h.group.first_rank + h.rank, error=f"rank refused: {ev.error}"))
 
     def _end(self, h: Held, outcome: Outcome) -> None:
-        self._held.pop(h.ticket.id, None)
+        if self._held.pop(h.ticket.id, None) is not None:
+            with self._cv:
+                self.scheduler.finished(h.ticket)
         latency = self.clock() - h.assigned_at
         h.info["latency_s"] = round(latency, 3)
         h.info["ok"] = outcome.ok
@@ -387,7 +407,7 @@ class Dispatcher:
         tr = self._tracks[gid]
         tr.ready, tr.last_error, tr.retry_at = False, why, self.clock()
         metrics()["group_ready"].set(0, tags={"group": gid})
-        metrics()["rebuilds"].inc(1, tags={"group": gid, "reason": why[:40]})
+        metrics()["rebuilds"].inc(1, tags={"group": gid, "reason": failure_kind(why)})
         for h in self._of(gid):
             if late is None:
                 reason = why

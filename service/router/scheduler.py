@@ -6,17 +6,24 @@
 - ``WaveScheduler``: request-level waves as before: a group takes up to N requests of one
   compatibility key, only when none of its ranks is forwarding (``WaveRouter``).
 
+Both share ranks fairly between tenants (API keys, ``tenants.py``) and hold each to its
+quota; ``fair=False`` keeps the policy of before (one queue for everyone, no quotas), for
+the fairness benchmark (loadtest/bench_fairness.py) to compare against.
+
 Pure Python with the clock passed in, so the dispatcher's tests drive it in milliseconds.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from .continuous import ContinuousQueue
-from .waves import Ticket, WaveRouter
+from .tenants import Tenants
+from .waves import QueueFull, Ticket, WaveRouter
 
 SCHEDULERS = ("continuous", "waves")
 
@@ -32,19 +39,81 @@ class Pick:
 
 
 class Scheduler(ABC):
+    """The queue of one dispatcher: admission (global bound, tenants' quotas) and picks."""
+
     name: str
     max_queue: int
 
+    def __init__(self, max_queue: int, tenants: Tenants | None, fair: bool) -> None:
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.max_queue = max_queue
+        self.tenants = tenants or Tenants()
+        self.fair = fair
+        self._queued: Counter[str | None] = Counter()  # queued tickets by tenant
+        self._tenant_of: dict[str, str | None] = {}
+        self._latency_s = 0.0  # moving average of request latency, for Retry-After
+
     @property
-    @abstractmethod
-    def depth(self) -> int: ...
+    def depth(self) -> int:
+        return len(self._tenant_of)
+
+    def submit(self, ticket_id: str, key: str, payload: Any, cost: float, now: float,
+               tenant: str | None = None) -> Ticket:
+        """Queue a request: QuotaExceeded when the tenant's own queue is full, QueueFull
+        when the whole queue is."""
+        if ticket_id in self._tenant_of:
+            raise ValueError(f"duplicate ticket id {ticket_id}")
+        if self.fair:
+            self.tenants.admit(tenant, self._queued[tenant], self._latency_s)
+        if self.depth >= self.max_queue:
+            raise QueueFull(self.depth, self.retry_after_s())
+        t = self._enqueue(ticket_id, key, payload, cost, now, tenant)
+        self._tenant_of[ticket_id] = tenant
+        self._queued[tenant] += 1
+        return t
+
+    def cancel(self, ticket_id: str) -> bool:
+        if ticket_id not in self._tenant_of or not self._dequeue(ticket_id):
+            return False
+        self._forget(ticket_id)
+        return True
+
+    def finished(self, ticket: Ticket) -> None:
+        """A ticket this scheduler handed out has ended (its rank no longer holds it)."""
+        self.tenants.finished(ticket.tenant)
+
+    def counts(self, tenant: str | None) -> dict[str, int]:
+        """The tenant's own numbers: queued here, held by ranks."""
+        return {"queued": self._queued[tenant], "running": self.tenants.running[tenant]}
+
+    def record_latency(self, seconds: float) -> None:
+        self._latency_s = seconds if self._latency_s == 0 else 0.8 * self._latency_s + 0.2 * seconds
+
+    def retry_after_s(self) -> int:
+        """Rough time until a queue slot frees: about one request's latency."""
+        return max(1, math.ceil(self._latency_s))
+
+    def wake_in(self, now: float) -> float:
+        """Seconds until the queue may release something on its own (waves' timeout)."""
+        return 0.05
+
+    def _handed_out(self, t: Ticket) -> None:
+        self._forget(t.id)
+        self.tenants.started(t.tenant)
+
+    def _forget(self, ticket_id: str) -> None:
+        tenant = self._tenant_of.pop(ticket_id)
+        self._queued[tenant] -= 1
+        if not self._queued[tenant]:
+            del self._queued[tenant]
 
     @abstractmethod
-    def submit(self, ticket_id: str, key: str, payload: Any, cost: float, now: float) -> Ticket:
-        """Queue a request; QueueFull when the bound is reached."""
+    def _enqueue(self, ticket_id: str, key: str, payload: Any, cost: float, now: float,
+                 tenant: str | None) -> Ticket: ...
 
     @abstractmethod
-    def cancel(self, ticket_id: str) -> bool: ...
+    def _dequeue(self, ticket_id: str) -> bool: ...
 
     @abstractmethod
     def take(self, size: int, running: dict[int, Ticket], now: float) -> list[Pick]:
@@ -55,33 +124,49 @@ class Scheduler(ABC):
     def queued(self) -> list[Ticket]:
         """Every queued ticket, oldest first (not removed)."""
 
-    @abstractmethod
-    def record_latency(self, seconds: float) -> None: ...
-
-    @abstractmethod
-    def retry_after_s(self) -> int: ...
-
-    def wake_in(self, now: float) -> float:
-        """Seconds until the queue may release something on its own (waves' timeout)."""
-        return 0.05
-
 
 class ContinuousScheduler(Scheduler):
+    """One ContinuousQueue per tenant: whose turn it is picks the queue, the queue's own
+    rule (cost, starvation) picks the request."""
+
     name = "continuous"
 
-    def __init__(self, max_queue: int = 64, starve_s: float = 30.0) -> None:
-        self.queue = ContinuousQueue(max_queue, starve_s)
-        self.max_queue = max_queue
+    def __init__(self, max_queue: int = 64, starve_s: float = 30.0, tenants: Tenants | None = None,
+                 fair: bool = True) -> None:
+        super().__init__(max_queue, tenants, fair)
+        self.starve_s = starve_s
+        self._lanes: dict[str | None, ContinuousQueue] = {}
 
-    @property
-    def depth(self) -> int:
-        return self.queue.depth
+    def _lane(self, tenant: str | None) -> str | None:
+        return tenant if self.fair else None
 
-    def submit(self, ticket_id: str, key: str, payload: Any, cost: float, now: float) -> Ticket:
-        return self.queue.submit(ticket_id, key, payload, cost, now=now)
+    def _enqueue(self, ticket_id: str, key: str, payload: Any, cost: float, now: float,
+                 tenant: str | None) -> Ticket:
+        lane = self._lanes.setdefault(self._lane(tenant), ContinuousQueue(self.max_queue, self.starve_s))
+        return lane.submit(ticket_id, key, payload, cost, now=now, tenant=tenant)
 
-    def cancel(self, ticket_id: str) -> bool:
-        return self.queue.cancel(ticket_id)
+    def _dequeue(self, ticket_id: str) -> bool:
+        lane = self._lane(self._tenant_of[ticket_id])
+        q = self._lanes.get(lane)
+        if q is None or not q.cancel(ticket_id):
+            return False
+        if not q.depth:
+            del self._lanes[lane]
+        return True
+
+    def _pick(self, costs: list[float], now: float) -> Ticket | None:
+        lanes = [lane for lane, q in self._lanes.items() if q.depth]
+        turn = [x for x in self.tenants.order(lanes) if self.tenants.may_run(x)] if self.fair else lanes
+        for lane in turn:
+            q = self._lanes[lane]
+            t = q.pick(costs, now=now)
+            if t is None:
+                continue
+            if not q.depth:
+                del self._lanes[lane]
+            self._handed_out(t)
+            return t
+        return None
 
     def take(self, size: int, running: dict[int, Ticket], now: float) -> list[Pick]:
         picks: list[Pick] = []
@@ -89,7 +174,7 @@ class ContinuousScheduler(Scheduler):
         for r in range(size):
             if r in busy:
                 continue
-            t = self.queue.pick([x.cost for x in busy.values()], now=now)
+            t = self._pick([x.cost for x in busy.values()], now)
             if t is None:
                 break
             others = tuple(x.payload for x in busy.values())
@@ -99,40 +184,34 @@ class ContinuousScheduler(Scheduler):
         return picks
 
     def queued(self) -> list[Ticket]:
-        return list(self.queue.tickets())
-
-    def record_latency(self, seconds: float) -> None:
-        self.queue.record_latency(seconds)
-
-    def retry_after_s(self) -> int:
-        return self.queue.retry_after_s()
+        return sorted((t for q in self._lanes.values() for t in q.tickets()), key=lambda t: t.enqueued_at)
 
 
 class WaveScheduler(Scheduler):
     name = "waves"
 
-    def __init__(self, dp_size: int, max_wait_s: float = 0.05, max_queue: int = 64) -> None:
+    def __init__(self, dp_size: int, max_wait_s: float = 0.05, max_queue: int = 64,
+                 tenants: Tenants | None = None, fair: bool = True) -> None:
+        super().__init__(max_queue, tenants, fair)
         self.router = WaveRouter(dp_size, max_wait_s, max_queue)
-        self.max_queue = max_queue
 
-    @property
-    def depth(self) -> int:
-        return self.router.depth
-
-    def submit(self, ticket_id: str, key: str, payload: Any, cost: float, now: float) -> Ticket:
-        t = self.router.submit(ticket_id, key, payload, now=now)
+    def _enqueue(self, ticket_id: str, key: str, payload: Any, cost: float, now: float,
+                 tenant: str | None) -> Ticket:
+        t = self.router.submit(ticket_id, key, payload, now=now, tenant=tenant)
         t.cost = cost
         return t
 
-    def cancel(self, ticket_id: str) -> bool:
+    def _dequeue(self, ticket_id: str) -> bool:
         return self.router.cancel(ticket_id)
 
     def take(self, size: int, running: dict[int, Ticket], now: float) -> list[Pick]:
         if running:
             return []  # a wave starts only when the whole group is free
-        wave = self.router.next_wave(now=now, size=size)
+        wave = self.router.next_wave(now=now, size=size, tenants=self.tenants if self.fair else None)
         if wave is None:
             return []
+        for t in wave.tickets:
+            self._handed_out(t)
         info = {"scheduler": self.name, "key": wave.key, "size": wave.size, "reason": wave.reason}
         payloads = tuple(t.payload for t in wave.tickets)
         return [Pick(r, t, info, payloads) for r, t in enumerate(wave.tickets)]
@@ -140,20 +219,15 @@ class WaveScheduler(Scheduler):
     def queued(self) -> list[Ticket]:
         return self.router.tickets()
 
-    def record_latency(self, seconds: float) -> None:
-        self.router.record_wave_latency(seconds)
-
-    def retry_after_s(self) -> int:
-        return self.router.retry_after_s()
-
     def wake_in(self, now: float) -> float:
         w = self.router.wake_in(now)
         return 0.05 if w is None else max(0.005, min(w, 0.05))
 
 
-def make_scheduler(name: str, dp_size: int, max_queue: int, starve_s: float, max_wait_s: float) -> Scheduler:
+def make_scheduler(name: str, dp_size: int, max_queue: int, starve_s: float, max_wait_s: float,
+                   tenants: Tenants | None = None, fair: bool = True) -> Scheduler:
     if name == "continuous":
-        return ContinuousScheduler(max_queue, starve_s)
+        return ContinuousScheduler(max_queue, starve_s, tenants, fair)
     if name == "waves":
-        return WaveScheduler(dp_size, max_wait_s, max_queue)
+        return WaveScheduler(dp_size, max_wait_s, max_queue, tenants, fair)
     raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {name!r}")

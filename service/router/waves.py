@@ -4,7 +4,9 @@ Pure Python (no Ray, no asyncio) so the scheduling rules are unit-tested with a 
 Rules (design section 4, point 4): a wave only holds requests of one compatibility key,
 because ranks in a wave must make the same collective calls; a wave forms when N requests
 of a key wait or when the oldest has waited ``max_wait_s``; across keys the oldest head
-goes first, so no key starves.
+goes first, so no key starves. With tenants (API keys, ``tenants.py``) whose turn it is
+comes first: the key of that tenant's oldest ready request goes, and a wave is filled a
+tenant at a time.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.router.tenants import Tenants
 
 
 class QueueFull(Exception):
@@ -34,6 +39,7 @@ class Ticket:
     payload: Any
     enqueued_at: float
     cost: float = 1.0  # relative time of one forward (continuous scheduling weighs it)
+    tenant: str | None = None  # the API key's owner id (tenants.py shares ranks between them)
 
 
 @dataclass
@@ -70,13 +76,14 @@ class WaveRouter:
     def depth(self) -> int:
         return len(self._ids)
 
-    def submit(self, ticket_id: str, key: str, payload: Any, now: float | None = None) -> Ticket:
+    def submit(self, ticket_id: str, key: str, payload: Any, now: float | None = None,
+               tenant: str | None = None) -> Ticket:
         """Queue a request, or raise QueueFull so nothing unbounded piles up."""
         if ticket_id in self._ids:
             raise ValueError(f"duplicate ticket id {ticket_id}")
         if self.depth >= self.max_queue:
             raise QueueFull(self.depth, self.retry_after_s())
-        t = Ticket(ticket_id, key, payload, time.monotonic() if now is None else now)
+        t = Ticket(ticket_id, key, payload, time.monotonic() if now is None else now, tenant=tenant)
         self._queues.setdefault(key, deque()).append(t)
         self._ids[ticket_id] = key
         return t
@@ -106,11 +113,15 @@ class WaveRouter:
             return "timeout"
         return None
 
-    def next_wave(self, now: float | None = None, size: int | None = None) -> Wave | None:
+    def next_wave(self, now: float | None = None, size: int | None = None,
+                  tenants: Tenants | None = None) -> Wave | None:
         """Release the ready key whose head waited longest (at most ``size`` requests, default
-        ``dp_size``), or None if no key is ready."""
+        ``dp_size``), or None if no key is ready. With ``tenants``, whose turn it is decides
+        instead (``_fair_wave``)."""
         now = time.monotonic() if now is None else now
         size = size or self.dp_size
+        if tenants is not None:
+            return self._fair_wave(now, size, tenants)
         best: tuple[float, str, str] | None = None
         for key, q in self._queues.items():
             reason = self._ready(q, now, size)
@@ -126,6 +137,47 @@ class WaveRouter:
         for t in tickets:
             del self._ids[t.id]
         return Wave(key, tickets, reason)
+
+    def _fair_wave(self, now: float, size: int, tenants: Tenants) -> Wave | None:
+        """The tenant whose turn it is (tenants.py) picks the key: its oldest request whose key
+        is ready. The wave is then filled from that key's requests a tenant at a time, in
+        turn order, each tenant's oldest first and within its ``max_running``."""
+        mine: dict[str | None, list[Ticket]] = {}
+        for t in self.tickets():
+            mine.setdefault(t.tenant, []).append(t)
+        for tenant in tenants.order(mine):
+            if not tenants.may_run(tenant):
+                continue
+            for t in mine[tenant]:
+                reason = self._ready(self._queues[t.key], now, size)
+                if reason:
+                    return self._fill(t.key, size, tenant, tenants, reason)
+        return None
+
+    def _fill(self, key: str, size: int, first: str | None, tenants: Tenants, reason: str) -> Wave:
+        q = self._queues[key]
+        lanes: dict[str | None, deque[Ticket]] = {}
+        for t in q:
+            lanes.setdefault(t.tenant, deque()).append(t)
+        turn = [first] + [x for x in tenants.order(lanes) if x != first]
+        chosen: list[Ticket] = []
+        taken: dict[str | None, int] = {}
+        while len(chosen) < size:
+            before = len(chosen)
+            for tenant in turn:
+                lane = lanes.get(tenant)
+                if lane and len(chosen) < size and tenants.may_run(tenant, taken.get(tenant, 0)):
+                    chosen.append(lane.popleft())
+                    taken[tenant] = taken.get(tenant, 0) + 1
+            if len(chosen) == before:
+                break
+        ids = {t.id for t in chosen}
+        self._queues[key] = deque(t for t in q if t.id not in ids)
+        if not self._queues[key]:
+            del self._queues[key]
+        for t in chosen:
+            del self._ids[t.id]
+        return Wave(key, chosen, reason)
 
     def wake_in(self, now: float | None = None) -> float | None:
         """Seconds until some key becomes ready on its own (0 if one is ready, None if empty)."""

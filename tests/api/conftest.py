@@ -55,14 +55,15 @@ def app_url(ray_cluster: dict, demo_model: str, tmp_path_factory: pytest.TempPat
     serve.delete("dloserve-test")
 
 
-def wait_ready(url: str, timeout: float) -> dict:
+def wait_ready(url: str, timeout: float, headers: dict | None = None) -> dict:
+    """Until every rank group serves (200 comes once one does: "degraded" is not yet all)."""
     end = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < end:
         try:
-            r = httpx.get(f"{url}/readyz", timeout=5)
+            r = httpx.get(f"{url}/readyz", timeout=5, headers=headers)
             last = r.json()
-            if r.status_code == 200:
+            if r.status_code == 200 and last.get("state", "ready") == "ready":  # no key: no state
                 return last
         except httpx.HTTPError as e:
             last = e

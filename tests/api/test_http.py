@@ -168,3 +168,78 @@ def test_delete_of_a_running_job_cancels_it_and_the_other_rank_is_exact(app_url:
     content = httpx.get(f"{app_url}/v1/videos/{beside}/content").content
     assert content == resident.generate(GenerationRequest(**beside_body))
     assert httpx.delete(f"{app_url}/v1/videos/{long}").json()["deleted"] is True
+
+
+# -- HTTP semantics (what only the real proxy and app show) -------------------------------
+@pytest.fixture(scope="module")
+def done(app_url: str) -> str:
+    """One completed video to read."""
+    vid = post(app_url, {"prompt": "http semantics", "seed": 9, "num_inference_steps": 1}).json()["id"]
+    assert wait_final(app_url, vid)["status"] == "completed"
+    return vid
+
+
+def test_every_405_names_the_methods_the_path_has(app_url: str) -> None:
+    for method, path, want in (("PUT", "/v1/videos", {"GET", "POST"}),
+                               ("PATCH", "/v1/videos/x", {"GET", "DELETE"}),
+                               ("POST", "/healthz", {"GET", "HEAD"}), ("DELETE", "/readyz", {"GET", "HEAD"})):
+        r = httpx.request(method, f"{app_url}{path}")
+        assert r.status_code == 405, (method, path, r.status_code)
+        allow = {m.strip() for m in r.headers["allow"].split(",")}
+        assert want <= allow, (path, r.headers["allow"])
+        assert r.json()["error"]["code"] == "http_405"
+
+
+def test_head_answers_headers_only(app_url: str, done: str) -> None:
+    for path in ("/healthz", "/readyz", f"/v1/videos/{done}/content"):
+        get, head = httpx.get(f"{app_url}{path}"), httpx.head(f"{app_url}{path}")
+        assert head.status_code == get.status_code == 200, (path, head.status_code)
+        assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+    mp4 = httpx.get(f"{app_url}/v1/videos/{done}/content").content
+    assert httpx.head(f"{app_url}/v1/videos/{done}/content").headers["content-length"] == str(len(mp4))
+
+
+def test_conditional_get_of_the_mp4_answers_304(app_url: str, done: str) -> None:
+    url = f"{app_url}/v1/videos/{done}/content"
+    first = httpx.get(url)
+    etag = first.headers["etag"]
+    assert etag and first.headers["cache-control"] == "private, no-cache" and "authorization" in \
+        first.headers["vary"].lower()
+    for tag in (etag, f"W/{etag}", f'"other", {etag}', "*"):
+        again = httpx.get(url, headers={"If-None-Match": tag})
+        assert again.status_code == 304 and again.content == b"" and again.headers["etag"] == etag, tag
+    assert httpx.get(url, headers={"If-None-Match": '"stale"'}).content == first.content
+
+
+def test_ranges_work_and_bad_ones_are_json_errors(app_url: str, done: str) -> None:
+    url = f"{app_url}/v1/videos/{done}/content"
+    whole = httpx.get(url).content
+    part = httpx.get(url, headers={"Range": "bytes=0-9"})
+    assert part.status_code == 206 and part.content == whole[:10]
+    for value, status, code in (("bytes=abc", 400, "invalid_range"), ("items=0-1", 400, "invalid_range"),
+                                ("bytes=9-3", 400, "invalid_range"),
+                                (f"bytes={len(whole) + 10}-", 416, "range_not_satisfiable")):
+        r = httpx.get(url, headers={"Range": value})
+        assert r.status_code == status and r.headers["content-type"] == "application/json", (value, r.text)
+        assert r.json()["error"]["code"] == code and r.json()["error"]["param"] == "range"
+    assert httpx.get(url, headers={"Range": f"bytes={len(whole) + 10}-"}).headers["content-range"] == \
+        f"bytes */{len(whole)}"
+
+
+def test_nosniff_everywhere_and_json_is_never_cached(app_url: str, done: str) -> None:
+    paths = ("/healthz", "/readyz", "/v1/videos", f"/v1/videos/{done}", "/v1/waves", "/no/such/route",
+             "/openapi.json")
+    answers = [httpx.get(f"{app_url}{p}") for p in paths]
+    answers += [httpx.put(f"{app_url}/v1/videos"), post(app_url, {"prompt": ""}),
+                httpx.get(f"{app_url}/v1/videos/{done}/content")]
+    for r in answers:
+        assert r.headers["x-content-type-options"] == "nosniff", r.url
+        if r.headers["content-type"].startswith("application/json"):
+            assert r.headers["cache-control"] == "no-store", r.url
+
+
+def test_query_string_errors_come_in_the_api_error_shape(app_url: str) -> None:
+    for query, param in (("limit=abc", "limit"), ("limit=0", "limit"), ("order=sideways", "order")):
+        r = httpx.get(f"{app_url}/v1/videos?{query}")
+        assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"

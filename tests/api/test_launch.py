@@ -56,3 +56,78 @@ def test_flags_map_onto_the_service_config() -> None:
 def test_bad_flags_exit_2_without_starting_ray(argv: list[str], message: str, capsys, tmp_path: Path) -> None:  # noqa: ANN001
     assert run(parse(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_key_file_gives_keys_their_own_limits(tmp_path: Path) -> None:
+    from service.api.keys import key_hash, owner_id
+
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nsk-plain\n\nsk-big max_queued=8 max_running=2\n  sk-small max_queued=1\n")
+    cfg = config_from_args(parse("/m", "--api-key-file", str(keys), "--max-queued-per-key", "4"), 0.0)
+    assert sorted(cfg.api_key_hashes) == sorted(key_hash(k) for k in ("sk-plain", "sk-big", "sk-small"))
+    assert cfg.key_quotas == {key_hash("sk-big"): {"max_queued": 8, "max_running": 2},
+                              key_hash("sk-small"): {"max_queued": 1}}
+    tenants = cfg.tenants()
+    assert tenants.quota(owner_id(key_hash("sk-plain"))).max_queued == 4
+    big = tenants.quota(owner_id(key_hash("sk-big")))
+    assert (big.max_queued, big.max_running) == (8, 2)
+    assert tenants.quota(owner_id(key_hash("sk-small"))).max_running is None
+
+
+@pytest.mark.parametrize("line", ["sk-x max_queued", "sk-x max_queued=0", "sk-x burst=3",
+                                  "sk-x max_running=two"])
+def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsys, tmp_path: Path,  # noqa: ANN001
+                                                                  demo_model: str) -> None:
+    import socket
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"sk-fine\n{line}\n")
+    with socket.socket() as busy:  # should the file be read, the start still ends here (exit 2)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert run(parse(demo_model, "--api-key-file", str(keys), "--port", port,
+                         "--results-dir", str(tmp_path / "r"))) == 2
+    err = capsys.readouterr().err
+    assert f"{keys}:2:" in err and "already in use" not in err
+
+
+def test_a_start_removes_stale_results_folders_of_stopped_instances(monkeypatch, capsys, tmp_path: Path,  # noqa: ANN001
+                                                                     demo_model: str) -> None:
+    """Through `dloserve serve` itself: it exits 2 on the busy port, after the cleaning."""
+    import fcntl
+    import os
+    import socket
+    import time
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    root = tmp_path / ".cache" / "dloserve" / "results"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        old = time.time() - 7200
+
+        def folder(name: str, *files: str, age: float = old) -> Path:
+            d = root / name
+            d.mkdir(parents=True)
+            for f in files:
+                (d / f).write_bytes(b"x")
+                os.utime(d / f, (age, age))
+            os.utime(d, (age, age))
+            return d
+
+        job = "video_" + "0" * 32
+        stale = folder("port-1111", ".lock", f"{job}.json", f"{job}.mp4")
+        fresh = folder("port-2222", f"{job}.json", age=time.time())
+        running = folder("port-3333", ".lock", f"{job}.json")
+        foreign = folder("port-4444", f"{job}.json", "notes.txt")
+        other = folder("mine", f"{job}.json")
+        own = folder(f"port-{port}", f"{job}.json")  # this start's port: reused, not removed
+        with open(running / ".lock", "a+") as held:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an instance runs there
+            assert run(parse(demo_model, "--port", str(port), "--retention-s", "3600")) == 2
+    err = capsys.readouterr().err
+    assert "already in use" in err and f"removed the results folder of a stopped instance: {stale}" in err
+    assert not stale.exists()
+    assert all(d.exists() for d in (fresh, running, foreign, other, own))

@@ -97,8 +97,10 @@ def _post(url: str, body: dict) -> httpx.Response:
 
 def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
     """While draining: new work 503 with Retry-After, reads answer, the queued job fails at
-    once, the running one finishes; then every process is gone."""
+    once, the running one finishes; after the drain reads keep answering until the port
+    refuses connections (never a 404 for a job that exists); then every process is gone."""
     import json
+    import threading
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -109,13 +111,29 @@ def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
     queued = _post(url, {"prompt": "never starts"}).json()["id"]
     s.watch_until(lambda: httpx.get(f"{url}/v1/videos/{running}").json()["progress"] > 0, timeout=120)
     s.seen |= set(descendants(s.proc.pid))
+    reads: list[int] = []  # the status of every read from the drain until the port closes
+
+    def poll() -> None:
+        while True:
+            for vid in (running, queued):
+                try:
+                    reads.append(httpx.get(f"{url}/v1/videos/{vid}", timeout=10).status_code)
+                except httpx.HTTPError:
+                    return  # the port is closed: HTTP has stopped
+
     s.proc.send_signal(signal.SIGTERM)
-    s.watch_until(lambda: "draining" in s.output, timeout=60)
+    # The launcher prints "draining" before the replica hears it: wait for the replica.
+    s.watch_until(lambda: httpx.get(f"{url}/readyz").json()["state"] == "draining", timeout=60)
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     refused = _post(url, {"prompt": "too late"})
     assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
     assert httpx.get(f"{url}/v1/videos/{running}").status_code == 200
     assert httpx.get(f"{url}/readyz").json()["state"] == "draining"
     assert s.proc.wait(240) == 0, s.output[-2000:]
+    poller.join(30)
+    assert not poller.is_alive()  # it stopped on a refused connection
+    assert reads and set(reads) <= {200, 503}, sorted(set(reads))  # before: ~2 s of 404 after the drain
     time.sleep(0.5)
     assert not s.survivors(), s.survivors()
     final = {v: json.loads((tmp_path / f"{v}.json").read_text()) for v in (running, queued)}

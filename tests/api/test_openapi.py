@@ -50,7 +50,13 @@ def test_the_schema_states_this_instances_limits(fuzz_url: str) -> None:
     assert not [p for p in spec["paths"] if p.startswith("/ui")]  # the playground is not the API
     responses = spec["paths"]["/v1/videos/{video_id}/content"]["get"]["responses"]
     assert "video/mp4" in responses["200"]["content"] and {"401", "404", "409"} <= set(responses)
-    assert {"401", "413", "415", "422", "429", "503"} <= set(spec["paths"]["/v1/videos"]["post"]["responses"])
+    create = spec["paths"]["/v1/videos"]["post"]["responses"]
+    assert {"401", "408", "413", "415", "422", "429", "503"} <= set(create)
+    assert props["size"]["anyOf"][0]["pattern"] == "^(16|32|48|64)x(16|32|48|64)$"  # ASCII digits, one x
+    assert {"number", "string"} <= {v.get("type") for v in props["seconds"]["anyOf"]}  # OpenAI sends "4"
+    content = spec["paths"]["/v1/videos/{video_id}/content"]
+    assert {"get", "head"} <= set(content) and {"304", "400", "416"} <= set(content["get"]["responses"])
+    assert "head" in spec["paths"]["/healthz"] and "head" in spec["paths"]["/readyz"]
 
 
 @pytest.mark.e2e  # schema fuzzing: ~1,000 generated requests

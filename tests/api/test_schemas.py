@@ -31,7 +31,8 @@ def test_json_multipart_and_urlencoded_give_the_same_request() -> None:
         encoded(data=fields),
         encoded(files={k: (None, v.encode()) for k, v in fields.items()}),
     ):
-        reqs.append(validate_create(parse_body(ctype, raw)).to_request(DEFAULTS))
+        strict = ctype == "application/json"  # a form's numbers are strings
+        reqs.append(validate_create(parse_body(ctype, raw), strict=strict).to_request(DEFAULTS))
     assert reqs[0] == reqs[1] == reqs[2]
     r = reqs[0]
     assert (r.width, r.height, r.num_frames, r.seed) == (48, 32, DEFAULTS.fps + 1, 7)
@@ -59,10 +60,13 @@ def test_unreadable_bodies() -> None:
             parse_body(ctype, raw)
     with pytest.raises(MediaTypeError):
         parse_body("text/plain", b"x")
-    ctype, raw = encoded(files={"input_reference": ("a.png", b"\x89PNG", "image/png")})
-    with pytest.raises(BodyError) as e:
+    ctype, raw = encoded(files={"image": ("a.png", b"\x89PNG", "image/png")})
+    with pytest.raises(BodyError) as e:  # a file under any other name than input_reference
         parse_body(ctype, raw)
-    assert e.value.field == "input_reference"
+    assert e.value.field == "image"
+    ctype, raw = encoded(data={"prompt": "x"}, files={"input_reference": ("a.png", b"\x89PNG", "image/png")})
+    upload = parse_body(ctype, raw)["input_reference"]  # checked later, against the model
+    assert (upload.data, upload.filename, upload.content_type) == (b"\x89PNG", "a.png", "image/png")
 
 
 def test_deep_nesting_is_a_422_not_a_crash() -> None:
@@ -111,3 +115,39 @@ def test_cache_object_json_and_form_and_its_errors() -> None:
         with pytest.raises(BodyError) as e:
             validate_create({"prompt": "a", "cache": cache}).to_request(DEFAULTS)
         assert e.value.field == field, cache
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"prompt": "x", "negative_prompt": "\ud800"}, "negative_prompt"),  # a lone surrogate
+    ({"prompt": "a \udfff b"}, "prompt"),
+    ({"prompt": "x", "size": "32X32"}, "size"),
+    ({"prompt": "x", "size": " 32 x 32 "}, "size"),
+    ({"prompt": "x", "size": "\u0663\u0662x\u0663\u0662"}, "size"),  # Arabic-Indic digits
+    ({"prompt": "x", "size": "\uff13\uff12x\uff13\uff12"}, "size"),  # fullwidth digits
+    ({"prompt": "x", "size": "032x32"}, "size"),  # not what the schema's pattern allows either
+    ({"prompt": "x", "size": "32x32\n"}, "size"),
+    ({"prompt": "x", "seed": "7"}, "seed"),  # JSON: a number must be a number
+    ({"prompt": "x", "guidance_scale": "5"}, "guidance_scale"),
+    ({"prompt": "x", "num_inference_steps": 2.0}, "num_inference_steps"),
+    ({"prompt": "x", "seconds": "four"}, "seconds"),
+])
+def test_json_bodies_are_read_as_strictly_as_the_schema_says(body: dict, field: str) -> None:
+    with pytest.raises(BodyError) as e:
+        validate_create(body).to_request(DEFAULTS)
+    assert e.value.field == field, e.value
+
+
+def test_seconds_may_be_a_decimal_string_as_openai_sends_it_and_forms_stay_strings() -> None:
+    assert validate_create({"prompt": "x", "seconds": "0.5"}).to_request(DEFAULTS).num_frames == 5
+    form = validate_create({"prompt": "x", "seed": "7", "size": "48x32"}, strict=False).to_request(DEFAULTS)
+    assert (form.seed, form.width) == (7, 48)
+
+
+def test_a_multipart_body_cut_before_its_closing_boundary_is_a_422() -> None:
+    ctype, raw = encoded(files={"prompt": (None, "a fox"), "seed": (None, "1")})
+    assert parse_body(ctype, raw)["prompt"] == "a fox"
+    cut = raw[: raw.rindex(b"--")]  # everything but the final "--" and what follows
+    for body in (cut, raw[: raw.index(b"a fox") + 5]):
+        with pytest.raises(BodyError) as e:
+            parse_body(ctype, body)
+        assert e.value.kind == "multipart_invalid" and "closing boundary" in e.value.message

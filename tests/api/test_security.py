@@ -18,6 +18,8 @@ import pytest
 from tests.api.conftest import wait_final, wait_ready
 
 KEY_A, KEY_B = "sk-test-alice-0123456789", "sk-test-bob-9876543210"
+ADMIN = "sk-test-admin-5555555555"
+BODY_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,8 @@ def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactor
         model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
         results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
         api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
+        admin_key_hashes=[hashlib.sha256(ADMIN.encode()).hexdigest()],
+        max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S,
     )
     serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")
     url = f"{app_url}/keyed"
@@ -144,3 +148,71 @@ def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, dem
         assert not svc.readiness()["ready"]
     finally:
         svc.close()
+
+
+def test_readyz_without_a_key_says_ready_or_not_and_the_detail_needs_one(keyed: str) -> None:
+    anonymous = httpx.get(f"{keyed}/readyz")
+    assert anonymous.status_code == 200 and set(anonymous.json()) == {"ready", "instance"}
+    assert httpx.head(f"{keyed}/readyz").status_code == 200
+    tenant = httpx.get(f"{keyed}/readyz", headers=auth(KEY_A)).json()
+    assert tenant["state"] == "ready" and tenant["yours"]["max_queued"] == 1
+    assert not {"model_dir", "results_url", "node_id", "workers", "queue_depth", "in_flight"} & set(tenant)
+    admin = httpx.get(f"{keyed}/readyz", headers=auth(ADMIN)).json()
+    assert {"model_dir", "results_url", "node_id", "workers", "queue_depth", "in_flight"} <= set(admin)
+    assert httpx.get(f"{keyed}/v1/videos", headers=auth(ADMIN)).status_code == 401  # owns no jobs
+    assert httpx.get(f"{keyed}/v1/waves", headers=auth(ADMIN)).status_code == 200
+
+
+def test_query_string_errors_come_after_the_key_check(keyed: str) -> None:
+    r = httpx.get(f"{keyed}/v1/videos?limit=abc")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    r = httpx.get(f"{keyed}/v1/videos?limit=abc", headers=auth(KEY_A))
+    assert r.status_code == 422 and r.json()["error"]["param"] == "limit", r.text
+
+
+def test_a_key_over_its_own_queue_quota_gets_429_and_another_key_is_accepted(keyed: str) -> None:
+    long = {"prompt": "holds the rank", "num_inference_steps": 60}
+    running = httpx.post(f"{keyed}/v1/videos", json=long, headers=auth(KEY_A)).json()["id"]
+    end = time.monotonic() + 120
+    while httpx.get(f"{keyed}/v1/videos/{running}", headers=auth(KEY_A)).json()["status"] == "queued":
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    ids = [running, httpx.post(f"{keyed}/v1/videos", json=long, headers=auth(KEY_A)).json()["id"]]
+    over = httpx.post(f"{keyed}/v1/videos", json=long, headers=auth(KEY_A))
+    assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded", over.text
+    assert int(over.headers["retry-after"]) >= 1 and "max_queued 1" in over.json()["error"]["message"]
+    other = httpx.post(f"{keyed}/v1/videos", json={"prompt": "bob's"}, headers=auth(KEY_B))
+    assert other.status_code == 202, other.text
+    for vid, key in ((ids[1], KEY_A), (other.json()["id"], KEY_B), (running, KEY_A)):
+        httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(key))
+    assert wait_final(keyed, running, headers=auth(KEY_A))["status"] == "cancelled"
+
+
+def test_slow_bodies_are_cut_off_not_waited_for(keyed: str) -> None:
+    """20 clients declare a 1,000-byte body and send a byte every 0.5 s: each is answered
+    408 long before its body could be complete (it would take 500 s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    host, port = keyed.split("//")[1].split("/")[0].split(":")
+
+    def slow_client(i: int) -> tuple[int, int]:
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(f"POST /keyed/v1/videos HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY_A}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode())
+            s.settimeout(0.5)
+            sent, answer = 0, b""
+            while sent < 200 and not answer:
+                s.sendall(b" ")
+                sent += 1
+                try:
+                    answer = s.recv(4096)
+                except TimeoutError:
+                    continue
+            return (int(answer.split(b" ", 2)[1]) if answer else -1), sent
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(slow_client, range(20)))
+    assert all(status == 408 for status, _ in results), results
+    assert all(sent < 1000 for _, sent in results)
+    listed = httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_A)).json()["data"]
+    assert not [v for v in listed if v["prompt"] == " "]

@@ -100,3 +100,100 @@ def test_drain_fails_queued_jobs_and_lets_running_ones_finish(service) -> None: 
     assert out["queued_failed"] == 1 and out["running_failed"] == 0
     assert status(svc, queued.id) is JobStatus.FAILED and status(svc, running.id) is JobStatus.COMPLETED
     assert "service stopped" in svc.store.get(queued.id).error["message"]
+
+
+# -- many tenants: quotas, fair share, nothing of one key's reaches another ----------------
+KEY_A, KEY_B = "sk-a-0123456789", "sk-b-9876543210"
+ADMIN = "sk-admin-55555"
+
+
+@pytest.fixture
+def keyed(demo_model: str, tmp_path: Path,
+          request: pytest.FixtureRequest) -> Iterator[tuple[VideoService, FakeExecutor]]:
+    """Two API keys and an admin key on one AllGather group of two fake ranks."""
+    from service.api.keys import key_hash
+
+    ex = FakeExecutor((2,))
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
+    cfg = ServiceConfig(model=demo_model, results_url=str(tmp_path), dp_size=2,
+                        api_key_hashes=[key_hash(KEY_A), key_hash(KEY_B)], admin_key_hashes=[key_hash(ADMIN)],
+                        **getattr(request, "param", {}))
+    svc = VideoService(cfg, executor=ex, store=store, node_id="node-1")
+    try:
+        yield svc, ex
+    finally:
+        svc.close()
+        store.close()
+
+
+def owner(svc: VideoService, key: str) -> str | None:
+    return svc.owner_of(f"Bearer {key}")
+
+
+@pytest.mark.parametrize("keyed", [{"max_queued_per_key": 3, "key_quotas": {}}], indirect=True)
+def test_one_key_floods_its_own_quota_and_the_other_keys_first_job_runs_next(keyed) -> None:  # noqa: ANN001
+    from service.router.tenants import QuotaExceeded
+
+    svc, ex = keyed
+    a, b = owner(svc, KEY_A), owner(svc, KEY_B)
+    first = [svc.create(dict(BODY), a) for _ in range(2)]
+    for rec in first:
+        ex.wait_assigned(rec.id)
+    queued = [svc.create(dict(BODY), a) for _ in range(3)]
+    with pytest.raises(QuotaExceeded) as e:
+        svc.create(dict(BODY), a)
+    assert e.value.retry_after_s >= 1 and e.value.limit == 3
+    mine = svc.create(dict(BODY), b)  # key-b is not refused for key-a's queue
+    ex.run(first[0].id)  # the first rank to free goes to key-b, ahead of key-a's older three
+    assert ex.wait_assigned(mine.id) == ex.on(first[0].id)
+    assert not any(q.id in {j for _, _, j, _ in ex.assigned} for q in queued)
+    yours = svc.readiness_for(svc.caller(f"Bearer {KEY_A}"))["yours"]
+    assert yours == {"queued": 3, "running": 1, "max_queued": 3, "max_running": None}
+
+
+@pytest.mark.parametrize("keyed", [{"deadline": {"base_s": 0.2, "per_forward_s": 0.0}}], indirect=True)
+def test_a_missed_deadline_fails_both_keys_jobs_and_neither_names_the_other(keyed) -> None:  # noqa: ANN001
+    svc, ex = keyed
+    a, b = owner(svc, KEY_A), owner(svc, KEY_B)
+    ra, rb = svc.create(dict(BODY), a), svc.create(dict(BODY), b)
+    ex.wait_assigned(ra.id)
+    ex.wait_assigned(rb.id)
+    until(lambda: status(svc, ra.id) is JobStatus.FAILED and status(svc, rb.id) is JobStatus.FAILED)
+    for mine, other, who in ((ra, rb, a), (rb, ra, b)):
+        err = svc.get(mine.id, who).error["message"]
+        assert "deadline" in err and other.id not in err, err
+        waves = svc.waves(svc.caller(f"Bearer {KEY_A if who == a else KEY_B}"))
+        assert [w["ids"] for w in waves] == [[mine.id]] and other.id not in str(waves)
+        assert all("wave" not in w and "tenant" not in w for w in waves)
+        assert "wave" not in video_object(svc.get(mine.id, who))  # the global wave number is gone
+
+
+def test_a_group_failure_that_quotes_one_job_names_it_to_no_other_key(keyed) -> None:  # noqa: ANN001
+    svc, ex = keyed
+    a, b = owner(svc, KEY_A), owner(svc, KEY_B)
+    ra, rb = svc.create(dict(BODY), a), svc.create(dict(BODY), b)
+    ex.wait_assigned(ra.id)
+    ex.wait_assigned(rb.id)
+    ex.kill("g0", f"rank 0 failed: RuntimeError: CUDA error while running {ra.id}")
+    until(lambda: status(svc, ra.id) is JobStatus.FAILED and status(svc, rb.id) is JobStatus.FAILED)
+    assert ra.id in svc.get(ra.id, a).error["message"]  # its own id stays: it is the caller's
+    err_b = svc.get(rb.id, b).error["message"]
+    assert ra.id not in err_b and "another request" in err_b and "CUDA error" in err_b
+    everything = svc.waves(svc.caller(f"Bearer {ADMIN}"))  # the operator sees every record
+    assert {w["ids"][0] for w in everything} == {ra.id, rb.id} and all("tenant" in w for w in everything)
+    assert svc.waves(svc.caller(None)) == []  # no key: nobody's records (the route answers 401)
+
+
+def test_readyz_tells_an_anonymous_caller_ready_or_not_and_a_key_only_its_own_counts(keyed) -> None:  # noqa: ANN001
+    svc, ex = keyed
+    until(lambda: svc.readiness()["ready"])
+    svc.create(dict(BODY), owner(svc, KEY_A))
+    anonymous = svc.readiness_for(svc.caller(None))
+    assert anonymous == {"ready": True, "instance": None}
+    assert svc.readiness_for(svc.caller("Bearer sk-wrong")) == anonymous
+    tenant = svc.readiness_for(svc.caller(f"Bearer {KEY_B}"))
+    private = ("model_dir", "results_url", "node_id", "workers", "queue_depth", "in_flight", "waves_run")
+    assert not set(private) & set(tenant), tenant
+    assert tenant["state"] == "ready" and tenant["yours"]["queued"] == 0 and tenant["groups"]
+    admin = svc.readiness_for(svc.caller(f"Bearer {ADMIN}"))
+    assert {"model_dir", "results_url", "node_id", "queue_depth", "in_flight"} <= set(admin)

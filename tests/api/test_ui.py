@@ -378,14 +378,17 @@ def test_the_service_panel_follows_a_rank_death_and_the_rebuild(tab: Any, served
     url, s = served
     p = tab(key=KEY_A)
     p.until("document.getElementById('state-badge').textContent === 'ready'")
+    # A key's own queue and its limit (the default --max-queued-per-key); the totals are the admin's.
+    p.until("document.getElementById('svc-summary').textContent.includes('queued (limit 16)')")
+    assert "running (all keys)" not in p.text("#svc-summary")
     p.js(BADGES)
-    before = httpx.get(f"{url}/readyz").json()
+    before = httpx.get(f"{url}/readyz", headers=auth(KEY_A)).json()  # rebuilds: a key's view
     ranks = matching(s.proc.pid, "RankActor")
     assert len(ranks) == 2, ranks
     os.kill(ranks[0], signal.SIGKILL)
     p.until("window.__badges.some(b => b.startsWith('rebuilding: rank'))", timeout=60)
     p.until("document.getElementById('state-badge').textContent === 'ready'", timeout=180)
-    after = httpx.get(f"{url}/readyz").json()
+    after = httpx.get(f"{url}/readyz", headers=auth(KEY_A)).json()
     assert after["rebuilds"] == before["rebuilds"] + 1
     p.until(f"document.getElementById('svc-groups').textContent.includes('generation {after['generation']}')")
     assert "rank" in p.text("#svc-groups .err")  # the group's last error: which rank died

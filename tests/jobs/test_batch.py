@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -81,3 +82,43 @@ def test_unsplittable_item_is_rejected_before_ray(tmp_path: Path, demo_model: st
                  "--sequence-parallel-size", "2"]) == 2
     assert "item odd: num_frames: " in capsys.readouterr().err
     assert not out.exists()  # nothing started, not even the output folder
+
+
+@pytest.mark.e2e  # the batch job as its own process on DP2, then the resident reference
+def test_batch_image_lines_two_experts_equal_resident(ray_cluster: dict, tmp_path: Path) -> None:
+    """Wan2.2 A14B I2V (tiny): image lines by relative path and by fsspec URL, DP2 AllGather;
+    each MP4 is the resident pipeline's (which `dloserve generate --image` is: test_images_http)."""
+    from service.models.demo import ensure_demo_model
+    from service.models.pipeline import PipelineRunner
+    from tests.api.test_images import png
+
+    model = str(ensure_demo_model("wan22-i2v-tiny"))
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png(56, 40, seed=3))
+    (tmp_path / "b.png").write_bytes(png(40, 40, seed=4))
+    lines = [{"id": "rel", "prompt": "a red fox", "seed": 1, "image": "img/a.png", "guidance_scale_2": 2.0},
+             {"id": "url", "prompt": "an owl", "seed": 2, "num_inference_steps": 3,
+              "image": (tmp_path / "b.png").as_uri()}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "service.jobs.batch", "--prompts", str(prompts), "--out", str(out),
+           "--model", model, "--data-parallel-size", "2", "--cpus-per-rank", "0.5", "--dlo-mode", "allgather",
+           "--address", ray_cluster["address"]]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    manifest = {e["id"]: e for e in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+    runner = PipelineRunner.load(model, "cpu")
+    try:
+        for item_id, req in read_prompts(prompts):
+            assert manifest[item_id]["status"] == "completed"
+            assert manifest[item_id]["request"]["image_sha256"] == hashlib.sha256(req.image).hexdigest()
+            assert (out / f"{item_id}.mp4").read_bytes() == runner.generate(req), item_id
+    finally:
+        runner.close()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "image": "img/missing.png"}\n')
+    r = subprocess.run([sys.executable, "-m", "service.jobs.batch", "--prompts", str(bad), "--out",
+                        str(tmp_path / "o"), "--model", model], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 2 and "bad.jsonl:1: image: cannot read" in r.stderr

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.e2e  # each runs a benchmark script end to end in its o
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, args: list[str], tmp_path: Path) -> dict:
+def _run(script: str, args: list[str], tmp_path: Path, timeout: float = 400) -> dict:
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "loadtest" / script), *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=400, env={**_env(), "TMPDIR": str(tmp_path)},
+        capture_output=True, text=True, timeout=timeout, env={**_env(), "TMPDIR": str(tmp_path)},
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -124,3 +124,26 @@ def test_cache_bench_cpu_smoke(tmp_path: Path) -> None:
     d = report["dp2"]
     assert [r["skips"] for r in d["rank0_cached"]["ranks"]] == [0, 0]  # rank 1 always needed them
     assert d["both_cached"]["ranks"][0]["skips"] > 0 and d["both_cached"]["agree_ms_per_decision"] > 0
+
+
+def test_experts_bench_cpu_smoke(tmp_path: Path) -> None:
+    """Two experts on the tiny Wan2.2 model: every run's outputs equal resident's per expert;
+    with ``expect`` no prefetched fill is dropped, without it every expert-1 forward drops one;
+    ranks offset into different experts hold ticks; host PSS is reported against the target."""
+    report = _run("bench_experts.py", ["--smoke"], tmp_path, timeout=900)  # six runs, nine processes
+    assert {"command", "machine", "date"} <= set(report) and "--smoke" in report["command"]
+    rows = {r["run"]: r for r in report["summary"]}
+    assert set(rows) == {"resident", "dp1", "dp1-noexpect", "dp2-allgather", "dp2-offset", "dp2-ranklocal"}
+    plan = report["runs"]["resident"]["ranks"][0]["sizes"]["32x32x5"]["plan"]
+    assert 0 in plan and 1 in plan  # the request really switches experts
+    for name, r in rows.items():
+        assert r["distinct_outputs_expert0"] == r["distinct_outputs_expert1"] == 1, name
+        if name != "resident":
+            assert r["bitwise_equal_resident"] is True, name
+            assert r["host_pss_gb"] > 0 and r["pss_target_gb"] > r["checkpoint_gb"], name
+    assert rows["dp1"]["prefetch_redirects"] == rows["dp2-allgather"]["prefetch_redirects"] == 0
+    assert rows["dp1-noexpect"]["prefetch_redirects"] == plan.count(1)
+    assert rows["dp2-allgather"]["ticks"] * 2 == rows["dp2-allgather"]["forwards"] == 2 * len(plan)
+    assert rows["dp2-offset"]["held_ticks"] > 0 and rows["dp2-offset"]["ticks"] > len(plan)
+    assert rows["dp2-ranklocal"]["held_ticks"] == 0 and rows["dp2-ranklocal"]["prefetch_redirects"] == 0
+    assert len(rows["dp1"]["switch_ms"]) >= 1

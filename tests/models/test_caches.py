@@ -173,3 +173,22 @@ def test_cache_flag_is_shared_and_checked() -> None:
                        "--enable-distributed-layerwise-offload"])
     with pytest.raises(FlagError, match="--cache"):
         settings_from_args(sp)
+
+
+def test_a_two_expert_model_refuses_a_cache_before_any_compute() -> None:
+    """Wan2.2 A14B: diffusers' hooks would sit on one expert; the request is refused naming
+    cache.method (validate, before a forward), and --cache as the server default fails the load."""
+    from service.models.demo import ensure_demo_model
+
+    two = str(ensure_demo_model("wan22-t2v-tiny"))
+    runner = PipelineRunner.load(two, "cpu", settings=OffloadSettings(Mode.ALLGATHER))
+    try:
+        runner.validate(A)  # no cache: served
+        with pytest.raises(RequestError, match="two-expert") as e:
+            runner.validate(replace(A, cache=FBC))
+        assert e.value.field == "cache.method"
+        assert runner.handle is not None and not runner.handle._decide_at  # no decision points set
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match="--cache: step caches are not supported on a two-expert"):
+        PipelineRunner.load(two, "cpu", settings=OffloadSettings(Mode.ALLGATHER, cache="first_block"))

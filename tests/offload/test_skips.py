@@ -6,6 +6,9 @@ do: calling the skipped blocks as pass-throughs (diffusers' cache hooks replace 
 forward ends). Outputs are torch.equal to the resident toy with the same stops; the fills
 that were not made are exactly the bytes the stats say were skipped; in a DP2 AllGather
 group a block is gathered when any rank needs it and each rank still gets its own output.
+With two experts sharing one ring (Wan2.2's layout) each expert's forward is one segment:
+its decision points are its own first two blocks, a stop keeps the ring's fills matched on
+every rank (the expected next expert included) and never fills a block that does not run.
 """
 
 from __future__ import annotations
@@ -32,9 +35,9 @@ class SkipBlock(ToyBlock):
 class SkipToy(ToyDiT):
     """ToyDiT whose forward stops at ``self.stop`` (the same checkpoint keys)."""
 
-    def __init__(self, passthrough: bool) -> None:
-        super().__init__(depth=DEPTH)
-        self.blocks = torch.nn.ModuleList(SkipBlock(64, 160) for _ in range(DEPTH))
+    def __init__(self, passthrough: bool, depth: int = DEPTH) -> None:
+        super().__init__(depth=depth)
+        self.blocks = torch.nn.ModuleList(SkipBlock(64, 160) for _ in range(depth))
         self.passthrough = passthrough
         self.stop: int | None = None
 
@@ -49,9 +52,9 @@ class SkipToy(ToyDiT):
         return self.head(h)
 
 
-def empty(passthrough: bool = True) -> SkipToy:
+def empty(passthrough: bool = True, depth: int = DEPTH) -> SkipToy:
     with torch.device("meta"):
-        m = SkipToy(passthrough)
+        m = SkipToy(passthrough, depth)
     m.freqs = torch.arange(64, dtype=torch.float32)
     return m
 
@@ -175,3 +178,163 @@ def test_dp2_group_gathers_a_block_when_any_rank_needs_it(ckpt: str) -> None:
     rl = [res["rank-local"]["stats"] for res in results]
     assert rl[0]["skips"] == 5 and rl[0]["skip_overruled"] == 0  # alone, each rank skips its own
     assert rl[0]["skip_agree_s"] == 0.0 and ag[0]["skip_agree_s"] > 0.0
+
+
+# -- two experts (one ring, two segments) ----------------------------------------------
+
+DEPTHS = (3, 4)
+NAMES = ("transformer", "transformer_2")
+# (expert, stop) of each forward: stops before and after each expert's first block, a switch
+# right after a stopped forward (either way), and stops twice in a row in one expert
+PLAN = [(0, None), (0, 1), (0, 1), (1, 0), (1, None), (1, 1), (0, 0), (0, None), (1, 1), (1, None), (0, None)]
+
+
+class SkipPair(torch.nn.Module):
+    def __init__(self, passthrough: bool) -> None:
+        super().__init__()
+        self.transformer = empty(passthrough, DEPTHS[0])
+        self.transformer_2 = empty(passthrough, DEPTHS[1])
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("skippair")
+    out = {}
+    for seed, (name, depth) in enumerate(zip(NAMES, DEPTHS, strict=True)):
+        out[name] = str(root / f"{name}.safetensors")
+        make_checkpoint(out[name], depth=depth, seed=20 + seed)
+    return out
+
+
+def _pair_offload(files: dict[str, str], passthrough: bool, group: dist.ProcessGroup | None = None,
+                  use_allgather: bool = True) -> tuple[SkipPair, object, list[str]]:
+    model = SkipPair(passthrough)
+    h = enable_layerwise_offload(model, {f"{n}.": files[n] for n in NAMES}, device="cpu", group=group,
+                                 use_allgather=use_allgather, block_attrs=[f"{n}.blocks" for n in NAMES],
+                                 experts=NAMES)
+    h.enable_skips((0, 1))
+    log: list[str] = []
+    count = h.ring.on_fill
+
+    def fill(layout: object) -> None:
+        log.append(layout.prefix)  # type: ignore[attr-defined]
+        count(layout)
+
+    h.ring.on_fill = fill
+    return model, h, log
+
+
+def _pair_run(model: SkipPair, h, plan: list, xs: list[torch.Tensor]) -> list[torch.Tensor]:  # noqa: ANN001
+    experts = (model.transformer, model.transformer_2)
+    out = []
+    for k, ((e, stop), x) in enumerate(zip(plan, xs, strict=True)):
+        if h is not None:
+            h.expect(plan[k + 1][0] if k + 1 < len(plan) else 0)
+        if stop == "idle":
+            h.idle_forwards(1, expert=e)
+            continue
+        out += run(experts[e], h, [x], [stop])
+    return out
+
+
+def _pair_reference(files: dict[str, str], plan: list, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    model = SkipPair(True)
+    for name in NAMES:
+        load_resident(getattr(model, name), files[name])
+    return _pair_run(model, None, [p for p in plan if p[1] != "idle"],
+                     [x for x, p in zip(xs, plan, strict=True) if p[1] != "idle"])
+
+
+def _want_fills(plan: list) -> tuple[list[str], int]:
+    """The fills one ring makes for ``plan`` with every expect right, and its redirects."""
+    log, redirects = [], 0
+    pending = reuse = None  # (expert, block)
+    for k, (e, stop) in enumerate(plan):
+        nxt = plan[k + 1][0] if k + 1 < len(plan) else 0
+        if reuse != (e, 0):  # begin(): what a stopped forward kept is for its own expert only
+            reuse = None
+            if pending != (e, 0):
+                redirects += pending is not None
+                log.append(f"{NAMES[e]}.blocks.0.")
+                pending = (e, 0)
+        for i in range(DEPTHS[e] if stop is None else stop):
+            if reuse == (e, i):  # still in its slot: no fill, the next block is pending
+                reuse = None
+                continue
+            pending = (e, i + 1) if i + 1 < DEPTHS[e] else (nxt, 0)  # the fill after block i
+            log.append(f"{NAMES[pending[0]]}.blocks.{pending[1]}.")
+        if stop == 1:
+            reuse = (e, 0)
+    return log, redirects
+
+
+@pytest.mark.parametrize("passthrough", [True, False])
+@pytest.mark.parametrize("use_allgather", [True, False])
+def test_two_experts_stop_each_expert_forward_at_its_own_first_blocks(pair_files: dict, use_allgather: bool,
+                                                                      passthrough: bool) -> None:
+    xs = inputs(len(PLAN), 3)
+    want = _pair_reference(pair_files, PLAN, xs)
+    model, h, log = _pair_offload(pair_files, passthrough, use_allgather=use_allgather)
+    try:
+        with torch.inference_mode():
+            got = _pair_run(model, h, PLAN, xs)
+        st = h.stats()
+    finally:
+        h.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    want_log, redirects = _want_fills(PLAN)
+    assert log == want_log  # no fill of a block past a stop; the next expert's first block prefetched
+    assert st.prefetch_redirects == redirects  # only a stopped forward followed by the other expert
+    stopped = [(e, s) for e, s in PLAN if s is not None]
+    assert st.skips == len(stopped)
+    assert st.blocks_skipped == sum(DEPTHS[e] - s for e, s in stopped)
+    assert st.blocks_reused == sum(1 for k, (e, s) in enumerate(PLAN[:-1]) if s == 1 and PLAN[k + 1][0] == e)
+    assert st.expert_forwards == [sum(e == 0 for e, _ in PLAN), sum(e == 1 for e, _ in PLAN)]
+    assert st.forwards == len(PLAN)
+
+
+# rank -> (expert, stop) per tick: the group runs one expert per tick (engine.experts); the
+# ranks stop at different points, and an idle rank replays the tick's expert
+PAIR_SCHEDULES = {
+    0: [(0, 1), (0, 0), (1, 1), (1, None), (1, 0), (0, "idle"), (0, None)],
+    1: [(0, None), (0, 0), (1, 1), (1, 1), (1, "idle"), (0, 1), (0, None)],
+}
+
+
+def _pair_dp2(rank: int, world: int, files: dict) -> dict:
+    out = {}
+    for mode, passthrough in (("allgather", True), ("allgather-uncalled", False), ("rank-local", True)):
+        model, h, log = _pair_offload(files, passthrough, dist.group.WORLD,
+                                      use_allgather=mode != "rank-local")
+        xs = inputs(len(PAIR_SCHEDULES[rank]), 30 + rank)
+        with torch.inference_mode():
+            ys = _pair_run(model, h, PAIR_SCHEDULES[rank], xs)
+        out[mode] = {"ys": ys, "stats": h.stats().as_dict(), "log": log}
+        h.close()
+    return out
+
+
+def test_two_experts_dp2_group_keeps_one_fill_sequence(pair_files: dict) -> None:
+    results = run_ranks(_pair_dp2, 2, pair_files)
+    for rank, res in enumerate(results):
+        sched = PAIR_SCHEDULES[rank]
+        want = _pair_reference(pair_files, sched, inputs(len(sched), 30 + rank))
+        for mode in ("allgather", "allgather-uncalled", "rank-local"):
+            got = res[mode]["ys"]
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), \
+                (rank, mode)
+    for mode in ("allgather", "allgather-uncalled"):
+        logs = [res[mode]["log"] for res in results]
+        assert logs[0] == logs[1]  # the same fills in the same order on both ranks
+        ag = [res[mode]["stats"] for res in results]
+        assert ag[0]["gathered_bytes"] == ag[1]["gathered_bytes"] > 0
+        # stopped where neither rank needed more: tick 1 before block 0, tick 2 after it, tick
+        # 4 before it and tick 5 after it (the idle rank votes no); the others went on
+        assert ag[0]["skips"] == ag[1]["skips"] == 4
+        assert ag[0]["blocks_skipped"] == ag[1]["blocks_skipped"] == \
+            DEPTHS[0] + (DEPTHS[1] - 1) + DEPTHS[1] + (DEPTHS[0] - 1)
+        assert ag[0]["skip_overruled"] == 2  # tick 0 after block 0, idle in tick 5 at block 0
+        assert ag[1]["skip_overruled"] == 1  # tick 3 after block 0
+        assert ag[0]["prefetch_redirects"] == ag[1]["prefetch_redirects"]
+    rl = [res["rank-local"]["stats"] for res in results]
+    assert rl[0]["skip_agree_s"] == 0.0

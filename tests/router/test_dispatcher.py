@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 
 from service.models.request import GenerationRequest
-from service.router.dispatcher import Availability, Dispatcher, Unavailable
+from service.router.dispatcher import Availability, Dispatcher, Unavailable, failure_kind
 from service.router.policy import DeadlinePolicy
 from service.router.scheduler import ContinuousScheduler, WaveScheduler
+from service.router.tenants import Quota, QuotaExceeded, Tenants
+from service.router.waves import QueueFull
 from tests.fakes import Clock, FakeExecutor, RecordingSink
 
 REQ = GenerationRequest(prompt="p", num_inference_steps=2)  # 4 forwards
@@ -22,18 +24,20 @@ BIG = GenerationRequest(prompt="p", num_inference_steps=2, width=64)
 
 
 def make(sizes: tuple[int, ...] = (2,), outcomes: dict[int, list[bool]] | None = None, waves: bool = False,
+         tenants: Tenants | None = None, queue: int = 64,
          **kw: Any) -> tuple[Dispatcher, FakeExecutor, RecordingSink, Clock]:
     ex, sink, clock = FakeExecutor(sizes, outcomes or {}), RecordingSink(), Clock()
-    sched = WaveScheduler(max(sizes), max_wait_s=0.05) if waves else ContinuousScheduler(64, 30.0)
+    sched = (WaveScheduler(max(sizes), max_wait_s=0.05, max_queue=queue, tenants=tenants) if waves
+             else ContinuousScheduler(queue, 30.0, tenants=tenants))
     d = Dispatcher(ex, sink, sched, deadlines=DeadlinePolicy(base_s=60, per_forward_s=1.0), clock=clock, **kw)
     d.open()
     d.step(0)  # the groups' READY (or START_FAILED) events
     return d, ex, sink, clock
 
 
-def submit(d: Dispatcher, *ids: str, req: GenerationRequest = REQ) -> None:
+def submit(d: Dispatcher, *ids: str, req: GenerationRequest = REQ, tenant: str | None = None) -> None:
     for i in ids:
-        d.submit(i, req.compat_key(), req)
+        d.submit(i, req.compat_key(), req, tenant=tenant)
 
 
 def test_a_freed_rank_takes_the_next_request_at_once_and_outcomes_reach_the_sink() -> None:
@@ -217,3 +221,82 @@ def test_status_says_which_state_the_engine_is_in() -> None:
     d.step(0)
     d.step(0)
     assert d.status()["state"] == "down"
+
+
+# -- tenants: fair share and quotas ------------------------------------------------------
+def assigned(ex: FakeExecutor) -> list[str]:
+    return [j for _, _, j, _ in ex.assigned]
+
+
+def test_a_flooding_key_delays_another_keys_first_job_by_at_most_one_job_per_rank() -> None:
+    d, ex, sink, _ = make(queue=128)
+    submit(d, *(f"a{i}" for i in range(70)), tenant="key-a")
+    d.step(0)
+    submit(d, "b0", tenant="key-b")  # arrives with both ranks busy and 68 of key-a's waiting
+    d.step(0)
+    assert assigned(ex) == ["a0", "a1"]
+    ex.forwards_done("a0")  # the first rank to free goes to key-b
+    d.step(0)
+    d.step(0)
+    assert assigned(ex) == ["a0", "a1", "b0"] and ex.on("b0") == ("g0", 0)
+    ex.finish("a0")
+    submit(d, "b1", tenant="key-b")
+    ex.forwards_done("a1")  # each key holds one request (a1 decodes): key-a was served longer ago
+    d.step(0)
+    d.step(0)
+    assert assigned(ex)[-1] == "a2"
+
+
+def test_waves_share_the_group_between_keys() -> None:
+    d, ex, sink, clock = make(waves=True)
+    submit(d, *(f"a{i}" for i in range(10)), tenant="key-a")
+    d.step(0)
+    submit(d, "b0", tenant="key-b")  # the same compatibility key: it rides in the next wave
+    submit(d, "c0", req=BIG, tenant="key-c")  # another one: a wave of its own, after key-b's turn
+    for j in ("a0", "a1"):
+        ex.run(j)
+    clock.advance(1)
+    d.step(0)
+    d.step(0)
+    assert assigned(ex)[2:] == ["b0", "a2"]
+    for j in ("b0", "a2"):
+        ex.run(j)
+    d.step(0)
+    d.step(0)
+    assert assigned(ex)[4:] == ["c0"] and sink.started["c0"]["key"] == BIG.compat_key()
+
+
+def test_a_keys_queue_quota_is_429_about_that_key_and_others_still_get_in() -> None:
+    d, ex, _, _ = make(tenants=Tenants(Quota(max_queued=2)), queue=5)
+    submit(d, "a0", "a1", tenant="key-a")
+    d.step(0)
+    submit(d, "a2", "a3", tenant="key-a")  # two run, two wait: its quota
+    with pytest.raises(QuotaExceeded) as e:
+        submit(d, "a4", tenant="key-a")
+    assert e.value.limit == 2 and e.value.retry_after_s >= 1 and "max_queued 2" in str(e.value)
+    submit(d, "b0", "b1", tenant="key-b")
+    with pytest.raises(QueueFull):  # the whole queue (5) is full before key-c's quota is
+        submit(d, "c0", "c1", tenant="key-c")
+    assert d.counts("key-a") == {"queued": 2, "running": 2}
+    assert d.counts("key-c") == {"queued": 1, "running": 0}
+
+
+def test_a_keys_running_limit_leaves_the_other_ranks_to_other_keys() -> None:
+    d, ex, _, _ = make(tenants=Tenants(overrides={"key-a": Quota(max_running=1)}))
+    submit(d, "a0", "a1", "a2", tenant="key-a")
+    d.step(0)
+    assert assigned(ex) == ["a0"]  # the second rank stays free rather than go over its limit
+    submit(d, "b0", tenant="key-b")
+    d.step(0)
+    assert assigned(ex) == ["a0", "b0"]
+    ex.run("a0")
+    d.step(0)
+    d.step(0)
+    assert assigned(ex) == ["a0", "b0", "a1"]
+
+
+def test_rebuild_reasons_become_a_fixed_word_for_the_metric_label() -> None:
+    assert failure_kind("a request exceeded its deadline") == "deadline"
+    assert failure_kind("rank 1 died: SIGKILL") == "rank_died"
+    assert failure_kind("rank 0 failed: RuntimeError: video_0123 broke") == "rank_failed"
+    assert failure_kind("anything else, quoting video_0123") == "other"

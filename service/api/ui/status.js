@@ -21,6 +21,14 @@ function offloadText(mode) {
   return mode.reason ? `${mode.mode} (${mode.reason})` : String(mode.mode ?? "");
 }
 
+// A key's own numbers (/readyz "yours"): the service keeps every key to its own queue.
+function yourJobs(yours) {
+  if (!yours || typeof yours !== "object") return null;
+  const limit = (n) => (n === null || n === undefined ? "no limit" : `limit ${n}`);
+  return `${yours.queued ?? 0} queued (${limit(yours.max_queued)}), `
+    + `${yours.running ?? 0} running (${limit(yours.max_running)})`;
+}
+
 function renderGroups(ready) {
   const box = $("svc-groups");
   clear(box);
@@ -74,6 +82,7 @@ export async function refreshStatus() {
           + ` in ${groups.length} group${groups.length === 1 ? "" : "s"}`],
       ["queued", ready.queue_depth],
       ["running (all keys)", ready.in_flight],
+      ["your jobs", yourJobs(ready.yours)],
       ["requests assigned", ready.waves_run],
       ["rebuilds", ready.rebuilds],
       ["last error", ready.last_error],

@@ -1,0 +1,100 @@
+"""What one dloserve instance is configured with: the Serve app's ``args``, made from the
+``dloserve serve`` flags (serve_flags.py) or a ``serve deploy`` config file."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from service.api.keys import owner_id
+from service.engine.spec import EngineSpec
+from service.models.image import MAX_IMAGE_PIXELS
+from service.models.options import Mode, OffloadSettings
+from service.router.tenants import Quota, Tenants
+
+
+class ServiceConfig(BaseModel):
+    """Everything `dloserve serve` flags and the Serve config file's ``args`` can set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="diffusers pipeline dir; None = demo model")
+    model_name: str | None = None
+    dp_size: int = Field(1, ge=1)
+    sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
+    offload: OffloadSettings = Field(default_factory=lambda: OffloadSettings(Mode.AUTO),
+                                     description="where the weights live: mode (resident, allgather, "
+                                                 "rank-local, auto), resident_layers, device_memory_gb, "
+                                                 "components, probe_shape, dtype (service.models.options)")
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+    strategy: str = "STRICT_PACK"
+    num_replicas: int = 1
+    max_wait_ms: float = 50.0
+    queue_size: int = 64
+    max_queue_wait_s: float = Field(1800.0, gt=0, description="a queued job waits at most this long "
+                                    "for a rank (e.g. while its group is rebuilt)")
+    results_url: str = Field(str(Path.home() / ".cache" / "dloserve" / "results"),
+                             description="folder or fsspec URL (s3://...) for job records and MP4s")
+    storage_options: dict[str, Any] = Field(default_factory=dict,
+                                            description="fsspec options for results_url (endpoint, ...)")
+    group_timeout_s: float = Field(30.0, gt=0, description="a DP group silent this long is lost: "
+                                   "its jobs fail")
+    retention_s: float = 86400.0
+    max_jobs: int = 1000
+    pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
+    scheduler: Literal["continuous", "waves"] = "continuous"
+    starve_s: float = Field(30.0, gt=0)
+    encoders_per_rank: int | None = Field(None, ge=0, description="None: from the rank's CPUs")
+    instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
+    api_key_hashes: list[str] = Field(default_factory=list,
+                                      description="SHA-256 (hex) of the accepted API keys; empty = open")
+    admin_key_hashes: list[str] = Field(default_factory=list,
+                                        description="SHA-256 (hex) of the keys that read /readyz's detail "
+                                                    "and every key's /v1/waves")
+    max_queued_per_key: int | None = Field(16, ge=1, description="queued jobs per API key (429 "
+                                           "quota_exceeded beyond); None: only queue_size bounds them")
+    max_running_per_key: int | None = Field(None, ge=1, description="jobs per API key on ranks at once; "
+                                            "None: as many as are free")
+    key_quotas: dict[str, dict[str, int]] = Field(
+        default_factory=dict, description="per-key overrides by key hash: {max_queued, max_running}")
+    max_body_bytes: int = Field(65536, ge=1024)
+    max_image_bytes: int = Field(8 * 2**20, ge=1024, description="largest input_reference image file "
+                                 "(a body that may carry one is capped at max_body_bytes plus this)")
+    max_image_pixels: int = Field(MAX_IMAGE_PIXELS, ge=1, description="largest input_reference image, "
+                                  "width x height from its header, checked before decoding")
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within this "
+                                  "(408 otherwise)")
+    unhealthy_after_s: float = Field(300.0, gt=0)
+    limits: dict[str, Any] = Field(default_factory=dict)
+    deadline: dict[str, Any] = Field(default_factory=dict)
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    loras: dict[str, str] = Field(default_factory=dict, description="adapters registered at start: "
+                                  "name -> .safetensors path (--lora NAME=PATH); a bad one fails the start")
+    lora_dirs: list[str] = Field(default_factory=list, description="folders POST /v1/loras may register "
+                                 "files from (--lora-dir); none: run-time registration is off")
+
+    @model_validator(mode="after")
+    def _sp_always_gathers(self) -> ServiceConfig:
+        """An SP group gathers over its ranks: auto has one mode to choose from."""
+        if self.sp_size > 1 and self.offload.mode is Mode.AUTO:
+            self.offload = self.offload.resolved(Mode.ALLGATHER)
+        return self
+
+    def engine_spec(self, model_dir: str) -> EngineSpec:
+        return EngineSpec(model_dir=model_dir, dp_size=self.dp_size, sp_size=self.sp_size,
+                          settings=self.offload, cpus_per_rank=self.cpus_per_rank,
+                          gpus_per_rank=self.gpus_per_rank, strategy=self.strategy,
+                          pg_timeout_s=self.pg_timeout_s, encoders_per_rank=self.encoders_per_rank)
+
+    def tenants(self) -> Tenants:
+        """Each API key's quota (its owner id's), the defaults where the key file sets none;
+        an open service (no keys) is one tenant bounded only by ``queue_size``."""
+        if not self.api_key_hashes:
+            return Tenants()
+        default = Quota(self.max_queued_per_key, self.max_running_per_key)
+        overrides = {owner_id(h): replace(default, **q) for h, q in self.key_quotas.items()}
+        return Tenants(default, overrides)

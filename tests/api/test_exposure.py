@@ -1,0 +1,58 @@
+"""What `dloserve serve --host 127.0.0.1` exposes, seen from outside its process tree.
+
+Every TCP listener of the service's processes, Ray's own included (GCS, raylet, agents,
+workers, and the metrics export port, which answers without the cluster's token), is on
+a loopback address, but one: Ray 2.60 binds the Serve replica's gRPC server (calls between
+deployments) to [::]:0 whatever the node's address, and that one must refuse a caller
+without the cluster's token. /readyz without a key says ready or not (and the launcher,
+which reads its ``instance``, still recognised its own service: it printed "ready").
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import grpc
+import httpx
+
+from service.api.hostproc import descendants, listeners
+from tests.api.conftest import Serve
+from tests.conftest import free_port
+
+
+def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-exposure-0123456789 max_queued=2\n")
+    port = free_port()
+    s = Serve(ray_tmp, "--host", "127.0.0.1", "--port", str(port), "--api-key-file", str(keys),
+              "--results-dir", str(tmp_path / "results"))
+    s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
+    s.seen |= set(descendants(s.proc.pid))
+    found = listeners([s.proc.pid, *s.seen])
+    assert len(found) >= 5, found  # the HTTP proxy, GCS, raylet, agents, workers
+    wide = [x for x in found if not x["loopback"]]
+    assert all(str(x["process"]).startswith("ray::ServeReplica") for x in wide), wide
+    for x in wide:  # reachable from anywhere, so it must want the token
+        channel = grpc.insecure_channel(f"127.0.0.1:{x['port']}")
+        call = channel.unary_unary("/ray.serve.ASGIService/HandleRequest")
+        try:
+            call(b"", timeout=30)
+            raise AssertionError(f"{x} answered a call without the cluster's token")
+        except grpc.RpcError as e:
+            assert e.code() is grpc.StatusCode.UNAUTHENTICATED, (x, e.code(), e.details())
+    assert "these still listen beyond loopback" not in s.output  # nothing else: no warning
+    # Ray's metrics export port, as Ray advertises it to Prometheus (the node's comes first;
+    # the autoscaler's and dashboard's fixed ports follow, held by whichever cluster on this
+    # machine took them first): one of our listeners, on loopback, and it is the real one.
+    discovery = next(ray_tmp.rglob("prom_metrics_service_discovery.json"))
+    targets = [t for entry in json.loads(discovery.read_text()) for t in entry["targets"]]
+    host, _, mport = targets[0].rpartition(":")
+    loopback_ports = {int(x["port"]) for x in found if x["loopback"]}
+    assert host == "127.0.0.1" and int(mport) in loopback_ports, (targets, found)
+    assert "ray_" in httpx.get(f"http://{targets[0]}/metrics", timeout=30).text
+    ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
+    assert ready.status_code == 200 and set(ready.json()) == {"ready", "instance"}
+    assert s.stop(signal.SIGTERM) == 0, s.output[-2000:]
+    assert not s.survivors(), s.survivors()
