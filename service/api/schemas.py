@@ -13,12 +13,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from service.api.errors import BodyError
+from service.models.cache_spec import MAX_RATIOS, METHODS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
 
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # ASCII digits only: no "X", spaces or other scripts
 SECONDS_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"  # OpenAI sends seconds as a string ("4")
+NESTED_OBJECTS = frozenset({"cache"})  # object fields whose errors name the inner field: cache.threshold
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
                             "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2"})
 
@@ -31,6 +33,27 @@ class LoraUse(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     scale: float = Field(1.0, description="multiplies the adapter's lora_alpha / r (diffusers' set_adapters)")
     expert: Literal["both", "high", "low"] | None = None
+
+
+class CacheUse(BaseModel):
+    """A request's step cache (docs/caches.md); parameters left out take the method's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal[METHODS]  # type: ignore[valid-type]
+    threshold: float | None = Field(None, description="first_block: relative change of block 0's residual "
+                                    "(default 0.05); mag: accumulated error (default 0.06)")
+    max_skip_steps: int | None = Field(None, description="mag: at most this many skipped steps in a row (3)")
+    retention_ratio: float | None = Field(None, description="mag: no skips in this first fraction of "
+                                          "the steps (0.2)")
+    mag_ratios: list[float] | None = Field(None, max_length=MAX_RATIOS,
+                                           description="mag (required): the model's magnitude ratio per step")
+
+    def spec(self) -> CacheSpec:
+        try:
+            return CacheSpec.from_obj(self.model_dump(exclude_none=True))
+        except CacheError as e:
+            raise BodyError(e.field, e.message) from None
 
 
 class LoraCreate(BaseModel):
@@ -75,6 +98,19 @@ class VideoCreate(BaseModel):
                           'or {"image_url": DATA_URL}; in a form, a file part (service.api.images)')
     loras: list[LoraUse] = Field(default_factory=list, max_length=MAX_LORAS,
                                  description="adapters to apply, in order, with their scales")
+    cache: CacheUse | None = Field(None, description="step cache: skipped blocks skip their weight transfers "
+                                   "too; none given: the server's --cache default")
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache_from_form(cls, v: Any) -> Any:
+        """A multipart form carries the object as one JSON string."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError:
+                raise ValueError('must be a JSON object like {"method": "first_block"}') from None
+        return v
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -138,6 +174,7 @@ class VideoCreate(BaseModel):
             flow_shift=pick(self.flow_shift, defaults.flow_shift),
             extra=extra,
             loras=tuple(LoraRef(u.name, u.scale, u.expert) for u in self.loras),
+            cache=None if self.cache is None else self.cache.spec(),
         )
 
 
@@ -309,8 +346,8 @@ def validate_create(data: dict[str, Any], strict: bool = True) -> VideoCreate:
     except ValidationError as e:
         err = e.errors()[0]
         loc = err["loc"]
-        if len(loc) > 1 and isinstance(loc[1], int):  # an item of a list field: loras.0.scale
-            field = ".".join(str(x) for x in loc)
+        if len(loc) > 1 and (isinstance(loc[1], int) or loc[0] in NESTED_OBJECTS):
+            field = ".".join(str(x) for x in loc)  # an item of a list field (loras.0.scale), cache.method
         else:
             field = str(loc[0]) if loc else "body"  # a union names its branch next: not a field
         raise BodyError(field, err["msg"], err["type"]) from None

@@ -167,6 +167,8 @@ class RankWorker:
             gate = partial(self._gate_enter, expert)
             self._hooks.append(module.register_forward_pre_hook(gate, prepend=True))
             self._hooks.append(module.register_forward_hook(self._gate_leave, always_call=True))
+        if control is not None and not sequence_parallel:
+            runner.caches.agree_over(control)  # step-cache decisions: one CPU all-reduce, no device sync
         self._thread = threading.Thread(target=self._pipeline_loop, name=f"rank{rank}-pipeline",
                                         daemon=True)
         self._thread.start()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -39,7 +40,7 @@ class FlagError(ValueError):
 FLAGS = {"mode": "--dlo-mode", "resident_layers": "--dlo-resident-layers",
          "device_memory_gb": "--dlo-device-memory-gb", "components": "--dlo-components",
          "probe_shape": "--dlo-probe-size", "dtype": "--dtype", "quantization": "--quantization",
-         "lora_cache_gb": "--lora-cache-gb"}
+         "lora_cache_gb": "--lora-cache-gb", "cache": "--cache"}
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class OffloadSettings:
     checkpoint's. ``quantization``: "fp8" serves the blocks' Linear weights in FP8 (resident
     or streamed: half the bytes on the host, over PCIe and in the gathers). ``lora_cache_gb``:
     device memory for LoRA adapter weights (an LRU; 0: no adapters), counted by the budget.
+    ``cache``: the step cache of requests that name none (a ``--cache`` spec, canonical JSON;
+    None: no cache), see cache_spec.py.
     """
 
     mode: Mode = Mode.RESIDENT
@@ -63,6 +66,7 @@ class OffloadSettings:
     dtype: str | None = None
     quantization: str | None = None
     lora_cache_gb: float = LORA_CACHE_GB
+    cache: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -78,6 +82,8 @@ class OffloadSettings:
             raise FlagError(f"--quantization must be one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
         if isinstance(self.lora_cache_gb, bool) or not 0 <= float(self.lora_cache_gb) < float("inf"):
             raise FlagError(f"--lora-cache-gb must be >= 0, got {self.lora_cache_gb!r}")
+        if self.cache is not None:
+            object.__setattr__(self, "cache", canonical_cache(self.cache))
         if self.resident_layers is not None and self.resident_layers < 0:
             raise FlagError(f"--dlo-resident-layers must be >= 0, got {self.resident_layers}")
         if self.device_memory_gb is not None:
@@ -147,6 +153,17 @@ class OffloadSettings:
         return None
 
 
+def canonical_cache(value: str | dict[str, Any]) -> str | None:
+    """A ``--cache`` spec (or a Serve config mapping) -> canonical JSON; None for ``none``."""
+    from .cache_spec import CacheError, CacheSpec
+
+    try:
+        spec = CacheSpec.from_obj(value)
+    except (CacheError, TypeError) as e:
+        raise FlagError(f"--cache: {e}") from None
+    return json.dumps(spec.as_dict(), sort_keys=True) if spec.enabled else None
+
+
 def parse_components(value: str | tuple[str, ...] | list[str] | None, flag: str = "--dlo-components"
                      ) -> tuple[str, ...]:
     """``"dit,text_encoder,vae"`` -> a checked tuple in canonical order; FlagError naming ``flag``."""
@@ -214,6 +231,10 @@ def add_offload_arguments(p: argparse.ArgumentParser, offload_default: bool = Fa
                    help="fp8: the transformer blocks' Linear weights in FP8 with per-channel scales, "
                         "quantized at load (or read from a 'dloserve quantize' folder): half the bytes "
                         "on the host, over PCIe and in the gathers"),
+    g.add_argument("--cache", "--cache-default", dest="cache", default=None, metavar="SPEC",
+                   help="step cache of requests that name none (generate: the request's): none (default), "
+                        "first_block[:threshold=0.05], mag:threshold=0.06,... or a JSON object; skipped "
+                        "blocks also skip their weight transfers (docs/caches.md)")
     add_lora_arguments(p)
 
 
@@ -263,6 +284,7 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
         dtype=None if args.dtype == "auto" else args.dtype,
         quantization=args.quantization,
         lora_cache_gb=LORA_CACHE_GB if getattr(args, "lora_cache_gb", None) is None else args.lora_cache_gb,
+        cache=getattr(args, "cache", None),
     )
     if sp > 1:
         if settings.mode is Mode.RANK_LOCAL:
@@ -276,6 +298,8 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
             refused.append(FLAGS["components"])
         if settings.quantization is not None:
             refused.append(FLAGS["quantization"])
+        if settings.cache is not None:
+            refused.append(FLAGS["cache"])
         if refused:
             raise FlagError(f"{', '.join(refused)}: not yet with --sequence-parallel-size > 1 (an SP group "
                             "always gathers over its ranks and streams the transformer only)")

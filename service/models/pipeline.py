@@ -39,6 +39,8 @@ from service.offload import LayerwiseOffload, Placement, enable_layerwise_offloa
 from service.offload.auto import ProbeTimings, choose_mode, probe
 
 from .adapter import ModelAdapter
+from .cache import StepCaches
+from .cache_spec import CacheSpec
 from .experts import expert_of, lockstep_expert_cost
 from .lora import RankAdapters
 from .options import Mode, OffloadSettings
@@ -81,6 +83,8 @@ class PipelineRunner:
         self.load_stages: dict[str, float] = {}  # seconds per loading stage (cold-start report)
         self.loras = RankAdapters(transformer, adapter.family, str(adapter.index.get("_class_name", "")),
                                   device, int(settings.lora_cache_gb * 2**30))
+        self.caches = StepCaches(transformer, handle, adapter,
+                                 CacheSpec.from_obj(settings.cache) if settings.cache else None)
         self._closed = False
         self.experts = expert_of(transformer)  # the modules that each make one forward
         # Who says which expert comes next: the request's plan (False), or a tick loop that
@@ -181,6 +185,7 @@ class PipelineRunner:
         """Raise RequestError naming the bad field, before any compute."""
         self.adapter.validate(req)
         self.loras.check(req.loras)
+        self.caches.check(self.caches.resolve(req.cache))
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None
@@ -190,7 +195,8 @@ class PipelineRunner:
         self.validate(req)
         if self._plan_hooks and not self.tick_driven:
             self._plan = list(self.adapter.expert_plan(req))
-        with self.loras.applied(req.loras):
+        cache = self.caches.resolve(req.cache)
+        with self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step)
 
     def generate(

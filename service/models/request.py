@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .cache_spec import CacheError, CacheSpec
 from .lora_ref import LoraRef, lora_problem
 
 MAX_SIDE = 4096
@@ -40,6 +41,7 @@ class GenerationRequest:
     Wan2.2 A14B: ``guidance_scale_2``). ``image``: the conditioning image as its file's
     bytes (PNG, JPEG or WebP, checked by ``service.models.image.check_image``), decoded on
     the rank, so every front end that passes the same file gets the same video.
+    ``cache``: the step cache (cache_spec.py); None takes the server's ``--cache`` default.
     """
 
     prompt: str
@@ -55,6 +57,14 @@ class GenerationRequest:
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
     loras: tuple[LoraRef, ...] = ()
     image: bytes | None = field(default=None, repr=False)
+    cache: CacheSpec | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, dict | str):  # a batch line's object, a CLI spec
+            try:
+                object.__setattr__(self, "cache", CacheSpec.from_obj(self.cache))
+            except CacheError as e:
+                raise RequestError(e.field, e.message) from None
 
     @property
     def cfg(self) -> bool:
@@ -73,6 +83,8 @@ class GenerationRequest:
         ``guidance_scale_2``'s value is left out the same way). An image changes no gather
         but does change the work before the first forward (the VAE encodes it, and CLIP
         for Wan2.1 I2V) and, for TI2V, the pipeline that runs: whether there is one is in.
+        The step cache is not in it: every forward passes the same decision points whatever
+        the cache, and a block is gathered when any rank needs it (docs/caches.md).
         """
         key = {
             "height": self.height,
@@ -113,6 +125,13 @@ class GenerationRequest:
         problem = lora_problem(self.loras)
         if problem:
             raise RequestError(*problem)
+        if self.cache is not None:
+            if not isinstance(self.cache, CacheSpec):
+                raise RequestError("cache", f"must be a cache object, got {type(self.cache).__name__}")
+            try:
+                self.cache.check()
+            except CacheError as e:
+                raise RequestError(e.field, e.message) from None
         if not isinstance(self.extra, dict):
             raise RequestError("extra", "must be an object")
         try:

@@ -190,6 +190,7 @@ class LayerwiseOffload:
     def _segment(self, blocks: list[tuple[str, nn.Module]]) -> list[tuple[int, int]]:
         """[lo, hi) ring positions of each expert's streamed blocks (one range without experts)."""
         if not self.experts:
+            self._expert_first = [0]
             return [(0, len(self._streamed))]
         owner = []
         for prefix, _ in blocks:
@@ -200,6 +201,7 @@ class LayerwiseOffload:
             owner.append(self.experts.index(names[0]))
         if owner != sorted(owner):
             raise ValueError(f"experts: each expert's blocks must be one run in block order, got {owner}")
+        self._expert_first = [owner.index(e) if e in owner else 0 for e in range(len(self.experts))]
         streamed = [owner[i] for i in self._streamed]  # non-decreasing: one run per expert
         out, lo = [], 0
         for e in range(len(self.experts)):
@@ -259,6 +261,11 @@ class LayerwiseOffload:
         # Streamed blocks entered in the module forward now running; between forwards all of
         # them, so a forward stopped before it began (a hook ahead of ours raised) replays none.
         self._entered = len(self._streamed)
+        self._stopped = False  # this forward stopped at a decision point (step caches)
+        # Streamed position -> its block index within its expert (the module that runs).
+        self._decide_at: dict[int, int] = {}
+        self._agree_pg: dist.ProcessGroup | None = self.group.pg
+        self._vote: Callable[[int], bool] | None = None
         # Around the whole module (each expert): a forward that raises midway still makes every
         # gather of a forward, so the other ranks' collectives stay in step (_finish_forward).
         self._active: int | None = None  # the segment whose forward is running
@@ -274,30 +281,118 @@ class LayerwiseOffload:
 
     # -- hooks ------------------------------------------------------------------------
 
-    def _enter(self, i: int, idle: bool) -> int:
+    def _forward_start(self, pos: int, idle: bool) -> None:
+        """Counters of a forward that reaches its first streamed block ``pos`` (real or replayed)."""
+        st = self._stats
+        if self.experts:
+            st.expert_forwards[self.ring._segment_of[pos]] += 1
+        st.gather_s += self.device.take_gather_s(block=False)  # keep event lists short
+        if self.device.is_cuda:
+            st.stall_s += self.device.device_stall_s(block=False)
+        if idle:
+            st.idle_forwards += 1
+        else:
+            st.forwards += 1
+        st.last_forward_stall_s = 0.0
+        st.last_forward_h2d_bytes = 0
+        st.last_forward_gathered_bytes = 0
+        self._stopped = False
+
+    def _enter(self, i: int) -> int:
         """Make streamed block ``i`` (position in the ring) ready; returns its slot."""
         st = self._stats
-        if i in self._starts:
-            if self.experts:
-                st.expert_forwards[self.ring._segment_of[i]] += 1
-            st.gather_s += self.device.take_gather_s(block=False)  # keep event lists short
-            if self.device.is_cuda:
-                st.stall_s += self.device.device_stall_s(block=False)
-            if idle:
-                st.idle_forwards += 1
-            else:
-                st.forwards += 1
-            st.last_forward_stall_s = 0.0
-            st.last_forward_h2d_bytes = 0
-            st.last_forward_gathered_bytes = 0
+        reused = self.ring.reuse
         p, waited = self.ring.acquire(i)
+        if reused is not None and p is reused:
+            st.blocks_reused += 1
+            st.fill_bytes_skipped += self.layouts[self._streamed[i]].total_bytes
         if not self.device.is_cuda:  # on CUDA the stall comes from events (comm.Device)
             st.stall_s += waited
             st.last_forward_stall_s += waited
         return p.slot
 
+    # -- step caches: forwards that stop early ------------------------------------------
+
+    def enable_skips(self, points: Iterable[int], agree_group: dist.ProcessGroup | None = None) -> None:
+        """Let a forward stop before block ``p`` (a block index) for each ``p`` in ``points``.
+
+        With experts each expert's forward is one segment of the ring and ``p`` is a block
+        index within the expert: the decision points are the first two streamed blocks of
+        the segment that runs.
+
+        At the first streamed block at or after ``p`` every rank asks ``vote(block)`` (set
+        with ``set_vote``; None: yes) whether it will run that block. In an AllGather group
+        the ranks agree (an all-reduce of one flag, over ``agree_group`` if given: a gloo
+        group of the same ranks keeps it off the device): the forward goes on if any rank
+        needs it, and the others replay its fills; if none does, no rank fills the rest. A
+        stopped forward keeps its slots for the next one (``Ring.stop``), so decisions may sit
+        only at the first two streamed blocks. Every rank must pass the same points.
+        """
+        by_pos: dict[int, int] = {}
+        for seg, (lo, hi) in enumerate(self._segments):
+            base = self._expert_first[seg]  # block index of the expert's first block
+            for p in points:
+                pos = next((q for q in range(lo, hi) if self._streamed[q] - base >= p), None)
+                if pos is None:
+                    continue  # nothing streamed from there on: nothing to save
+                if pos - lo > 1:
+                    raise ValueError(f"a forward can stop before its first or second streamed block; "
+                                     f"block {p} is streamed position {pos - lo}")
+                by_pos[pos] = self._streamed[pos] - base
+        self._decide_at = by_pos
+        self._agree_pg = agree_group if agree_group is not None else self.group.pg
+
+    def set_vote(self, vote: Callable[[int], bool] | None) -> None:
+        """``vote(block)``: whether this rank's forward runs ``block`` (asked at decision points;
+        a block index within the module that runs, the expert with experts)."""
+        self._vote = vote
+
+    def _agree(self, need: bool) -> bool:
+        if not self.host.collective:
+            return need
+        t0 = time.perf_counter()
+        pg = self._agree_pg
+        dev = torch.device("cpu") if dist.get_backend(pg) == "gloo" else self.device.device
+        flag = torch.tensor([int(need)], dtype=torch.int32, device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+        out = bool(flag.item())
+        self._stats.skip_agree_s += time.perf_counter() - t0
+        return out
+
+    def _decide(self, pos: int, need: bool) -> bool:
+        """At a decision point: whether the forward goes on (False: it stopped here)."""
+        st = self._stats
+        st.skip_decisions += 1
+        go = self._agree(need)
+        if go:
+            st.skip_overruled += int(not need)
+            return True
+        lo, hi = self._segments[self.ring._segment_of[pos]]
+        self.ring.stop(lo)
+        self._stopped = True
+        st.skips += 1
+        rest = [self.layouts[i].total_bytes for i in self._streamed[pos:hi]]
+        st.blocks_skipped += len(rest)
+        st.fill_bytes_skipped += sum(rest)
+        return False
+
+    def _replay(self, segment: int, start: int, idle: bool = True) -> None:
+        """Take part in the fills of streamed positions ``start``.. of one forward of ``segment``,
+        computing nothing (voting no at every decision point): an idle rank, or the rest of a
+        forward that raised or did not call its remaining blocks (``idle=False``: it counts as one)."""
+        lo, hi = self._segments[segment]
+        for pos in range(start, hi):
+            if pos == lo:
+                self._forward_start(pos, idle=idle)
+            if self._stopped or (pos in self._decide_at and not self._decide(pos, False)):
+                return
+            self._enter(pos)
+            self.ring.release()
+
     def _count_fill(self, lay: BlockLayout) -> None:
         st = self._stats
+        st.fills += 1
+        st.fill_bytes += lay.total_bytes
         if self.host.use_allgather:
             h2d = lay.shard_bytes(self.group.world) if self.device.is_cuda else 0
             gathered = lay.padded_bytes(self.group.world) if self.group.world > 1 else 0
@@ -314,7 +409,15 @@ class LayerwiseOffload:
         def hook(module: nn.Module, args: object) -> None:
             self._check_open()
             self._entered = pos + 1
-            slot = self.slots[self._enter(pos, idle=False)]
+            if pos in self._starts:
+                self._forward_start(pos, idle=False)
+            if self._stopped:
+                return  # the group stopped this forward: the block keeps its placeholders
+            if pos in self._decide_at:
+                need = self._vote is None or self._vote(self._decide_at[pos])
+                if not self._decide(pos, need):
+                    return
+            slot = self.slots[self._enter(pos)]
             for e in lay.entries:
                 set_tensor(module, e.name, e.view(slot))
 
@@ -333,6 +436,7 @@ class LayerwiseOffload:
     def _begin_forward(self, segment: int, module: nn.Module, args: object) -> None:
         self._active = segment
         self._entered = self._segments[segment][0]
+        self._stopped = False
         if self._free_slots and self._streamed and not self.slots[0].numel():
             self.slots[:] = [torch.empty(self._slot_bytes, dtype=torch.uint8, device=self.device.device)
                              for _ in range(2)]
@@ -347,20 +451,25 @@ class LayerwiseOffload:
 
         Each rank makes the same collective calls in the same order: a forward that
         failed on one rank (a bad input, an OOM in block 3) would otherwise leave the
-        others waiting in block 4's gather. After this the ring is back at block 0.
+        others waiting in block 4's gather. After this the ring is back at block 0. A model
+        that skips blocks without calling them (a step cache) is caught up here the same way.
         """
         if self._active != segment:  # a hook ahead of ours stopped it before it began
             return
         self._active = None
-        n = self._segments[segment][1]
+        lo, n = self._segments[segment]
         if self._free_slots and not self._closed and self._streamed:
             self.ring.reset()  # the prefetch of block 0 is dropped with the slots
             self.slots[:] = [torch.empty(0, dtype=torch.uint8, device=self.device.device) for _ in range(2)]
-        if self._closed or not self.host.collective or self._entered == n:
+        if self._closed or self._entered == n:
             return
-        for i in range(self._entered, n):
-            self._enter(i, idle=True)
-            self.ring.release()
+        if self.host.collective:
+            self._replay(segment, self._entered, idle=False)
+        elif self._entered in self._decide_at and not self._stopped:
+            # A model that did not call the blocks it skipped: the stop is recorded here.
+            if self._entered == lo:
+                self._forward_start(lo, idle=False)
+            self._decide(self._entered, False)
         self._entered = n
 
     # -- public -----------------------------------------------------------------------
@@ -378,9 +487,7 @@ class LayerwiseOffload:
             return
         for _ in range(k):
             self.ring.begin(expert)
-            for i in range(lo, hi):
-                self._enter(i, idle=True)
-                self.ring.release()
+            self._replay(expert, lo)
 
     def expect(self, expert: int) -> None:
         """The expert whose forward comes after the current one: its first block is the fill

@@ -65,6 +65,16 @@ class OffloadStats:
     quantization: str = ""  # "" or "fp8" (block Linear weights)
     quantization_source: str = ""  # "online" (quantized at load) or "prequantized" (in the files)
     fp8_compute: str = ""  # "upcast" or "scaled_mm"
+    # Step caches (``LayerwiseOffload.enable_skips``): what forwards that stopped early saved.
+    fills: int = 0  # slot fills made (H2D copies, gathers or packs), whatever the device
+    fill_bytes: int = 0  # bytes of the blocks filled into slots (whole blocks)
+    skip_decisions: int = 0  # decision points passed (each an agreement in an AllGather group)
+    skip_agree_s: float = 0.0  # time in those agreements
+    skips: int = 0  # forwards that stopped at a decision point (the group agreed none needed more)
+    skip_overruled: int = 0  # this rank needed no more but another rank did: it replayed
+    blocks_skipped: int = 0  # streamed blocks not run and not filled
+    blocks_reused: int = 0  # a forward's first block taken from its slot again after one stopped after it
+    fill_bytes_skipped: int = 0  # bytes of the skipped and reused blocks: fills never made
     experts: int = 1  # modules with a forward of their own sharing the ring (Wan2.2: 2)
     expert_forwards: list[int] = field(default_factory=list)  # forwards begun per expert (experts > 1)
     prefetch_redirects: int = 0  # prefetched fills dropped: another expert came than expected

@@ -16,6 +16,13 @@ go in block order; after a segment's last block the ring fills the first block o
 segment it was told to ``expect`` next, so the switch to the other expert is prefetched
 like any other block. ``begin`` drops a prefetch that guessed wrong and fills the right
 block; every rank of a group must be told the same, so their fills stay matched.
+
+A forward may stop early (a step cache skipped the rest of it): ``Ring.stop`` right after
+its segment's first block, or before any, keeps what the slots hold for the next forward
+(the prefetched next block, and the first block still in its slot), so the fill sequence
+stays the same on every rank and nothing is filled that no forward uses. If the next
+forward is another segment's, ``begin`` drops what was kept, as it drops any prefetch of
+the wrong segment (one redirect, the same on every rank).
 """
 
 from __future__ import annotations
@@ -218,6 +225,8 @@ class Ring:
         self.next_slot = 0
         self.pending: Pending | None = None  # the one fill in flight or done, not yet used
         self.current: Pending | None = None  # the block compute is using now
+        self.last: Pending | None = None  # the block compute used last (its slot may still hold it)
+        self.reuse: Pending | None = None  # a segment's first block, kept by a forward that stopped
         self.fills = 0
         # [lo, hi) ring positions of each segment (one module's forward); one segment: all.
         self.segments = list(segments) if segments else [(0, self.n)]
@@ -275,6 +284,10 @@ class Ring:
         lo, hi = self.segments[segment]
         if lo == hi:
             return False
+        if self.reuse is not None:
+            if self.reuse.block == lo:  # a stopped forward of this segment kept lo in its slot
+                return False
+            self.reuse = None  # another segment: its slot is the next one filled
         if self.pending is None:
             self.next_block = lo  # cold start: acquire() issues it
             return False
@@ -288,6 +301,11 @@ class Ring:
 
     def acquire(self, block: int) -> tuple[Pending, float]:
         """Wait for ``block``'s weights, then start filling the next block in the ring."""
+        if self.reuse is not None:
+            r, self.reuse = self.reuse, None
+            if r.block == block:  # still in its slot; the block after it is pending already
+                self.current = self.last = r
+                return r, 0.0
         if self.pending is None:
             # Cold start (first forward): nothing prefetched yet.
             self.pending = self._issue()
@@ -307,9 +325,27 @@ class Ring:
         t0 = time.perf_counter()
         p.wait()
         waited = time.perf_counter() - t0  # host time blocked (CPU work, or a rank-local pack)
-        self.current = p
+        self.current = self.last = p
         self.pending = self._issue()
         return p, waited
+
+    def stop(self, lo: int = 0) -> bool:
+        """The forward of the segment starting at ``lo`` ends here, before the pending block;
+        True if ``lo`` stays in its slot for reuse.
+
+        Only before the forward's first block (``lo`` is pending: it waits for the next
+        forward) or right after it (``lo + 1`` is pending and ``lo`` is still in its slot:
+        the next forward of this segment takes both without a fill). Elsewhere the slots
+        hold blocks the next forward cannot start with, so it is refused.
+        """
+        p = self.pending
+        if p is None or p.block == lo:
+            return False
+        if (p.block == lo + 1 and self._segment_of[lo] == self._segment_of[p.block] and self.current is None
+                and self.last is not None and self.last.block == lo):
+            self.reuse = Pending(lo, self.last.slot, None)
+            return True
+        raise RuntimeError(f"a forward can stop before its first or second block, not before block {p.block}")
 
     def release(self) -> None:
         if self.current is not None:
@@ -325,7 +361,7 @@ class Ring:
         """Wait for the fill in flight (all ranks have issued the same one)."""
         if self.pending is not None:
             self.pending.wait()
-        self.pending = self.current = None
+        self.pending = self.current = self.last = self.reuse = None
         self.device.synchronize()
 
 

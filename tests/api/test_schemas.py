@@ -98,6 +98,25 @@ def test_form_values_that_are_not_utf8_are_read_as_latin1() -> None:
     assert parse_body("application/x-www-form-urlencoded", b"prompt=\xff\xfe") == {"prompt": "\xff\xfe"}
 
 
+def test_cache_object_json_and_form_and_its_errors() -> None:
+    from service.models.cache_spec import CacheSpec
+
+    want = CacheSpec("first_block", threshold=0.1)
+    for ctype, raw in (encoded(json={"prompt": "a", "cache": {"method": "first_block", "threshold": 0.1}}),
+                       encoded(files={"prompt": (None, "a"),
+                                      "cache": (None, '{"method": "first_block", "threshold": 0.1}')})):
+        assert validate_create(parse_body(ctype, raw)).to_request(DEFAULTS).cache == want
+    assert validate_create({"prompt": "a"}).to_request(DEFAULTS).cache is None  # the server default
+    for cache, field in (({"method": "tea"}, "cache.method"), ({"threshold": 1}, "cache.method"),
+                         ({"method": "mag"}, "cache.mag_ratios"), ("{oops", "cache"),
+                         ({"method": "first_block", "threshold": 99}, "cache.threshold"),
+                         ({"method": "first_block", "retention_ratio": 0.5}, "cache.retention_ratio"),
+                         ({"method": "first_block", "x": 1}, "cache.x")):
+        with pytest.raises(BodyError) as e:
+            validate_create({"prompt": "a", "cache": cache}).to_request(DEFAULTS)
+        assert e.value.field == field, cache
+
+
 @pytest.mark.parametrize(("body", "field"), [
     ({"prompt": "x", "negative_prompt": "\ud800"}, "negative_prompt"),  # a lone surrogate
     ({"prompt": "a \udfff b"}, "prompt"),

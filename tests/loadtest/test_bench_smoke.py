@@ -111,6 +111,21 @@ def test_lora_bench_cpu_smoke(tmp_path: Path) -> None:
     assert runs["dlo"]["adapter"]["factor_bytes"] > 0 and runs["dlo"]["adapter"]["misses"] == 1
 
 
+def test_cache_bench_cpu_smoke(tmp_path: Path) -> None:
+    """Every cache setting runs through DLO; the loose first_block threshold skips and moves
+    fewer bytes, settings that skip nothing give the uncached frames, and the DP2 group agrees."""
+    report = _run("bench_cache.py", ["--smoke", "--dp2"], tmp_path)
+    runs = report["dp1"]
+    assert set(runs) == {"none", "first_block@0.05", "first_block@5.0", "mag@0.06", "mag@0.24"}
+    loose = runs["first_block@5.0"]
+    assert loose["skips"] > 0 and loose["fill_bytes"] < runs["none"]["fill_bytes"]
+    assert not loose["frames_equal_uncached"]
+    assert runs["none"]["skips"] == 0 and runs["none"]["forward_count"] == 8  # 4 steps, CFG
+    d = report["dp2"]
+    assert [r["skips"] for r in d["rank0_cached"]["ranks"]] == [0, 0]  # rank 1 always needed them
+    assert d["both_cached"]["ranks"][0]["skips"] > 0 and d["both_cached"]["agree_ms_per_decision"] > 0
+
+
 def test_experts_bench_cpu_smoke(tmp_path: Path) -> None:
     """Two experts on the tiny Wan2.2 model: every run's outputs equal resident's per expert;
     with ``expect`` no prefetched fill is dropped, without it every expert-1 forward drops one;
