@@ -27,4 +27,6 @@ has lora && step 300 python3 loadtest/bench_lora.py --layers 12 --model /tmp/wan
 # resident, with and without the next expert's prefetch (issue 22; DP2 runs need two GPUs).
 has experts && step 330 python3 loadtest/bench_experts.py --device cuda --preset wan22-a14b-shape --layers 12 \
   --sizes 832x480x81,832x480x33 --steps 4 --runs resident,dp1,dp1-noexpect --out "$OUT/h200-experts.json"
+# Step caches (first-block, MagCache) at two thresholds each against none, DLO DP1 (issue 23).
+has cache && step 250 python3 loadtest/bench_cache.py --model /tmp/wan12 --steps 6 --out "$OUT/h200-cache.json"
 ls -la "$OUT"
