@@ -60,6 +60,7 @@ def test_generate_with_offload_is_auto_by_default_and_says_what_it_chose(tmp_pat
     assert out.read_bytes() == resident.generate(GenerationRequest(prompt="a cat", seed=2))
 
 
+@pytest.mark.e2e  # `dloserve` subprocesses
 def test_bad_request_fails_before_work(tmp_path: Path, demo_model: str) -> None:
     out = tmp_path / "x.mp4"
     r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--height", "40", "--out", str(out))
@@ -69,6 +70,7 @@ def test_bad_request_fails_before_work(tmp_path: Path, demo_model: str) -> None:
     assert r.returncode == 2 and "model_index.json" in r.stderr
 
 
+@pytest.mark.e2e  # `dloserve` subprocesses
 def test_sequence_parallel_refuses_before_any_process(tmp_path: Path, demo_model: str) -> None:
     """48x48x9 on the demo model is 3 x 3 x 3 = 27 tokens: not two equal halves."""
     out = tmp_path / "x.mp4"
@@ -85,6 +87,7 @@ def test_sequence_parallel_refuses_before_any_process(tmp_path: Path, demo_model
     assert not out.exists()
 
 
+@pytest.mark.e2e  # `dloserve` subprocesses
 def test_demo_model_command(tmp_path: Path) -> None:
     r = dloserve("demo-model", str(tmp_path / "m"), "--preset", "tiny", "--layers", "2")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import grpc
 import httpx
+import pytest
 
 from service.api.hostproc import descendants, listeners
 from tests.api.conftest import Serve
 from tests.conftest import free_port
 
 
+@pytest.mark.e2e  # a `dloserve serve` subprocess and its own Ray cluster
 def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("sk-exposure-0123456789 max_queued=2\n")

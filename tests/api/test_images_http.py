@@ -36,7 +36,8 @@ from tests.api.conftest import ROOT, Serve, wait_final
 from tests.api.test_images import bad_images, png, png_bomb
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the openai client's Sora notice
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),  # the openai client's Sora notice
+              pytest.mark.e2e]  # an app of its own on an I2V model (make e2e)
 MAX_IMAGE = 256 * 1024
 IMAGE = png(56, 40, seed=3)
 FIELDS = {"prompt": "a red fox runs through snow", "size": "32x32", "num_frames": 5, "num_inference_steps": 3,

@@ -119,7 +119,7 @@ def reference(model: str) -> dict[str, bytes]:
         runner.close()
 
 
-@pytest.mark.parametrize("mode", ["allgather", "rank-local"])
+@pytest.mark.parametrize("mode", ["allgather", pytest.param("rank-local", marks=pytest.mark.e2e)])
 def test_two_experts_in_lock_step_equal_resident(model: str, reference: dict, mode: str) -> None:
     r0, r1 = run_ranks(_scenario, 2, model, mode, timeout=480)
     for r in (r0, r1):

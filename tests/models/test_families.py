@@ -116,6 +116,7 @@ def spawned(models: dict[str, Path]) -> list[dict]:
     return run_ranks(_ranks, 2, cases, timeout=900)
 
 
+@pytest.mark.e2e  # every family, resident + spawned DP2 against diffusers (make e2e)
 @pytest.mark.parametrize("case", list(CASES))
 def test_frames_equal_diffusers_pipeline(case: str, models: dict[str, Path], spawned: list[dict],
                                          tmp_path: Path) -> None:

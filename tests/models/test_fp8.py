@@ -119,6 +119,7 @@ def _dp2(rank: int, world: int, src: str, fp8: str) -> dict:
     return out
 
 
+@pytest.mark.e2e  # spawned DP2 ranks (tests/offload/test_fp8.py keeps a DP2 gloo check fast)
 def test_dp2_spawned_ranks_match_dp1(demo_model: str, fp8_model: str) -> None:
     res = run_ranks(_dp2, 2, demo_model, fp8_model, timeout=None)
     runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(quantization="fp8"))

@@ -106,6 +106,7 @@ def _mixed(rank: int, world: int, model: str, path: str, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps(results))
 
 
+@pytest.mark.e2e  # spawned DP2 groups (the resident equality with diffusers stays in make test)
 def test_strategies_and_mixed_dp2_group(demo_model: str, resident: PipelineRunner,
                                         adapters: dict[str, Path], tmp_path: Path) -> None:
     path = adapters["peft"]

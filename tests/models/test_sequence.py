@@ -68,6 +68,7 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps(results))
 
 
+@pytest.mark.e2e  # two spawned SP ranks
 def test_sp2_dlo_equals_sp2_resident_and_one_rank(demo_model: str, resident, tmp_path: Path) -> None:  # noqa: ANN001
     from service.offload.spawn import run_ranks
 
