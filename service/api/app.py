@@ -378,7 +378,7 @@ class VideoIngress:
             return error(413, str(e), None, code="body_too_large")
         except BodyTimeout as e:
             return error(408, str(e), None, code="body_timeout", headers={"Connection": "close"})
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(422, f"body is not JSON: {e}", "body", code="invalid_json")
         except ValidationError as e:
             err = e.errors()[0]

@@ -73,6 +73,9 @@ def instance_openapi(base: dict[str, Any], rules: dict[str, dict[str, Any]],
             for name, extra in rules.items():
                 if name not in props:
                     continue
+                if extra == {"not": {}}:  # refused by this model: no value is valid, whatever its type
+                    props[name] = {"not": {}}
+                    continue
                 prop = props[name]
                 variants = prop.get("anyOf")  # "T | None": the rules go on the non-null branch
                 target = next((v for v in variants if v.get("type") != "null"), prop) if variants else prop

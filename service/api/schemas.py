@@ -66,6 +66,18 @@ class LoraCreate(BaseModel):
                         description="a .safetensors path on the server, under one of its --lora-dir folders")
 
 
+def _strict_json(model: type[BaseModel], value: Any) -> Any:
+    """``value`` (decoded from a form field's JSON) validated strictly: a form's lax reading of
+    text ("1" as a number) does not apply to JSON, whose types are its own."""
+    if not isinstance(value, dict):
+        return value  # the field's own validation names what is wrong
+    try:
+        return model.model_validate(value, strict=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ValueError(f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}") from None
+
+
 class VideoCreate(BaseModel):
     """POST /v1/videos. OpenAI's fields plus ours (send ours via the client's extra_body).
 
@@ -107,9 +119,10 @@ class VideoCreate(BaseModel):
         """A multipart form carries the object as one JSON string."""
         if isinstance(v, str):
             try:
-                return json.loads(v)
+                v = json.loads(v)
             except json.JSONDecodeError:
                 raise ValueError('must be a JSON object like {"method": "first_block"}') from None
+            return _strict_json(CacheUse, v)  # JSON inside a form: its numbers must be numbers
         return v
 
     @field_validator("loras", mode="before")
@@ -118,9 +131,10 @@ class VideoCreate(BaseModel):
         """A multipart form carries the list as one JSON string."""
         if isinstance(v, str):
             try:
-                return json.loads(v)
+                v = json.loads(v)
             except json.JSONDecodeError:
                 raise ValueError("must be a JSON list of {name, scale} objects") from None
+            return [_strict_json(LoraUse, x) for x in v] if isinstance(v, list) else v
         return v
 
     @field_validator("prompt", "negative_prompt", "model", "size")

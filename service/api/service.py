@@ -52,7 +52,8 @@ class VideoService:
         self.model_name = cfg.model_name or Path(self.model_dir).name
         self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
         self.limits = Limits(**cfg.limits)
-        self.loras = LoraRegistry(targets_of(self.adapter, cfg.offload.dtype, cfg.offload.quantization),
+        off = cfg.offload
+        self.loras = LoraRegistry(lambda: targets_of(self.adapter, off.dtype, off.quantization),
                                   owners=bool(cfg.api_key_hashes))
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))

@@ -358,13 +358,21 @@ class LoraRegistry:
     own adapters and those registered at start (owner None), as for jobs.
     """
 
-    def __init__(self, targets: Targets, owners: bool = False) -> None:
+    def __init__(self, targets: Targets | Callable[[], Targets], owners: bool = False) -> None:
         import threading
 
-        self.targets = targets
+        # A callable is called at the first registration: a server without adapters never
+        # builds the module or reads the checkpoint's header for them (its ranks do that).
+        self._targets = targets
         self.owners = owners
         self._lock = threading.Lock()
         self._entries: dict[str, Registered] = {}
+
+    @property
+    def targets(self) -> Targets:
+        if callable(self._targets):
+            self._targets = self._targets()
+        return self._targets
 
     def register(self, name: str, source: str, owner: str | None = None) -> Registered:
         """Check and add; LoraError (bad file) or KeyError (the name is taken)."""

@@ -16,6 +16,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ LIMITS = {"--max-width": "640", "--max-height": "480", "--max-pixels": "200000",
           "--max-steps": "150"}
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
+@contextmanager
+def _serving(results: Path) -> Iterator[tuple[str, Serve]]:
+    """A `dloserve serve` of the demo model (DP2 AllGather, two keys); stopped and checked after."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()
     limits = [x for kv in LIMITS.items() for x in kv]
@@ -43,7 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serv
               "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather", "--cpus-per-rank", "0.5",
               "--api-key", KEY_A,
               "--api-key", KEY_B, "--drain-timeout-s", "10",
-              "--results-dir", str(tmp_path_factory.mktemp("ui-results")), *limits)
+              "--results-dir", str(results), *limits)
     _started.remove(s)  # it outlives one test: this fixture stops it, not the per-test clean-up
     try:
         s.watch_until(lambda: "dloserve ready at" in s.output, timeout=400)
@@ -57,6 +59,19 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serv
         kill_tree([s.proc.pid, *s.seen], grace_s=5)
         shutil.rmtree(ray_tmp, ignore_errors=True)
         assert not left, left
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
+    with _serving(tmp_path_factory.mktemp("ui-results")) as it:
+        yield it
+
+
+@pytest.fixture
+def drained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
+    """An instance of its own for the test that stops it: the others' stays up in any order."""
+    with _serving(tmp_path_factory.mktemp("ui-drain")) as it:
+        yield it
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +96,8 @@ def tab(browser: Any, service: str) -> Iterator[Any]:
     """tab(width=..., key=...) opens a Page; every page opened is closed and checked."""
     pages: list[Page] = []
 
-    def open_page(**kw: Any) -> Page:
-        pages.append(Page(browser, service, **kw))
+    def open_page(url: str | None = None, **kw: Any) -> Page:
+        pages.append(Page(browser, url or service, **kw))
         return pages[-1]
 
     yield open_page
@@ -394,10 +409,10 @@ def test_the_service_panel_follows_a_rank_death_and_the_rebuild(tab: Any, served
     assert "rank" in p.text("#svc-groups .err")  # the group's last error: which rank died
 
 
-def test_the_badge_shows_draining_then_unreachable(tab: Any, served: tuple[str, Serve]) -> None:
-    """Last: it stops the module's service (SIGTERM while a video runs), and nothing is left."""
-    url, s = served
-    p = tab(key=KEY_A)
+def test_the_badge_shows_draining_then_unreachable(tab: Any, drained: tuple[str, Serve]) -> None:
+    """SIGTERM to its own instance while a video runs: draining, then unreachable, nothing left."""
+    url, s = drained
+    p = tab(url=url, key=KEY_A)
     p.js(BADGES)
     p.submit(prompt="a long one, running when the drain starts", width=64, height=48, num_frames=17,
              num_inference_steps=150)

@@ -101,8 +101,10 @@ def test_a_dead_rank_process_fails_its_group_which_is_rebuilt(allgather, residen
     os.kill(group.handles[1].proc.pid, signal.SIGKILL)
     sink.until(lambda: "doomed" in sink.finished)
     err = sink.finished["doomed"].error or ""
-    # the pipe's end, or rank 0's collective that lost its peer: whichever the executor hears first
-    assert err.startswith(("rank 1 died: process exited", "rank 0 failed: ")), err
+    # the pipe's end, or rank 0's collective that lost its peer (a block gather, or a step-cache
+    # decision on the control group inside the forward): whichever the executor hears first
+    heard = err.startswith(("rank 1 died: process exited", "rank 0 failed: ")) or "Connection reset" in err
+    assert heard, err
     submit(d, "after", AFTER)  # queued while the group is rebuilt, then exact
     sink.until(lambda: "after" in sink.finished)
     assert sink.finished["after"].mp4 == resident.generate(AFTER) and group.generation == 1
