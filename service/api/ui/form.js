@@ -88,7 +88,9 @@ export async function loadLimits() {
     attrs(name, rules[name], name === "guidance_scale" ? "any" : 1);
   }
   if (rules.seed) hint("seed", `${range(rules.seed)}; empty: a random seed.`);
-  $("field-input_reference").hidden = !rules.input_reference;
+  // a model that takes no image states it as {"not": {}}: no value is valid
+  const image = rules.input_reference;
+  $("field-input_reference").hidden = !image || (image.not && Object.keys(image.not).length === 0);
   return rules;
 }
 
