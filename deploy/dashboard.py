@@ -59,8 +59,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Engine state (1 = in it) and group starts by outcome (1 h)", "short",
      [("max by (state) (ray_dloserve_engine_availability)", "{{state}}"),
       ("sum by (outcome) (increase(ray_dloserve_group_start_attempts_total[1h]))", "starts {{outcome}}")]),
-    ("Groups ready, rebuilds and replicas lost (1 h)", "short",
+    ("Groups ready, rebuilds, requests run again and replicas lost (1 h)", "short",
      [("sum by (group) (ray_dloserve_group_ready)", "ready {{group}}"),
+      ("sum by (reason) (increase(ray_dloserve_requests_requeued_total[1h]))", "run again: {{reason}}"),
       ("sum by (group, reason) (increase(ray_dloserve_group_rebuilds_total[1h]))", "rebuilds {{reason}}"),
       ("sum by (node) (increase(ray_dloserve_dp_groups_lost_total[1h]))", "replica lost on {{node}}")]),
 ]

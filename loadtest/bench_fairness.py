@@ -86,6 +86,9 @@ class Sim:
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         pass
 
+    def on_requeue(self, ticket: Ticket, why: str) -> None:
+        pass  # no rank dies in this simulation
+
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
         self.done += self.clock.now <= self.args.horizon_s  # throughput over the same span for both
         if ticket.tenant == "key-a" and self.clock.now < self.args.horizon_s:

@@ -182,6 +182,7 @@ class RecordingSink:
         self.started: dict[str, dict[str, Any]] = {}
         self.finished: dict[str, Any] = {}  # id -> Outcome
         self.progress: dict[str, int] = {}  # id -> last step
+        self.requeued: list[tuple[str, str]] = []  # (id, why), in order
         self._cv = threading.Condition()
 
     def on_start(self, ticket: Any, info: dict[str, Any]) -> None:
@@ -192,6 +193,11 @@ class RecordingSink:
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._cv:
             self.progress[ticket_id] = step
+            self._cv.notify_all()
+
+    def on_requeue(self, ticket: Any, why: str) -> None:
+        with self._cv:
+            self.requeued.append((ticket.id, why))
             self._cv.notify_all()
 
     def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:

@@ -99,6 +99,7 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         max_wait_ms=args.max_wait_ms,
         queue_size=args.queue_size,
         max_queue_wait_s=args.max_queue_wait_s,
+        job_retries=args.job_retries,
         scheduler=args.scheduler,
         starve_s=args.starve_s,
         encoders_per_rank=args.encoders_per_rank,

@@ -76,7 +76,7 @@ class VideoService:
             cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,
             scheduler=cfg.scheduler, queue_size=cfg.queue_size, starve_s=cfg.starve_s,
             max_wait_s=cfg.max_wait_ms / 1000.0, deadlines=DeadlinePolicy(**cfg.deadline),
-            max_queue_wait_s=cfg.max_queue_wait_s, tenants=cfg.tenants(),
+            max_queue_wait_s=cfg.max_queue_wait_s, job_retries=cfg.job_retries, tenants=cfg.tenants(),
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -310,6 +310,11 @@ class VideoService:
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:
             self._progress[ticket_id] = min(99, int(100 * step / max(1, total)))
+
+    def on_requeue(self, ticket: Ticket, why: str) -> None:
+        with self._progress_lock:
+            self._progress.pop(ticket.id, None)
+        self.store.update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None)
 
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
         try:

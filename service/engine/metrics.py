@@ -77,6 +77,10 @@ def metrics() -> dict[str, Any]:
         "rebuilds": Counter(
             "dloserve_group_rebuilds_total", "DP group teardown+rebuilds", ("group", "reason")
         ),
+        "requeued": Counter(
+            "dloserve_requests_requeued_total", "Requests queued again: their rank group died under them",
+            ("reason",)
+        ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
         "groups_lost": Counter(
             "dloserve_dp_groups_lost_total", "Replicas (DP groups) that stopped heartbeating with jobs held",

@@ -141,6 +141,9 @@ class ManifestSink:
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         pass
 
+    def on_requeue(self, ticket: Any, why: str) -> None:
+        self.bar.set_postfix_str(f"{ticket.id} queued again: {why[:60]}")
+
     def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
         req: GenerationRequest = ticket.payload
         entry: dict[str, Any] = {
@@ -198,6 +201,9 @@ class GroupSink:
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         pass
+
+    def on_requeue(self, ticket: Any, why: str) -> None:
+        self.sink.on_requeue(ticket, why)
 
     def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
         self.sink.on_finish(ticket, outcome, self._stamp(info))
@@ -321,7 +327,7 @@ def _run(args: argparse.Namespace, model: str, settings: Any,
         gsink = GroupSink(sink, i)
         gsink.dispatcher = build_dispatcher(spec, gsink, "ray", scheduler=args.scheduler,
                                             queue_size=len(todo), max_wait_s=0.0, deadlines=deadlines,
-                                            max_attempts=3)
+                                            max_attempts=3, job_retries=args.job_retries)
         groups.append(gsink.dispatcher)
     stop = threading.Event()  # SIGTERM (``ray job stop``) or SIGINT: cancel, record, leave
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -64,6 +64,11 @@ class _OneFile:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
+    def on_requeue(self, ticket: Any, why: str) -> None:
+        if self.bar is not None:
+            self.bar.write(f"its rank died under it ({why}); running it again")
+            self.bar.reset()
+
     def on_finish(self, ticket: Any, outcome: Any, info: dict[str, Any]) -> None:
         if self.bar is not None:
             self.bar.close()

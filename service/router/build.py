@@ -40,6 +40,7 @@ def build_dispatcher(
     deadlines: DeadlinePolicy | None = None,
     max_queue_wait_s: float = 1800.0,
     max_attempts: int | None = None,
+    job_retries: int = 1,
     progress: bool = False,
     tenants: Tenants | None = None,
 ) -> Dispatcher:
@@ -48,4 +49,5 @@ def build_dispatcher(
     return Dispatcher(
         executor, sink, make_scheduler(scheduler, spec.dp_size, queue_size, starve_s, max_wait_s, tenants),
         deadlines=deadlines or DeadlinePolicy(), max_queue_wait_s=max_queue_wait_s, max_attempts=max_attempts,
+        job_retries=job_retries,
     )

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.router.waves import QueueFull, Ticket
+from service.router.waves import QueueFull, Ticket, place
 
 
 @dataclass
@@ -64,6 +64,11 @@ class ContinuousQueue:
         self._ids.discard(ticket_id)
         self._q = deque(t for t in self._q if t.id != ticket_id)
         return True
+
+    def put_back(self, t: Ticket) -> None:
+        """Queue a ticket again in its place by arrival time, past the bound (see WaveRouter)."""
+        self._q.insert(place(self._q, t), t)
+        self._ids.add(t.id)
 
     def pick(self, running: list[float], now: float | None = None) -> Ticket | None:
         """Remove and return the ticket a freed rank should start, given the forward costs

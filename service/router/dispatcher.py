@@ -9,7 +9,10 @@ milliseconds.
 - Every accepted request ends: completed, cancelled, or failed with a reason.
 - A rank group that fails (a rank died, a sticky error, a missed deadline) takes exactly the
   requests it held; in an AllGather group that is every rank's request (their gathers
-  cannot finish), in rank-local mode only the dead rank's.
+  cannot finish), in rank-local mode only the dead rank's. A request that was not the
+  cause (its rank process died or stopped answering, or another request missed its
+  deadline) is queued again, ahead of later arrivals, up to ``job_retries`` times; the
+  outputs are a function of the request, so a rerun gives the same bytes.
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
@@ -48,6 +51,8 @@ class Sink(Protocol):
     def on_progress(self, ticket_id: str, step: int, total: int) -> None: ...
 
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None: ...
+
+    def on_requeue(self, ticket: Ticket, why: str) -> None: ...
 
 
 class Availability(enum.Enum):
@@ -123,6 +128,7 @@ class Dispatcher:
     deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
     max_queue_wait_s: float = 1800.0
     max_attempts: int | None = None  # failed attempts in a row before giving up (None: never)
+    job_retries: int = 1  # times a request whose group died under it is queued again
     clock: Callable[[], float] = time.monotonic
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
     assignments: int = 0
@@ -316,7 +322,9 @@ class Dispatcher:
             self.executor.assign(g.id, pick.rank, t.id, t.payload)
         except RuntimeError as e:  # the group failed between the check and the call
             why = f"rank group unavailable: {e}"
-            self._end(self._held[t.id], Outcome(g.first_rank + pick.rank, error=why))
+            h = self._held[t.id]
+            if not self._requeue(h, why):
+                self._end(h, Outcome(g.first_rank + pick.rank, error=why))
 
     def _send_cancels(self) -> None:
         with self._cv:
@@ -408,6 +416,7 @@ class Dispatcher:
         tr.ready, tr.last_error, tr.retry_at = False, why, self.clock()
         metrics()["group_ready"].set(0, tags={"group": gid})
         metrics()["rebuilds"].inc(1, tags={"group": gid, "reason": failure_kind(why)})
+        innocent = failure_kind(why) in ("rank_died", "lost")  # a process is gone: not this request's doing
         for h in self._of(gid):
             if late is None:
                 reason = why
@@ -415,8 +424,28 @@ class Dispatcher:
                 reason = f"exceeded its deadline of {h.info['deadline_s']:.0f}s"
             else:
                 reason = "its rank group was rebuilt: another request on it exceeded its deadline"
+            if (innocent or (late is not None and h.ticket.id != late)) and self._requeue(h, reason):
+                continue
+            if h.ticket.reruns:
+                reason = f"{reason} (its rank group failed under it {h.ticket.reruns + 1} times)"
             self._end(h, Outcome(h.group.first_rank + h.rank, error=reason))
         self._note_unavailable()
+
+    def _requeue(self, h: Held, why: str) -> bool:
+        """Queue a held request again, if it has reruns left and was not cancelled."""
+        t = h.ticket
+        if h.cancelled or t.reruns >= self.job_retries or self._held.pop(t.id, None) is None:
+            return False
+        t.reruns += 1
+        with self._cv:
+            self.scheduler.finished(t)
+            self.scheduler.requeue(t)
+            self._cv.notify_all()
+        h.info.update(ok=False, requeued=True, errors=[*h.info.get("errors", []), why])
+        log.info("%s queued again (rerun %d of %d): %s", t.id, t.reruns, self.job_retries, why)
+        metrics()["requeued"].inc(1, tags={"reason": failure_kind(why)})
+        self.sink.on_requeue(t, why)
+        return True
 
     def _retry_due(self, now: float) -> None:
         for tr in self._tracks.values():

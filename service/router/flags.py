@@ -6,6 +6,13 @@ from __future__ import annotations
 import argparse
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> None:
     """Where the ranks run and how they are scheduled: shared by ``serve`` and the batch job."""
     g = p.add_argument_group("rank placement and scheduling")
@@ -20,6 +27,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> 
     g.add_argument("--encoders-per-rank", type=int, default=None,
                    help="MP4 encoder processes beside each rank (default: auto, the rank's CPUs "
                         "// x264 threads per encode, at least 1; 0: encode on the rank)")
+    g.add_argument("--job-retries", type=_count, default=1,
+                   help="a request whose rank group died under it (a rank process gone, or another "
+                        "request's missed deadline) runs again, ahead of the queue, up to this many "
+                        "times; 0: it fails with the reason")
     g.add_argument("--wave-deadline-base-s", type=float, default=deadline_base_s,
                    help="fixed part of each request's deadline")
     g.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,

@@ -79,6 +79,13 @@ class Scheduler(ABC):
         self._forget(ticket_id)
         return True
 
+    def requeue(self, t: Ticket) -> None:
+        """A handed-out ticket goes back to the queue (its rank group died under it), ahead of
+        later arrivals; neither the bound nor the tenant's quota refuses it."""
+        self._put_back(t)
+        self._tenant_of[t.id] = t.tenant
+        self._queued[t.tenant] += 1
+
     def finished(self, ticket: Ticket) -> None:
         """A ticket this scheduler handed out has ended (its rank no longer holds it)."""
         self.tenants.finished(ticket.tenant)
@@ -114,6 +121,9 @@ class Scheduler(ABC):
 
     @abstractmethod
     def _dequeue(self, ticket_id: str) -> bool: ...
+
+    @abstractmethod
+    def _put_back(self, t: Ticket) -> None: ...
 
     @abstractmethod
     def take(self, size: int, running: dict[int, Ticket], now: float) -> list[Pick]:
@@ -153,6 +163,10 @@ class ContinuousScheduler(Scheduler):
         if not q.depth:
             del self._lanes[lane]
         return True
+
+    def _put_back(self, t: Ticket) -> None:
+        lane = self._lanes.setdefault(self._lane(t.tenant), ContinuousQueue(self.max_queue, self.starve_s))
+        lane.put_back(t)
 
     def _pick(self, costs: list[float], now: float) -> Ticket | None:
         lanes = [lane for lane, q in self._lanes.items() if q.depth]
@@ -203,6 +217,9 @@ class WaveScheduler(Scheduler):
 
     def _dequeue(self, ticket_id: str) -> bool:
         return self.router.cancel(ticket_id)
+
+    def _put_back(self, t: Ticket) -> None:
+        self.router.put_back(t)
 
     def take(self, size: int, running: dict[int, Ticket], now: float) -> list[Pick]:
         if running:

@@ -40,6 +40,16 @@ class Ticket:
     enqueued_at: float
     cost: float = 1.0  # relative time of one forward (continuous scheduling weighs it)
     tenant: str | None = None  # the API key's owner id (tenants.py shares ranks between them)
+    reruns: int = 0  # times a rank group died under it and it was queued again
+
+
+def place(q: deque[Ticket], t: Ticket) -> int:
+    """Where a ticket queued again goes: after those that came earlier (or at the same time
+    and were queued again too), before the rest."""
+    for i, x in enumerate(q):
+        if x.enqueued_at > t.enqueued_at or (x.enqueued_at == t.enqueued_at and not x.reruns):
+            return i
+    return len(q)
 
 
 @dataclass
@@ -105,6 +115,13 @@ class WaveRouter:
         if not q:
             del self._queues[key]
         return True
+
+    def put_back(self, t: Ticket) -> None:
+        """Queue a ticket again (its group died under it) in its place by arrival time, past
+        the bound: it was admitted once, a rank's death does not refuse it."""
+        q = self._queues.setdefault(t.key, deque())
+        q.insert(place(q, t), t)
+        self._ids[t.id] = t.key
 
     def _ready(self, q: deque[Ticket], now: float, size: int | None = None) -> str | None:
         if len(q) >= (size or self.dp_size):

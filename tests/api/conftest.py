@@ -73,8 +73,13 @@ def wait_ready(url: str, timeout: float, headers: dict | None = None) -> dict:
 
 def wait_final(url: str, vid: str, timeout: float = 120, headers: dict | None = None) -> dict:
     end = time.monotonic() + timeout
+    v: dict | str = "no answer yet"
     while time.monotonic() < end:
-        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=10, headers=headers).json()
+        try:  # a read may time out while the proxy still routes to a replica that just died
+            v = httpx.get(f"{url}/v1/videos/{vid}", timeout=10, headers=headers).json()
+        except httpx.TimeoutException as e:
+            v = f"read timed out: {e!r}"
+            continue
         if v["status"] in ("completed", "failed", "cancelled"):
             return v
         time.sleep(0.1)

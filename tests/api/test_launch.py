@@ -20,9 +20,11 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_flags_map_onto_the_service_config() -> None:
     args = parse("/m", "--data-parallel-size", "4", "--enable-distributed-layerwise-offload",
-                 "--dlo-no-use-allgather", "--max-wait-ms", "20", "--queue-size", "9", "--max-steps", "7")
+                 "--dlo-no-use-allgather", "--max-wait-ms", "20", "--queue-size", "9", "--max-steps", "7",
+                 "--job-retries", "0")
     cfg = config_from_args(args, gpus_per_rank=1.0)
     assert (cfg.dp_size, cfg.offload, cfg.queue_size) == (4, OffloadSettings(Mode.RANK_LOCAL), 9)
+    assert cfg.job_retries == 0 and config_from_args(parse("/m"), 0.0).job_retries == 1
     assert cfg.limits["max_steps"] == 7 and cfg.max_wait_ms == 20
     assert cfg.engine_spec("/m").bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
     assert cfg.engine_spec("/m").device == "cuda"
@@ -56,6 +58,12 @@ def test_flags_map_onto_the_service_config() -> None:
 def test_bad_flags_exit_2_without_starting_ray(argv: list[str], message: str, capsys, tmp_path: Path) -> None:  # noqa: ANN001
     assert run(parse(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_negative_job_retries_is_refused_naming_the_flag(capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as e:
+        parse("--job-retries", "-1")
+    assert e.value.code == 2 and "--job-retries: must be 0 or more, got -1" in capsys.readouterr().err
 
 
 def test_the_key_file_gives_keys_their_own_limits(tmp_path: Path) -> None:

@@ -163,7 +163,9 @@ def test_a_missed_deadline_fails_both_keys_jobs_and_neither_names_the_other(keye
         err = svc.get(mine.id, who).error["message"]
         assert "deadline" in err and other.id not in err, err
         waves = svc.waves(svc.caller(f"Bearer {KEY_A if who == a else KEY_B}"))
-        assert [w["ids"] for w in waves] == [[mine.id]] and other.id not in str(waves)
+        # the one whose deadline passed first fails; the other runs again (a wave record each
+        # run) until its own deadline passes (the fake ranks never finish): both fail
+        assert waves and all(w["ids"] == [mine.id] for w in waves) and other.id not in str(waves)
         assert all("wave" not in w and "tenant" not in w for w in waves)
         assert "wave" not in video_object(svc.get(mine.id, who))  # the global wave number is gone
 

@@ -59,13 +59,13 @@ def test_a_freed_rank_takes_the_next_request_at_once_and_outcomes_reach_the_sink
 
 
 def test_a_dead_rank_fails_its_allgather_groups_requests_and_the_queue_waits_for_the_rebuild() -> None:
-    d, ex, sink, _ = make()
+    d, ex, sink, _ = make(job_retries=0)
     submit(d, "a", "b", "c")
     d.step(0)
     ex.kill("g0", "rank 1 died: SIGKILL")
     d.step(0)  # both held requests fail (their gathers cannot finish); a rebuild starts at once
     assert sink.finished["a"].error == sink.finished["b"].error == "rank 1 died: SIGKILL"
-    assert "c" not in sink.finished and ex.attempts["g0"] == 1
+    assert "c" not in sink.finished and ex.attempts["g0"] == 1 and not sink.requeued
     d.step(0)  # the retry is due now: rebuild, READY
     d.step(0)
     assert ex.attempts["g0"] == 2 and ex.on("c") == ("g0", 0)
@@ -74,8 +74,36 @@ def test_a_dead_rank_fails_its_allgather_groups_requests_and_the_queue_waits_for
     assert sink.finished["c"].ok
 
 
+def test_the_requests_a_dead_rank_held_run_again_first_and_fail_on_a_second_death() -> None:
+    d, ex, sink, _ = make()  # job_retries=1, the default
+    submit(d, "a", "b", "c")
+    d.step(0)
+    ex.kill("g0", "rank 1 died: SIGKILL")
+    d.step(0)
+    assert sorted(sink.requeued) == [("a", "rank 1 died: SIGKILL"), ("b", "rank 1 died: SIGKILL")]
+    assert not sink.finished and d.depth == 3 and d.held == 0
+    d.step(0)
+    d.step(0)  # rebuilt: the two go again before c, which came later
+    assert ex.attempts["g0"] == 2 and {ex.on("a"), ex.on("b")} == {("g0", 0), ("g0", 1)}
+    runs = [r for r in d.history if r["ids"] == ["a"]]  # /v1/waves: the first run says what happened
+    assert [r.get("requeued") for r in runs] == [True, None] and runs[0]["errors"] == ["rank 1 died: SIGKILL"]
+    ex.run("a")
+    d.step(0)
+    d.step(0)
+    assert sink.finished["a"].ok and ex.on("c") == ex.on("a")
+    ex.kill("g0", "rank 0 died: SIGKILL")  # b's second death: no more reruns; c's first
+    d.step(0)
+    assert sink.finished["b"].error == "rank 0 died: SIGKILL (its rank group failed under it 2 times)"
+    assert "c" not in sink.finished and sink.requeued[-1] == ("c", "rank 0 died: SIGKILL")
+    d.step(0)
+    d.step(0)
+    ex.run("c")
+    d.step(0)
+    assert sink.finished["c"].ok
+
+
 def test_rank_local_groups_fail_alone() -> None:
-    d, ex, sink, _ = make(sizes=(1, 1))
+    d, ex, sink, _ = make(sizes=(1, 1), job_retries=0)
     submit(d, "a", "b")
     d.step(0)
     assert {ex.on("a")[0], ex.on("b")[0]} == {"g0", "g1"}
@@ -86,8 +114,24 @@ def test_rank_local_groups_fail_alone() -> None:
     assert sink.finished["a"].error and sink.finished["b"].ok
 
 
+def test_a_rank_local_death_reruns_only_its_own_request() -> None:
+    d, ex, sink, _ = make(sizes=(1, 1))
+    submit(d, "a", "b")
+    d.step(0)
+    dead, live = ex.on("a")[0], ex.on("b")[0]
+    ex.kill(dead)
+    d.step(0)
+    assert [i for i, _ in sink.requeued] == ["a"] and ex.on("b")[0] == live and not sink.finished
+    ex.run("b")
+    d.step(0)
+    d.step(0)  # a goes to whichever group is free first
+    ex.run("a")
+    d.step(0)
+    assert sink.finished["a"].ok and sink.finished["b"].ok
+
+
 def test_a_missed_deadline_fails_the_group_naming_only_each_jobs_own_id() -> None:
-    d, ex, sink, clock = make()
+    d, ex, sink, clock = make(job_retries=0)
     submit(d, "late", "other")
     d.step(0)
     deadline = sink.started["late"]["deadline_s"]
@@ -99,8 +143,24 @@ def test_a_missed_deadline_fails_the_group_naming_only_each_jobs_own_id() -> Non
     assert ex.attempts["g0"] == 2  # rebuilt
 
 
+def test_a_missed_deadline_fails_the_late_request_and_reruns_the_other() -> None:
+    d, ex, sink, clock = make()
+    submit(d, "late", "other")
+    d.step(0)
+    clock.advance(sink.started["late"]["deadline_s"] + 1)
+    d.step(0)
+    assert "deadline" in sink.finished["late"].error and "other" not in sink.finished
+    (rid, why), = sink.requeued
+    assert rid == "other" and "late" not in why
+    d.step(0)
+    d.step(0)
+    ex.run("other")
+    d.step(0)
+    assert sink.finished["other"].ok
+
+
 def test_a_rebuild_that_fails_twice_is_retried_with_backoff_and_queued_jobs_complete() -> None:
-    d, ex, sink, clock = make(sizes=(1,), outcomes={0: [True, False, False, True]})
+    d, ex, sink, clock = make(sizes=(1,), outcomes={0: [True, False, False, True]}, job_retries=0)
     submit(d, "held", "queued")
     d.step(0)
     ex.kill("g0")
