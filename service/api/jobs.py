@@ -8,7 +8,11 @@ in the results storage, so a restart reloads them.
 
 It also notices lost DP groups: each replica heartbeats every second; a group that has
 held unfinished jobs and has not been heard from for ``group_timeout_s`` lost its
-replica (or its node), and its queued and running jobs end ``failed`` with that reason.
+replica (or its node). Its queued and running jobs go back to the store's own queue, and
+a serving replica of the same model takes them over (``adopt``, at its heartbeat) and runs
+them again: once per job, and only jobs whose request the store was given (``put``); the
+others, a job lost a second time, and one no replica takes within ``ADOPT_WAIT_S``, end
+``failed`` with the reason.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage
 from service.api.store import JobTable
 
 NAMESPACE = "dloserve"
+ADOPT_WAIT_S = 300.0  # a lost group's job waits this long for another replica to take it
 log = logging.getLogger("dloserve.jobs")
 
 
@@ -54,6 +60,14 @@ class JobStore(JobTable):
         self._cancelled: dict[str, list[str]] = {}  # dp group -> queued jobs deleted elsewhere
         self._beat_lock = threading.Lock()
         self.groups_lost: list[dict[str, Any]] = []
+        self._requests: dict[str, Any] = {}  # unfinished job -> its request (to run it elsewhere)
+        self._orphans: dict[str, tuple[float, str]] = {}  # job of a lost group -> (since, why)
+        self._adopted: set[str] = set()  # jobs run again once already: a second loss fails them
+        # Jobs a lost group left for another replica, when the store restarted: their requests
+        # were in its memory only, so nothing can run them now.
+        self.fail([r.id for r in self.list() if not r.final and not r.dp_group], "dp_group_lost",
+                  "its DP group was lost and the job store restarted before another replica took "
+                  "the job over; submit it again")
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="dloserve-reaper", daemon=True)
         self._reaper.start()
@@ -63,11 +77,55 @@ class JobStore(JobTable):
         self._stop.set()
         self._reaper.join(timeout=5)
 
+    def put(self, rec: JobRecord, request: Any = None) -> None:
+        """Record a job; with its ``request``, the job can run again on another replica if its
+        own is lost (kept in memory only, until the job ends)."""
+        super().put(rec)
+        if request is not None:
+            with self._beat_lock:
+                self._requests[rec.id] = request
+
+    def finish(self, job_id: str, by: str | None = None, **fields: Any) -> JobRecord | None:
+        ended = super().finish(job_id, by=by, **fields)
+        if ended is not None:
+            self._forget(job_id)
+        return ended
+
     def delete(self, job_id: str) -> bool:
         rec = self.get(job_id)
         if rec is not None and rec.status.value == "queued":
             self.request_cancel(job_id)  # its group drops it from its queue at the next heartbeat
+        self._forget(job_id)
         return super().delete(job_id)
+
+    def _forget(self, job_id: str) -> None:
+        with self._beat_lock:
+            self._requests.pop(job_id, None)
+            self._orphans.pop(job_id, None)
+            self._adopted.discard(job_id)
+
+    def adopt(self, dp_group: str, node_id: str, model: str, limit: int) -> list[tuple[str, Any, str | None]]:
+        """Up to ``limit`` jobs of lost groups for a serving replica of ``model`` to run, oldest
+        first: (id, request, owner). They are its jobs from now on."""
+        taken: list[tuple[str, Any, str | None]] = []
+        with self._beat_lock:
+            waiting = sorted(self._orphans.items(), key=lambda kv: kv[1][0])
+        for job_id, _ in waiting:
+            if len(taken) >= limit:
+                break
+            rec = self.get(job_id)
+            if rec is None or rec.final or rec.model != model:
+                continue
+            with self._beat_lock:
+                if self._orphans.pop(job_id, None) is None:
+                    continue  # another replica took it meanwhile
+                self._adopted.add(job_id)
+                request = self._requests.get(job_id)
+            self.update(job_id, dp_group=dp_group, node_id=node_id)
+            taken.append((job_id, request, rec.owner))
+        if taken:
+            log.info("DP group %s on node %s took over %d jobs of lost groups", dp_group, node_id, len(taken))
+        return taken
 
     def request_cancel(self, job_id: str) -> None:
         """Tell the job's DP group, at its next heartbeat, to cancel it."""
@@ -108,18 +166,44 @@ class JobStore(JobTable):
             if silent <= self.group_timeout_s:
                 continue
             ids = self.unfinished(g)
-            why = (f"DP group {g} on node {node} stopped answering ({silent:.0f} s without a heartbeat: "
-                   "its replica or node is gone) before this job ended; submit it again")
-            n = self.fail(ids, "dp_group_lost", why)
-            if n:
-                from service.engine.metrics import metrics
-
-                log.warning("DP group %s on node %s lost: failed %d jobs", g, node, n)
-                metrics()["groups_lost"].inc(1, tags={"node": node[:12]})
-                metrics()["requests"].inc(n, tags={"status": "failed"})  # its replica cannot count them
-                self.groups_lost.append({"dp_group": g, "node_id": node, "failed": n, "at": time.time()})
+            lost = f"DP group {g} on node {node} stopped answering ({silent:.0f} s without a heartbeat: " \
+                   "its replica or node is gone) before this job ended"
+            with self._beat_lock:
+                again = [i for i in ids if i in self._requests and i not in self._adopted]
+                for i in again:
+                    self._orphans[i] = (now, lost)
+            for i in again:  # no group holds them now: a serving replica adopts them
+                self.update(i, dp_group=None, node_id=None, status=JobStatus.QUEUED, progress=0, wave=None,
+                            dp_rank=None)
+            n = self.fail([i for i in ids if i not in again], "dp_group_lost", f"{lost}; submit it again")
+            if n or again:
+                self._lost(g, node, n, len(again))
             failed += n
-        return failed
+        return failed + self._expire_orphans(now)
+
+    def _expire_orphans(self, now: float) -> int:
+        with self._beat_lock:
+            late = [(i, why) for i, (since, why) in self._orphans.items() if now - since > ADOPT_WAIT_S]
+        n = 0
+        for i, why in late:
+            n += self.fail([i], "dp_group_lost", f"{why}, and no replica took it over within "
+                           f"{ADOPT_WAIT_S:.0f} s; submit it again")
+        if n:
+            from service.engine.metrics import metrics
+
+            metrics()["requests"].inc(n, tags={"status": "failed"})
+        return n
+
+    def _lost(self, g: str, node: str, failed: int, again: int) -> None:
+        from service.engine.metrics import metrics
+
+        log.warning("DP group %s on node %s lost: %d jobs failed, %d to run again elsewhere", g, node,
+                    failed, again)
+        metrics()["groups_lost"].inc(1, tags={"node": node[:12]})
+        if failed:
+            metrics()["requests"].inc(failed, tags={"status": "failed"})  # its replica cannot count them
+        self.groups_lost.append({"dp_group": g, "node_id": node, "failed": failed, "run_again": again,
+                                 "at": time.time()})
 
 
 class JobStoreClient:

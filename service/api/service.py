@@ -33,6 +33,7 @@ from service.models.lora import LoraRegistry, Registered, targets_of
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
+from service.router.dispatcher import Availability
 from service.router.policy import DeadlinePolicy, Limits
 from service.router.waves import Ticket
 
@@ -103,9 +104,21 @@ class VideoService:
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
+                    self._adopt()
                     last = time.monotonic()
             except Exception as e:  # noqa: BLE001 - the store restarting: try again next beat
                 log.warning("heartbeat to the job store failed: %s", e)
+
+    def _adopt(self) -> None:
+        """Take over jobs of lost DP groups (another replica's, or a node's), while this one
+        serves and has room in its queue: they run again here."""
+        room = self.cfg.queue_size - self.dispatcher.depth
+        if (not self.cfg.job_retries or self._draining or room <= 0
+                or self.dispatcher.availability()[0] is not Availability.SERVING):
+            return
+        for job_id, req, owner in self.store.adopt(self.dp_group, self.node_id, self.model_name, room):
+            if self.dispatcher.adopt(job_id, req.compat_key(), req, tenant=owner):
+                log.info("took over %s from a lost DP group", job_id)
 
     # -- requests ----------------------------------------------------------------------
     def create(self, fields: dict[str, Any], owner: str | None = None, strict: bool = True) -> JobRecord:
@@ -146,7 +159,7 @@ class VideoService:
             dp_group=self.dp_group,  # the replica whose DP group runs it, and its node
             node_id=self.node_id,
         )
-        self.store.put(rec)
+        self.store.put(rec, req if self.cfg.job_retries else None)  # the request: to run it elsewhere
         try:
             self.dispatcher.submit(rec.id, req.compat_key(), req, tenant=owner)
         except Exception:
@@ -329,7 +342,7 @@ class VideoService:
             log.exception("could not store the outcome of %s", ticket.id)
             err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
             try:
-                self.store.finish(ticket.id, status=JobStatus.FAILED, error=err)
+                self.store.finish(ticket.id, by=self.dp_group, status=JobStatus.FAILED, error=err)
             except Exception:  # noqa: BLE001 - the store is unreachable too
                 log.exception("could not fail %s", ticket.id)
 
@@ -337,6 +350,11 @@ class VideoService:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
         t0 = time.monotonic()
+        held = self.store.get(ticket.id)
+        if held is not None and held.dp_group not in (None, self.dp_group):
+            log.warning("job %s ended here after %s took it over (this group was declared lost); "
+                        "output dropped", ticket.id, held.dp_group)
+            return
         if outcome.ok:
             assert outcome.mp4 is not None
             self.storage.write_video(ticket.id, outcome.mp4)  # the video lands before the status
@@ -352,13 +370,14 @@ class VideoService:
         timings = dict(outcome.timings)
         if timings:
             timings["store_s"] = time.monotonic() - t0
-        ended = self.store.finish(ticket.id, timings=timings or None, **fields)
+        ended = self.store.finish(ticket.id, by=self.dp_group, timings=timings or None, **fields)
         status = fields["status"].value
-        if ended is None:  # deleted meanwhile, or already failed (this group was declared lost)
-            log.warning("job %s ended (%s) after its record was deleted or failed; output dropped",
-                        ticket.id, status)
-            if outcome.ok:
-                self.storage.remove(f"{ticket.id}.mp4")
+        if ended is None:  # deleted meanwhile, ended already, or another group's now (this one was lost)
+            now = self.store.get(ticket.id)
+            log.warning("job %s ended (%s) here after its record was %s; output dropped", ticket.id, status,
+                        "deleted" if now is None else f"{now.status.value} by {now.dp_group}")
+            if outcome.ok and (now is None or (now.final and now.status is not JobStatus.COMPLETED)):
+                self.storage.remove(f"{ticket.id}.mp4")  # (the same bytes another group may write)
             return
         metrics()["requests"].inc(1, tags={"status": status})
         observe_stages(timings)

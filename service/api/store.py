@@ -96,12 +96,13 @@ class JobTable:
         for job_id, pct in updates.items():
             self.update(job_id, persist=False, progress=pct)
 
-    def finish(self, job_id: str, **fields: Any) -> JobRecord | None:
+    def finish(self, job_id: str, by: str | None = None, **fields: Any) -> JobRecord | None:
         """End a job (its video, if any, is already stored): its final record, or None if it
-        is gone or had ended already."""
+        is gone, had ended already, or (``by``: the DP group that ran it) is no longer that
+        group's (its group was declared lost and another took the job over)."""
         with self._lock:
             rec = self._jobs.get(job_id)
-            if rec is None or rec.final:
+            if rec is None or rec.final or (by is not None and rec.dp_group != by):
                 return None
             fields.setdefault("completed_at", int(time.time()))
             fields["expires_at"] = int(fields["completed_at"] + self.ttl_s)
@@ -126,7 +127,7 @@ class JobTable:
     def live_groups(self) -> set[str]:
         """DP groups that hold unfinished jobs."""
         with self._lock:
-            return {str(r.dp_group) for r in self._jobs.values() if not r.final}
+            return {str(r.dp_group) for r in self._jobs.values() if not r.final and r.dp_group}
 
     def delete(self, job_id: str) -> bool:
         if not safe_id(job_id):

@@ -191,6 +191,19 @@ class Dispatcher:
             self._cv.notify_all()
             return t
 
+    def adopt(self, ticket_id: str, key: str, payload: Any, tenant: str | None = None) -> bool:
+        """Queue a request that a lost group held (another replica's), past the bounds and
+        quotas: it was admitted once. This is its rerun (``reruns`` 1). False if this
+        dispatcher has it already (its own group was only silent, not gone)."""
+        with self._cv:
+            if ticket_id in self._held or self.scheduler.has(ticket_id):
+                return False
+            t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1)
+            self.scheduler.requeue(t)
+            self._depth()
+            self._cv.notify_all()
+            return True
+
     def cancel(self, ticket_id: str) -> str:
         """'queued' (dropped now), 'running' (stops at its next forward), or 'missing'."""
         with self._cv:

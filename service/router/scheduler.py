@@ -79,6 +79,9 @@ class Scheduler(ABC):
         self._forget(ticket_id)
         return True
 
+    def has(self, ticket_id: str) -> bool:
+        return ticket_id in self._tenant_of
+
     def requeue(self, t: Ticket) -> None:
         """A handed-out ticket goes back to the queue (its rank group died under it), ahead of
         later arrivals; neither the bound nor the tenant's quota refuses it."""

@@ -6,8 +6,8 @@ In file order: the batch job submitted with ``ray job submit`` runs two DP group
 node); then the service with ``num_replicas=2``: requests land on both replicas (the video
 object and the ``x-dloserve-dp-group`` header say which), every job reads, lists, downloads
 and deletes the same through either replica, and the bytes equal ``dloserve generate``;
-last, the worker node is removed under load: exactly the jobs its replica held fail with a
-reason, the rest complete, nothing is lost, and the surviving replica keeps serving.
+last, the worker node is removed under load: the jobs its replica held run again on the
+surviving replica, every job completes, nothing is lost, and the survivor keeps serving.
 
 Run with ``make multinode`` (its own process: this module starts its own cluster).
 """
@@ -202,8 +202,8 @@ def test_jobs_are_the_same_through_every_replica(served: str, cluster: dict, dem
             assert r.status_code == 404
 
 
-def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, cluster: dict,
-                                                                  s3_server: dict) -> None:
+def test_a_lost_nodes_jobs_run_again_on_the_other_replica(served: str, cluster: dict,
+                                                          s3_server: dict) -> None:
     url = served
     ids = submit(url, SLOW, 8)
     # wait until the worker node's group is generating, then take the node away
@@ -218,15 +218,12 @@ def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, c
     assert len(lost) == 1
     done_before = {v["id"] for v in recs if v["status"] == "completed"}
     cluster["cluster"].remove_node(cluster["worker"], allow_graceful=False)
-    final = wait_all_final(url, ids)
-    for vid, v in final.items():
-        if v["dp_group"] in lost and vid not in done_before:
-            assert v["status"] == "failed" and v["error"]["code"] == "dp_group_lost", v
-            assert cluster["worker_id"] in v["error"]["message"], v
-        else:
-            assert v["status"] == "completed", v
-    failed = [v for v in final.values() if v["status"] == "failed"]
-    assert failed, "the lost node held no unfinished job"
+    final = wait_all_final(url, ids, timeout=600)
+    assert all(v["status"] == "completed" for v in final.values()), final
+    moved = [v for vid, v in final.items() if vid not in done_before and v["node_id"] == cluster["head_id"]
+             and any(vid == r["id"] and r["dp_group"] in lost for r in recs)]
+    assert moved, "the lost node held no unfinished job"
+    assert all(v["dp_group"] not in lost for v in moved)
     import ray
 
     from service.api.jobs import NAMESPACE, store_name
@@ -234,7 +231,8 @@ def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, c
     store = ray.get_actor(store_name(f"s3://{s3_server['bucket']}/multinode"), namespace=NAMESPACE)
     lost_report = ray.get(store.status.remote())["groups_lost"]
     assert [(g["dp_group"], g["node_id"], g["failed"]) for g in lost_report] == \
-        [(next(iter(lost)), cluster["worker_id"], len(failed))], lost_report
+        [(next(iter(lost)), cluster["worker_id"], 0)], lost_report
+    assert lost_report[0]["run_again"] >= len(moved), lost_report
     # the surviving replica keeps serving
     for _ in range(50):
         r = httpx.post(f"{url}/v1/videos", json=FIELDS, timeout=30, headers=KEY_A)
@@ -245,4 +243,4 @@ def test_a_lost_node_fails_exactly_its_jobs_and_the_rest_complete(served: str, c
     after = wait_all_final(url, [r.json()["id"]])
     assert next(iter(after.values()))["status"] == "completed"
     print(f"\nmulti-node: {len(ids)} jobs, node {cluster['worker_id'][:8]} removed, "
-          f"{len(failed)} failed (its group), {len(ids) - len(failed)} completed, lost 0")
+          f"{len(moved)} of its group's jobs ran again on the other replica, all completed, lost 0")

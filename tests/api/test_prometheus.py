@@ -85,7 +85,8 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
         assert wait_final(url, rerun, timeout=300)["status"] == "completed"
         vid = httpx.post(f"{url}/v1/videos", json={"prompt": "after the rebuild"}).json()["id"]
         assert wait_final(url, vid)["status"] == "completed"
-        # ... and the replica killed while it holds a job: the job store fails it (a lost group)
+        # ... and the replica killed while it holds a job: the job store notices the lost group
+        # and Serve's new replica runs the job again
         doomed = {"prompt": "doomed", "num_inference_steps": 100}
         vid = httpx.post(f"{url}/v1/videos", json=doomed).json()["id"]
         while (st := httpx.get(f"{url}/v1/videos/{vid}").json()["status"]) != "in_progress":
@@ -93,8 +94,8 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
             time.sleep(0.05)
         for pid in matching(s.proc.pid, "ServeReplica:dloserve"):
             os.kill(pid, signal.SIGKILL)
-        lost = wait_final(url, vid, timeout=120)
-        assert lost["status"] == "failed" and lost["error"]["code"] == "dp_group_lost", lost
+        lost = wait_final(url, vid, timeout=400)
+        assert lost["status"] == "completed", lost
         end = time.monotonic() + 180  # Serve's new replica serves (and its ranks report again)
         while (r := httpx.post(f"{url}/v1/videos", json={"prompt": "after the replica"})).status_code != 202:
             assert time.monotonic() < end, r.text

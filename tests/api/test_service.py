@@ -199,3 +199,33 @@ def test_readyz_tells_an_anonymous_caller_ready_or_not_and_a_key_only_its_own_co
     assert tenant["state"] == "ready" and tenant["yours"]["queued"] == 0 and tenant["groups"]
     admin = svc.readiness_for(svc.caller(f"Bearer {ADMIN}"))
     assert {"model_dir", "results_url", "node_id", "queue_depth", "in_flight"} <= set(admin)
+
+
+def test_a_lost_replicas_jobs_run_again_on_another_and_its_late_answer_changes_nothing(
+        demo_model: str, tmp_path: Path) -> None:
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 2.0)  # a group silent 2 s is lost
+    cfg = ServiceConfig(model=demo_model, results_url=str(tmp_path))
+    ex_a, ex_b = FakeExecutor((1,)), FakeExecutor((1,))
+    a = VideoService(cfg, executor=ex_a, store=store, node_id="node-a", dp_group="ga")
+    b = VideoService(cfg, executor=ex_b, store=store, node_id="node-b", dp_group="gb")
+    try:
+        held, queued = a.create(dict(BODY)), a.create({**BODY, "seed": 2})
+        ex_a.wait_assigned(held.id)
+        a._closed.set()  # a's heartbeat stops, as when its process is gone; its rank still holds `held`
+        until(lambda: ex_b.on(held.id) if held.id in ex_b._where else False, timeout=30)
+        assert store.get(queued.id).dp_group == "gb"  # both taken over, the held one first
+        ex_b.run(held.id)
+        ex_b.wait_assigned(queued.id)
+        ex_b.run(queued.id)
+        until(lambda: status(b, queued.id) is JobStatus.COMPLETED)
+        assert b.storage.video_path(held.id).read_bytes() == f"mp4 of {held.id}".encode()
+        lost = store.status()["groups_lost"]
+        assert [(g["dp_group"], g["failed"], g["run_again"]) for g in lost] == [("ga", 0, 2)]
+        ex_a.run(held.id, mp4=b"late")  # the lost replica answers after all: refused, nothing removed
+        time.sleep(0.5)
+        assert status(b, held.id) is JobStatus.COMPLETED and store.get(held.id).dp_group == "gb"
+        assert b.storage.video_path(held.id).read_bytes() == f"mp4 of {held.id}".encode()
+    finally:
+        b.close()
+        a.close()
+        store.close()

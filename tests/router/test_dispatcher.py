@@ -360,3 +360,27 @@ def test_rebuild_reasons_become_a_fixed_word_for_the_metric_label() -> None:
     assert failure_kind("rank 1 died: SIGKILL") == "rank_died"
     assert failure_kind("rank 0 failed: RuntimeError: video_0123 broke") == "rank_failed"
     assert failure_kind("anything else, quoting video_0123") == "other"
+
+
+def test_an_adopted_request_goes_first_past_the_bound_and_counts_as_its_rerun() -> None:
+    d, ex, sink, _ = make(queue=1)
+    for i in ("a", "b"):
+        submit(d, i)
+        d.step(0)
+    submit(d, "mine")
+    with pytest.raises(QueueFull):
+        submit(d, "more")
+    assert d.adopt("theirs", REQ.compat_key(), REQ) and not d.adopt("theirs", REQ.compat_key(), REQ)
+    assert not d.adopt("a", REQ.compat_key(), REQ)  # held here already: its group was only silent
+    assert [t.id for t in d.scheduler.queued()] == ["theirs", "mine"]
+    ex.kill("g0", "rank 0 died: SIGKILL")  # a and b run again, after theirs (queued again earlier)
+    d.step(0)
+    d.step(0)
+    d.step(0)
+    assert [j for _, _, j, _ in ex.assigned][-2:] == ["theirs", "a"]
+    ex.kill("g0", "rank 1 died: SIGKILL")  # theirs was on its rerun already: it fails; a too now
+    d.step(0)
+    assert "2 times" in sink.finished["theirs"].error and "2 times" in sink.finished["a"].error
+    d.step(0)
+    d.step(0)
+    assert [j for _, _, j, _ in ex.assigned][-2:] == ["b", "mine"]
