@@ -172,6 +172,8 @@ class JobStore(JobTable):
                 again = [i for i in ids if i in self._requests and i not in self._adopted]
                 for i in again:
                     self._orphans[i] = (now, lost)
+                if again:  # should the group only have been silent, it stops its copies
+                    self._cancelled.setdefault(g, []).extend(again)
             for i in again:  # no group holds them now: a serving replica adopts them
                 self.update(i, dp_group=None, node_id=None, status=JobStatus.QUEUED, progress=0, wave=None,
                             dp_rank=None)

@@ -351,9 +351,11 @@ class VideoService:
             self._progress.pop(ticket.id, None)
         t0 = time.monotonic()
         held = self.store.get(ticket.id)
-        if held is not None and held.dp_group not in (None, self.dp_group):
-            log.warning("job %s ended here after %s took it over (this group was declared lost); "
-                        "output dropped", ticket.id, held.dp_group)
+        if held is not None and (held.dp_group not in (None, self.dp_group)
+                                 or (held.dp_group is None and not outcome.ok)):
+            # This group was declared lost: another took the job over, or will (only a
+            # finished video of ours may still end it then; a failure or our cancel may not).
+            log.warning("job %s ended here after this group was declared lost; output dropped", ticket.id)
             return
         if outcome.ok:
             assert outcome.mp4 is not None

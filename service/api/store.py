@@ -98,11 +98,12 @@ class JobTable:
 
     def finish(self, job_id: str, by: str | None = None, **fields: Any) -> JobRecord | None:
         """End a job (its video, if any, is already stored): its final record, or None if it
-        is gone, had ended already, or (``by``: the DP group that ran it) is no longer that
-        group's (its group was declared lost and another took the job over)."""
+        is gone, had ended already, or (``by``: the DP group that ran it) is another group's
+        now (``by`` was declared lost and another took the job over; a job no group holds yet
+        may still be ended by the group that lost it, which was only silent)."""
         with self._lock:
             rec = self._jobs.get(job_id)
-            if rec is None or rec.final or (by is not None and rec.dp_group != by):
+            if rec is None or rec.final or (by is not None and rec.dp_group not in (None, by)):
                 return None
             fields.setdefault("completed_at", int(time.time()))
             fields["expires_at"] = int(fields["completed_at"] + self.ttl_s)

@@ -49,6 +49,7 @@ def test_a_lost_groups_jobs_with_their_request_wait_for_another_replica(store: J
         assert r.status is JobStatus.QUEUED and r.dp_group is None and r.progress == 0
     assert store.status()["groups_lost"][0] | {"at": 0} == {"dp_group": "g1", "node_id": "node-of-g1",
                                                            "failed": 1, "run_again": 2, "at": 0}
+    assert sorted(store.heartbeat("g1", "node-of-g1")) == ["video_1", "video_2"]  # if only silent: stop them
     assert store.adopt("g3", "node-3", "another model", 10) == []  # a replica of another model: none
     assert store.adopt("g2", "node-2", "demo", 1) == [("video_1", "req-1", "k")]  # oldest first, up to limit
     assert store.adopt("g2", "node-2", "demo", 5) == [("video_2", "req-2", "k")]
@@ -70,6 +71,14 @@ def test_only_the_adopting_group_may_end_the_job_and_a_second_loss_fails_it(stor
     assert store.reap() == 1
     lost = store.get("video_2")
     assert lost.status is JobStatus.FAILED and "DP group g2" in lost.error["message"]
+
+
+def test_the_silent_group_may_still_complete_a_job_none_took_over(store: JobStore) -> None:
+    store.put(job(1), request="req-1")
+    silence(store, "g1")
+    store.reap()
+    assert store.finish("video_1", by="g1", status=JobStatus.COMPLETED).status is JobStatus.COMPLETED
+    assert store.adopt("g2", "node-2", "demo", 5) == []
 
 
 def test_a_job_no_replica_takes_fails_after_the_wait(store: JobStore,
