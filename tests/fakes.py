@@ -139,10 +139,10 @@ class FakeExecutor(Executor):
                          error="cancelled" if cancelled else error, cancelled=cancelled, seconds=1.0,
                          timings={"text_encode_s": 0.1, "denoise_s": 0.5, "decode_s": 0.1, "encode_s": 0.2}))
 
-    def kill(self, group: str, why: str = "rank 1 died: killed") -> None:
-        """A rank of ``group`` died: the executor reports the group failed."""
+    def kill(self, group: str, why: str = "rank 0 died: killed", rank: int = 0) -> None:
+        """Rank ``rank`` of ``group`` died (or failed: ``why``): the executor reports the group failed."""
         self._states[group] = GroupState.BROKEN
-        self._push(Event(EventKind.GROUP_FAILED, group=group, error=why))
+        self._push(Event(EventKind.GROUP_FAILED, group=group, rank=rank, error=why))
 
     def refuse(self, job_id: str, why: str = "ValueError: nope") -> None:
         group, rank = self._where[job_id]

@@ -37,8 +37,9 @@ class ServiceConfig(BaseModel):
     queue_size: int = 64
     max_queue_wait_s: float = Field(1800.0, gt=0, description="a queued job waits at most this long "
                                     "for a rank (e.g. while its group is rebuilt)")
-    job_retries: int = Field(1, ge=0, description="times a request whose rank group died under it "
-                             "(not by its own doing) runs again, ahead of the queue; 0: it fails")
+    job_retries: int = Field(1, ge=0, description="times the request on a rank whose process died "
+                             "runs again, ahead of the queue (the others on its group always do; "
+                             "a lost replica's jobs once); 0: no request runs again")
     results_url: str = Field(str(Path.home() / ".cache" / "dloserve" / "results"),
                              description="folder or fsspec URL (s3://...) for job records and MP4s")
     storage_options: dict[str, Any] = Field(default_factory=dict,

@@ -9,10 +9,12 @@ milliseconds.
 - Every accepted request ends: completed, cancelled, or failed with a reason.
 - A rank group that fails (a rank died, a sticky error, a missed deadline) takes exactly the
   requests it held; in an AllGather group that is every rank's request (their gathers
-  cannot finish), in rank-local mode only the dead rank's. A request that was not the
-  cause (its rank process died or stopped answering, or another request missed its
-  deadline) is queued again, ahead of later arrivals, up to ``job_retries`` times; the
-  outputs are a function of the request, so a rerun gives the same bytes.
+  cannot finish), in rank-local mode only the dead rank's. They go back to the queue,
+  ahead of later arrivals (the outputs are a function of the request: a rerun gives the
+  same bytes), except the suspect: the request whose deadline passed, or the one on the
+  rank that raised a device or collective error, fails; the one on a rank whose process
+  died reruns up to ``job_retries`` times. The others on the group only stood by; they
+  rerun whatever the count, bounded by ``max_queue_wait_s`` (``job_retries`` 0: none does).
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
@@ -198,7 +200,8 @@ class Dispatcher:
         with self._cv:
             if ticket_id in self._held or self.scheduler.has(ticket_id):
                 return False
-            t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1)
+            t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1,
+                       requeues=1)
             self.scheduler.requeue(t)
             self._depth()
             self._cv.notify_all()
@@ -336,7 +339,7 @@ class Dispatcher:
         except RuntimeError as e:  # the group failed between the check and the call
             why = f"rank group unavailable: {e}"
             h = self._held[t.id]
-            if not self._requeue(h, why):
+            if not self._requeue(h, why, counted=False):  # it never ran
                 self._end(h, Outcome(g.first_rank + pick.rank, error=why))
 
     def _send_cancels(self) -> None:
@@ -357,7 +360,7 @@ class Dispatcher:
             self._start_failed(ev.group, ev.error or "start failed")
             return
         if kind is EventKind.GROUP_FAILED:
-            self._group_failed(ev.group, ev.error or "rank group failed")
+            self._group_failed(ev.group, ev.error or "rank group failed", rank=ev.rank)
             return
         h = self._held.get(ev.job_id)
         if h is None or h.group.id != ev.group:
@@ -421,15 +424,17 @@ class Dispatcher:
             with self._cv:
                 self._fail_queue(self.gave_up)
 
-    def _group_failed(self, gid: str, why: str, late: str | None = None) -> None:
-        """``gid`` cannot serve: its held requests fail (``late``, if one missed its deadline,
-        with its own reason; the others' reasons name no other request), and it is rebuilt."""
+    def _group_failed(self, gid: str, why: str, late: str | None = None, rank: int | None = None) -> None:
+        """``gid`` cannot serve, and is rebuilt; its held requests stop. The suspect (``late``,
+        which missed its deadline, else the one on ``rank``, which died or failed) fails with
+        its own reason, or reruns if its rank's process died and it has reruns left; the
+        others rerun (their reasons, if they fail, name no other request)."""
         log.warning("group %s failed: %s", gid, why)
         tr = self._tracks[gid]
         tr.ready, tr.last_error, tr.retry_at = False, why, self.clock()
         metrics()["group_ready"].set(0, tags={"group": gid})
         metrics()["rebuilds"].inc(1, tags={"group": gid, "reason": failure_kind(why)})
-        innocent = failure_kind(why) in ("rank_died", "lost")  # a process is gone: not this request's doing
+        died = failure_kind(why) in ("rank_died", "lost")  # a process is gone: perhaps not its doing
         for h in self._of(gid):
             if late is None:
                 reason = why
@@ -437,25 +442,30 @@ class Dispatcher:
                 reason = f"exceeded its deadline of {h.info['deadline_s']:.0f}s"
             else:
                 reason = "its rank group was rebuilt: another request on it exceeded its deadline"
-            if (innocent or (late is not None and h.ticket.id != late)) and self._requeue(h, reason):
+            suspect = h.ticket.id == late if late is not None else rank is None or h.rank == rank
+            if (died or not suspect) and self._requeue(h, reason, counted=suspect):
                 continue
-            if h.ticket.reruns:
-                reason = f"{reason} (its rank group failed under it {h.ticket.reruns + 1} times)"
+            if h.ticket.requeues:
+                reason = f"{reason} (its rank group failed under it {h.ticket.requeues + 1} times)"
             self._end(h, Outcome(h.group.first_rank + h.rank, error=reason))
         self._note_unavailable()
 
-    def _requeue(self, h: Held, why: str) -> bool:
-        """Queue a held request again, if it has reruns left and was not cancelled."""
+    def _requeue(self, h: Held, why: str, counted: bool = True) -> bool:
+        """Queue a held request again, unless it was cancelled or reruns are off; ``counted``
+        (the suspect of a death): only while it has reruns left, and it uses one."""
         t = h.ticket
-        if h.cancelled or t.reruns >= self.job_retries or self._held.pop(t.id, None) is None:
+        if (h.cancelled or not self.job_retries or (counted and t.reruns >= self.job_retries)
+                or self._held.pop(t.id, None) is None):
             return False
-        t.reruns += 1
+        t.reruns += counted
+        t.requeues += 1
         with self._cv:
             self.scheduler.finished(t)
             self.scheduler.requeue(t)
             self._cv.notify_all()
         h.info.update(ok=False, requeued=True, errors=[*h.info.get("errors", []), why])
-        log.info("%s queued again (rerun %d of %d): %s", t.id, t.reruns, self.job_retries, why)
+        log.info("%s queued again (%s): %s", t.id,
+                 f"rerun {t.reruns} of {self.job_retries}" if counted else "it stood by", why)
         metrics()["requeued"].inc(1, tags={"reason": failure_kind(why)})
         self.sink.on_requeue(t, why)
         return True

@@ -28,9 +28,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> 
                    help="MP4 encoder processes beside each rank (default: auto, the rank's CPUs "
                         "// x264 threads per encode, at least 1; 0: encode on the rank)")
     g.add_argument("--job-retries", type=_count, default=1,
-                   help="a request whose rank group died under it (a rank process gone, or another "
-                        "request's missed deadline) runs again, ahead of the queue, up to this many "
-                        "times; 0: it fails with the reason")
+                   help="the request on a rank whose process died runs again, ahead of the queue, up "
+                        "to this many times (the group's other requests, which only stood by, "
+                        "always do); 0: no request runs again, they fail with the reason")
     g.add_argument("--wave-deadline-base-s", type=float, default=deadline_base_s,
                    help="fixed part of each request's deadline")
     g.add_argument("--wave-deadline-per-forward-s", type=float, default=10.0,

@@ -40,14 +40,15 @@ class Ticket:
     enqueued_at: float
     cost: float = 1.0  # relative time of one forward (continuous scheduling weighs it)
     tenant: str | None = None  # the API key's owner id (tenants.py shares ranks between them)
-    reruns: int = 0  # times a rank group died under it and it was queued again
+    reruns: int = 0  # times it was queued again as the suspect of a death (bounded by job_retries)
+    requeues: int = 0  # times it was queued again, for any cause (it then goes ahead of later arrivals)
 
 
 def place(q: deque[Ticket], t: Ticket) -> int:
     """Where a ticket queued again goes: after those that came earlier (or at the same time
     and were queued again too), before the rest."""
     for i, x in enumerate(q):
-        if x.enqueued_at > t.enqueued_at or (x.enqueued_at == t.enqueued_at and not x.reruns):
+        if x.enqueued_at > t.enqueued_at or (x.enqueued_at == t.enqueued_at and not x.requeues):
             return i
     return len(q)
 

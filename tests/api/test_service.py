@@ -170,6 +170,7 @@ def test_a_missed_deadline_fails_both_keys_jobs_and_neither_names_the_other(keye
         assert "wave" not in video_object(svc.get(mine.id, who))  # the global wave number is gone
 
 
+@pytest.mark.parametrize("keyed", [{"job_retries": 0}], indirect=True)  # both fail (no rerun)
 def test_a_group_failure_that_quotes_one_job_names_it_to_no_other_key(keyed) -> None:  # noqa: ANN001
     svc, ex = keyed
     a, b = owner(svc, KEY_A), owner(svc, KEY_B)

@@ -78,28 +78,57 @@ def test_the_requests_a_dead_rank_held_run_again_first_and_fail_on_a_second_deat
     d, ex, sink, _ = make()  # job_retries=1, the default
     submit(d, "a", "b", "c")
     d.step(0)
-    ex.kill("g0", "rank 1 died: SIGKILL")
+    ex.kill("g0", "rank 1 died: SIGKILL", rank=1)  # b's rank: b is the suspect, a stood by
     d.step(0)
     assert sorted(sink.requeued) == [("a", "rank 1 died: SIGKILL"), ("b", "rank 1 died: SIGKILL")]
     assert not sink.finished and d.depth == 3 and d.held == 0
     d.step(0)
     d.step(0)  # rebuilt: the two go again before c, which came later
-    assert ex.attempts["g0"] == 2 and {ex.on("a"), ex.on("b")} == {("g0", 0), ("g0", 1)}
+    assert ex.attempts["g0"] == 2 and (ex.on("a"), ex.on("b")) == (("g0", 0), ("g0", 1))
     runs = [r for r in d.history if r["ids"] == ["a"]]  # /v1/waves: the first run says what happened
     assert [r.get("requeued") for r in runs] == [True, None] and runs[0]["errors"] == ["rank 1 died: SIGKILL"]
     ex.run("a")
     d.step(0)
     d.step(0)
     assert sink.finished["a"].ok and ex.on("c") == ex.on("a")
-    ex.kill("g0", "rank 0 died: SIGKILL")  # b's second death: no more reruns; c's first
+    ex.kill("g0", "rank 1 died: SIGKILL", rank=1)  # b's rank again: b has no rerun left; c stood by
     d.step(0)
-    assert sink.finished["b"].error == "rank 0 died: SIGKILL (its rank group failed under it 2 times)"
-    assert "c" not in sink.finished and sink.requeued[-1] == ("c", "rank 0 died: SIGKILL")
+    assert sink.finished["b"].error == "rank 1 died: SIGKILL (its rank group failed under it 2 times)"
+    assert "c" not in sink.finished and sink.requeued[-1] == ("c", "rank 1 died: SIGKILL")
     d.step(0)
     d.step(0)
     ex.run("c")
     d.step(0)
     assert sink.finished["c"].ok
+
+
+def test_a_request_that_only_stood_by_reruns_whatever_the_count() -> None:
+    d, ex, sink, _ = make(sizes=(2,))
+    submit(d, "victim", "x1")
+    d.step(0)
+    for n, other in enumerate(("x2", "x3"), start=1):
+        ex.kill("g0", "rank 1 died: SIGKILL", rank=1)  # never the victim's rank (0)
+        submit(d, other)
+        d.step(0)
+        d.step(0)
+        d.step(0)
+        assert ex.on("victim") == ("g0", 0) and "victim" not in sink.finished
+        assert [i for i, _ in sink.requeued].count("victim") == n
+    ex.kill("g0", "rank 0 failed: RuntimeError: CUDA error", rank=0)  # a device error on its rank: it fails
+    d.step(0)
+    assert "CUDA error" in sink.finished["victim"].error and "3 times" in sink.finished["victim"].error
+    assert "2 times" in sink.finished["x1"].error  # the suspect of both deaths: one rerun, then failed
+    assert sink.requeued[-1][0] == "x2"  # on the other rank it stood by: it runs again
+
+
+def test_with_no_job_retries_nothing_runs_again() -> None:
+    d, ex, sink, _ = make(job_retries=0)
+    submit(d, "a", "b")
+    d.step(0)
+    ex.kill("g0", "rank 1 died: SIGKILL", rank=1)
+    d.step(0)
+    assert not sink.requeued
+    assert sink.finished["a"].error == sink.finished["b"].error == "rank 1 died: SIGKILL"
 
 
 def test_rank_local_groups_fail_alone() -> None:
@@ -373,14 +402,12 @@ def test_an_adopted_request_goes_first_past_the_bound_and_counts_as_its_rerun() 
     assert d.adopt("theirs", REQ.compat_key(), REQ) and not d.adopt("theirs", REQ.compat_key(), REQ)
     assert not d.adopt("a", REQ.compat_key(), REQ)  # held here already: its group was only silent
     assert [t.id for t in d.scheduler.queued()] == ["theirs", "mine"]
-    ex.kill("g0", "rank 0 died: SIGKILL")  # a and b run again, after theirs (queued again earlier)
+    ex.kill("g0", "rank 0 died: SIGKILL", rank=0)  # a (the suspect) and b run again, after theirs
     d.step(0)
     d.step(0)
     d.step(0)
-    assert [j for _, _, j, _ in ex.assigned][-2:] == ["theirs", "a"]
-    ex.kill("g0", "rank 1 died: SIGKILL")  # theirs was on its rerun already: it fails; a too now
+    assert [t.id for t in d.scheduler.queued()] == ["b", "mine"]
+    assert [j for _, _, j, _ in ex.assigned][-2:] == ["theirs", "a"] and ex.on("theirs") == ("g0", 0)
+    ex.kill("g0", "rank 0 died: SIGKILL", rank=0)  # theirs was on its rerun already: it fails; a stood by
     d.step(0)
-    assert "2 times" in sink.finished["theirs"].error and "2 times" in sink.finished["a"].error
-    d.step(0)
-    d.step(0)
-    assert [j for _, _, j, _ in ex.assigned][-2:] == ["b", "mine"]
+    assert "2 times" in sink.finished["theirs"].error and "a" not in sink.finished
