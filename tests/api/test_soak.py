@@ -5,8 +5,9 @@ requests from three clients for ``SOAK_S`` seconds (150 by default). Meanwhile a
 process is SIGKILLed every ~20 s and the Serve replica once. Every accepted job must end
 ``completed`` or ``failed`` with a reason, none may hang or vanish, every completed MP4
 must equal the resident output for its request, at least ``SOAK_MIN_COMPLETED`` (0.9) of
-the accepted jobs must complete (a kill costs the jobs the group held, not the queue), and
-when the service is stopped no process of it is left. Besides the counts it reports the
+the accepted jobs must complete (the jobs a killed group or replica held run again; only
+a job that is the suspect of a second death, or on a rank with a collective error, fails),
+and when the service is stopped no process of it is left. Besides the counts it reports the
 time with no serving group, the group starts tried and failed, and the queue wait of the
 completed jobs. The figures go to ``$SOAK_OUT`` (JSON) when set.
 """

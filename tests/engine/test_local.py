@@ -95,6 +95,7 @@ def test_cancel_in_rank_local_mode(ranklocal, resident, caplog: pytest.LogCaptur
 @pytest.mark.e2e  # kills a rank process and waits for the rebuild
 def test_a_dead_rank_process_fails_its_group_which_is_rebuilt(allgather, resident) -> None:  # noqa: ANN001
     d, sink = allgather
+    d.job_retries = 0  # this test is about how the death is heard: the doomed job must end with it
     submit(d, "doomed", LONG)
     sink.until(lambda: sink.progress.get("doomed", 0) >= 1)
     (group,) = d.executor._groups.values()  # the test reaches in for the process to kill

@@ -1,9 +1,11 @@
 """The Ray executor under the real dispatcher (rank actors in a placement group, gloo, the
 demo model): what only real actors show.
 
-- rank-local DP2: killing the actor of a rank that runs a request fails that request only;
-  the other rank's request and the queued one complete exact, and only the dead rank's
-  group is rebuilt.
+- rank-local DP2 (reruns off): killing the actor of a rank that runs a request fails that
+  request only; the other rank's request and the queued one complete exact, and only the
+  dead rank's group is rebuilt.
+- AllGather DP2: a killed rank stops both ranks' requests; both run again on the rebuilt
+  group (the default ``job_retries``) with the same bytes, and the queued one is exact.
 - AllGather DP2 with waves: a wave holds one key; a request that cannot meet its deadline
   fails with the reason, the group is rebuilt, and the next request is exact.
 """
@@ -58,6 +60,7 @@ def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, 
 
 def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> None:  # noqa: ANN001
     d, sink = ranklocal
+    d.job_retries = 0  # the doomed request's 400 steps would run again otherwise
     ex = d.executor
     assert [g.size for g in ex.groups()] == [1, 1]
     choice = d.status()["offload_mode"]
@@ -127,9 +130,10 @@ def allgather(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, 
     yield from running(spec, deadlines=DeadlinePolicy(base_s=300))
 
 
-def test_allgather_a_killed_rank_fails_both_held_requests_and_the_queue_goes_on(allgather, resident) -> None:  # noqa: ANN001
-    """The gathers die with a rank, so both ranks' requests fail; the queued one waits for the
-    rebuild and is exact; a rank that dies while idle is noticed and replaced too."""
+def test_allgather_a_killed_rank_reruns_both_held_requests_and_the_queue_goes_on(allgather, resident) -> None:  # noqa: ANN001
+    """The gathers die with a rank, so both ranks' requests stop; both run again on the
+    rebuilt group, first, with the bytes they would have had; the queued one is exact; a rank
+    that dies while idle is noticed and replaced too."""
     d, sink = allgather
     (group,) = d.executor._groups.values()
     held = [GenerationRequest(prompt=f"doomed {i}", seed=i, num_inference_steps=60) for i in (1, 2)]
@@ -140,8 +144,10 @@ def test_allgather_a_killed_rank_fails_both_held_requests_and_the_queue_goes_on(
     queued = GenerationRequest(prompt="waits its turn", seed=9)
     submit(d, "queued", queued)
     ray.kill(group.handles[1])
-    for out in sink.wait(["held0", "held1"]):
-        assert not out.ok and "rank 1 died" in out.error, out
+    for req, out in zip(held, sink.wait(["held0", "held1"], timeout=400), strict=True):
+        assert out.ok and out.mp4 == resident.generate(req), out
+    assert sorted(i for i, _ in sink.requeued) == ["held0", "held1"]
+    assert all("rank 1 died" in why for _, why in sink.requeued), sink.requeued
     assert sink.wait(["queued"])[0].mp4 == resident.generate(queued)
     assert group.generation == 1
     wait_ready(d)
