@@ -130,7 +130,7 @@ class Dispatcher:
     deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
     max_queue_wait_s: float = 1800.0
     max_attempts: int | None = None  # failed attempts in a row before giving up (None: never)
-    job_retries: int = 1  # times a request whose group died under it is queued again
+    job_retries: int = 1  # reruns of the request on a rank whose process died (0: none reruns)
     clock: Callable[[], float] = time.monotonic
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
     assignments: int = 0
