@@ -43,6 +43,9 @@ from service.router.waves import Ticket
 log = logging.getLogger("dloserve.router")
 BACKOFF_S = (0.0, 1.0, 2.0, 4.0, 8.0)  # before the 1st, 2nd, ... retry of a failed start
 BACKOFF_CAP_S = 15.0
+# How a rank's collective says that a peer's process went away (gloo's TCP pair, NCCL): its
+# group failed because of a death it saw first, not because of its own request.
+PEER_GONE = ("connection reset by peer", "connection closed by peer", "remote process exited")
 
 
 class Sink(Protocol):
@@ -109,7 +112,7 @@ def failure_kind(why: str) -> str:
     bound)."""
     lowered = why.lower()
     for word, kind in (("deadline", "deadline"), (" died", "rank_died"), ("stopped answering", "lost"),
-                       (" failed", "rank_failed")):
+                       *((w, "peer_lost") for w in PEER_GONE), (" failed", "rank_failed")):
         if word in lowered:
             return kind
     return "other"
@@ -434,7 +437,7 @@ class Dispatcher:
         tr.ready, tr.last_error, tr.retry_at = False, why, self.clock()
         metrics()["group_ready"].set(0, tags={"group": gid})
         metrics()["rebuilds"].inc(1, tags={"group": gid, "reason": failure_kind(why)})
-        died = failure_kind(why) in ("rank_died", "lost")  # a process is gone: perhaps not its doing
+        died = failure_kind(why) in ("rank_died", "lost", "peer_lost")  # a process is gone
         for h in self._of(gid):
             if late is None:
                 reason = why

@@ -121,6 +121,15 @@ def test_a_request_that_only_stood_by_reruns_whatever_the_count() -> None:
     assert sink.requeued[-1][0] == "x2"  # on the other rank it stood by: it runs again
 
 
+def test_a_collective_that_lost_its_peer_counts_as_a_death_not_as_the_requests_error() -> None:
+    d, ex, sink, _ = make()
+    submit(d, "a", "b")
+    d.step(0)
+    ex.kill("g0", "rank 0 failed: RuntimeError: [pair.cc:598] Connection reset by peer", rank=0)
+    d.step(0)
+    assert sorted(i for i, _ in sink.requeued) == ["a", "b"] and not sink.finished
+
+
 def test_with_no_job_retries_nothing_runs_again() -> None:
     d, ex, sink, _ = make(job_retries=0)
     submit(d, "a", "b")
@@ -388,6 +397,8 @@ def test_rebuild_reasons_become_a_fixed_word_for_the_metric_label() -> None:
     assert failure_kind("a request exceeded its deadline") == "deadline"
     assert failure_kind("rank 1 died: SIGKILL") == "rank_died"
     assert failure_kind("rank 0 failed: RuntimeError: video_0123 broke") == "rank_failed"
+    gloo = "rank 0 failed: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    assert failure_kind(gloo) == failure_kind("rank 1 failed: Connection reset by peer") == "peer_lost"
     assert failure_kind("anything else, quoting video_0123") == "other"
 
 
