@@ -40,6 +40,15 @@ def submit(d: Dispatcher, *ids: str, req: GenerationRequest = REQ, tenant: str |
         d.submit(i, req.compat_key(), req, tenant=tenant)
 
 
+def rebuilt_then_done(d: Dispatcher, ex: FakeExecutor, sink: RecordingSink, job: str) -> None:
+    """Two rounds (the rebuild is tried and READY comes back), then ``job`` runs to the end."""
+    d.step(0)
+    d.step(0)
+    ex.run(job)
+    d.step(0)
+    assert sink.finished[job].ok
+
+
 def test_a_freed_rank_takes_the_next_request_at_once_and_outcomes_reach_the_sink() -> None:
     d, ex, sink, _ = make()
     submit(d, "a", "b", "c")
@@ -95,11 +104,7 @@ def test_the_requests_a_dead_rank_held_run_again_first_and_fail_on_a_second_deat
     d.step(0)
     assert sink.finished["b"].error == "rank 1 died: SIGKILL (its rank group failed under it 2 times)"
     assert "c" not in sink.finished and sink.requeued[-1] == ("c", "rank 1 died: SIGKILL")
-    d.step(0)
-    d.step(0)
-    ex.run("c")
-    d.step(0)
-    assert sink.finished["c"].ok
+    rebuilt_then_done(d, ex, sink, "c")
 
 
 def test_a_request_that_only_stood_by_reruns_whatever_the_count() -> None:
@@ -190,11 +195,7 @@ def test_a_missed_deadline_fails_the_late_request_and_reruns_the_other() -> None
     assert "deadline" in sink.finished["late"].error and "other" not in sink.finished
     (rid, why), = sink.requeued
     assert rid == "other" and "late" not in why
-    d.step(0)
-    d.step(0)
-    ex.run("other")
-    d.step(0)
-    assert sink.finished["other"].ok
+    rebuilt_then_done(d, ex, sink, "other")
 
 
 def test_a_rebuild_that_fails_twice_is_retried_with_backoff_and_queued_jobs_complete() -> None:
