@@ -39,21 +39,21 @@ e2e:
 	  --junitxml=out/e2e-results.xml tests
 
 soak:
-	mkdir -p out && SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -m soak -s tests/api/test_soak.py
+	mkdir -p out && SOAK_OUT=out/soak.json $(BIN)/python -m pytest -q -p no:randomly -m soak -s tests/api/test_soak.py
 
 # Two Ray nodes on this machine: batch job, two replicas, one job store, a node removed.
 multinode:
-	$(BIN)/python -m pytest -q -m multinode -s tests/api/test_multinode.py
+	$(BIN)/python -m pytest -q -p no:randomly -m multinode -s tests/api/test_multinode.py
 
 # Live Prometheus against a running service, then the CPU image built and run (podman).
 deploy-check:
-	$(BIN)/python -m pytest -q -m deploy tests
+	$(BIN)/python -m pytest -q -p no:randomly -m deploy tests
 	bash docker/test_image.sh
 
 # The /ui playground in Debian's Chromium (Playwright) against a real `dloserve serve`; screenshots
 # in out/ui/. Needs `make setup-system` (chromium).
 ui-check:
-	mkdir -p out/ui && $(BIN)/python -m pytest -q -m browser tests/api/test_ui.py
+	mkdir -p out/ui && $(BIN)/python -m pytest -q -p no:randomly -m browser tests/api/test_ui.py
 
 VARIANT ?= cpu
 IMAGE_BASE ?= debian:bookworm-slim

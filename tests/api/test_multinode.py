@@ -9,7 +9,8 @@ and deletes the same through either replica, and the bytes equal ``dloserve gene
 last, the worker node is removed under load: the jobs its replica held run again on the
 surviving replica, every job completes, nothing is lost, and the survivor keeps serving.
 
-Run with ``make multinode`` (its own process: this module starts its own cluster).
+Run with ``make multinode`` (its own process: this module starts its own cluster; in file order,
+``-p no:randomly``: the tests share one cluster, and the last one removes a node).
 """
 
 from __future__ import annotations
