@@ -39,6 +39,8 @@ class JobRecord:
     fps: int = 0
     num_inference_steps: int = 0
     guidance_scale: float = 0.0
+    loras: list[dict[str, Any]] = field(default_factory=list)  # as asked: [{"name", "scale", "expert"?}]
+    cache: dict[str, Any] | None = None  # the request's own step cache (None: the server's default)
     owner: str | None = None  # the API key's id: who may see it
     dp_group: str | None = None  # the replica (DP group) that runs it
     node_id: str | None = None  # and its Ray node

@@ -250,6 +250,9 @@ class Video(BaseModel):
     fps: int
     num_inference_steps: int
     guidance_scale: float
+    loras: list[LoraUse] = Field(default_factory=list, description="the adapters it asked for, in order")
+    cache: CacheUse | None = Field(None, description="the step cache it asked for (none: the server's "
+                                   "default)")
     dp_rank: int | None = None
     dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
     node_id: str | None = Field(None, description="the Ray node of that DP group")

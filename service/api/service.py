@@ -155,6 +155,8 @@ class VideoService:
             fps=req.fps,
             num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale,
+            loras=[u.model_dump(exclude_none=True) for u in body.loras],  # as asked, so a remix can ask again
+            cache=None if body.cache is None else body.cache.model_dump(exclude_none=True),
             owner=owner,  # who may see it (the API key's id); never in the video object
             dp_group=self.dp_group,  # the replica whose DP group runs it, and its node
             node_id=self.node_id,

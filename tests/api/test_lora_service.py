@@ -76,6 +76,22 @@ def test_request_names_resolve_to_checked_files(service, lora_dir: Path) -> None
     assert reqs[plain.id].compat_key() == reqs[styled.id].compat_key()  # not in the key
 
 
+def test_the_video_object_says_which_adapters_and_cache_it_asked_for(service) -> None:  # noqa: ANN001
+    """So a client (the playground's remix) can ask for the same again."""
+    from service.api.service import video_object
+
+    svc, _ = service
+    cache = {"method": "first_block", "threshold": 0.1}
+    asked = svc.create({**BODY, "loras": [{"name": "style", "scale": 0.5}], "cache": cache})
+    plain = svc.create(dict(BODY))
+    for rec in (asked, plain):  # as accepted and as the store reads it back
+        assert svc.store.get(rec.id).loras == rec.loras
+    v = video_object(svc.store.get(asked.id))
+    assert v["loras"] == [{"name": "style", "scale": 0.5, "expert": None}]
+    assert {k: x for k, x in v["cache"].items() if x is not None} == cache
+    assert video_object(svc.store.get(plain.id))["loras"] == [] and video_object(plain)["cache"] is None
+
+
 def test_refusals_name_the_adapter(service, lora_dir: Path, tmp_path: Path) -> None:  # noqa: ANN001
     svc, ex = service
     with pytest.raises(BodyError) as e:

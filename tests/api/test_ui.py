@@ -36,7 +36,7 @@ LIMITS = {"--max-width": "640", "--max-height": "480", "--max-pixels": "200000",
 
 
 @contextmanager
-def _serving(results: Path) -> Iterator[tuple[str, Serve]]:
+def _serving(results: Path, *extra: str) -> Iterator[tuple[str, Serve]]:
     """A `dloserve serve` of the demo model (DP2 AllGather, two keys); stopped and checked after."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths
     port = free_port()
@@ -45,7 +45,7 @@ def _serving(results: Path) -> Iterator[tuple[str, Serve]]:
               "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather", "--cpus-per-rank", "0.5",
               "--api-key", KEY_A,
               "--api-key", KEY_B, "--drain-timeout-s", "10",
-              "--results-dir", str(results), *limits)
+              "--results-dir", str(results), *limits, *extra)
     _started.remove(s)  # it outlives one test: this fixture stops it, not the per-test clean-up
     try:
         s.watch_until(lambda: "dloserve ready at" in s.output, timeout=400)
@@ -62,8 +62,14 @@ def _serving(results: Path) -> Iterator[tuple[str, Serve]]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
-    with _serving(tmp_path_factory.mktemp("ui-results")) as it:
+def served(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
+    """With one adapter registered at start (every key may use it)."""
+    from service.models.lora_demo import write_demo_lora
+
+    lora = tmp_path_factory.mktemp("ui-loras") / "style.safetensors"
+    write_demo_lora(demo_model, lora, rank=4)
+    flags = (demo_model, "--lora", f"style={lora}")
+    with _serving(tmp_path_factory.mktemp("ui-results"), *flags) as it:
         yield it
 
 
@@ -176,7 +182,7 @@ def test_submit_watch_play_download_remix_delete(tab: Any, service: str) -> None
                   ".filter(e => e.type !== 'file').map(e => [e.name, e.value]))")
     assert values == {"prompt": "a red fox running through snow", "negative_prompt": "blurry", "width": "48",
                       "height": "32", "num_frames": "9", "fps": str(api["fps"]), "num_inference_steps": "40",
-                      "guidance_scale": "4.5", "seed": "11"}
+                      "guidance_scale": "4.5", "seed": "11", "cache": "", "cache_threshold": ""}
     assert p.js("document.activeElement.id") == "f-prompt"
 
     p.page.click("#job-delete")
@@ -184,6 +190,59 @@ def test_submit_watch_play_download_remix_delete(tab: Any, service: str) -> None
             " && document.getElementById('job-view').hidden")
     assert p.text("#jobs-done") == f"Deleted {vid}."
     assert httpx.get(f"{service}/v1/videos/{vid}", headers=auth(KEY_A)).status_code == 404
+
+
+def test_adapters_and_a_cache_are_sent_shown_and_remixed(tab: Any, service: str) -> None:
+    p = tab(key=KEY_A)
+    p.until("document.querySelector('#lora-list .lora-row')?.dataset.name === 'style'")
+    assert "Up to " in p.text("#hint-loras")
+    assert not p.js("document.getElementById('field-cache').hidden")
+    assert p.js("document.getElementById('field-cache_threshold').hidden")  # first block only
+    fields = {"prompt": "a fox in a style", "width": 48, "height": 32, "num_frames": 9,
+              "num_inference_steps": 3, "seed": 5}
+    p.fill(**fields)
+    p.page.check("#lora-use-0")
+    p.page.fill("#lora-scale-0", "0.5")
+    p.page.select_option("#f-cache", "first_block")
+    assert not p.js("document.getElementById('field-cache_threshold').hidden")
+    p.page.fill("#f-cache_threshold", "0.1")
+    vid = p.submit()
+    p.wait_completed()
+    api = httpx.get(f"{service}/v1/videos/{vid}", headers=auth(KEY_A)).json()
+    assert api["loras"] == [{"name": "style", "scale": 0.5, "expert": None}], api
+    assert api["cache"]["method"] == "first_block" and api["cache"]["threshold"] == 0.1, api
+    # the page sent what the API takes as JSON: the same request there gives the same bytes
+    body = {**fields, "loras": [{"name": "style", "scale": 0.5}],
+            "cache": {"method": "first_block", "threshold": 0.1}}
+    direct = httpx.post(f"{service}/v1/videos", json=body, headers=auth(KEY_A)).json()["id"]
+    assert wait_final(service, direct, KEY_A)["status"] == "completed"
+    got, want = (httpx.get(f"{service}/v1/videos/{v}/content", headers=auth(KEY_A)).content
+                 for v in (vid, direct))
+    assert got == want
+    plain = httpx.post(f"{service}/v1/videos", json=fields, headers=auth(KEY_A)).json()["id"]
+    assert wait_final(service, plain, KEY_A)["status"] == "completed"
+    assert httpx.get(f"{service}/v1/videos/{plain}/content", headers=auth(KEY_A)).content != got
+    meta = p.js("Object.fromEntries([...document.querySelectorAll('#job-meta dt')]"
+                ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")
+    assert meta["adapters"] == "style × 0.5" and meta["cache"] == "first_block 0.1", meta
+    p.page.click("#clear-form")
+    assert not p.js("document.getElementById('lora-use-0').checked")
+    p.page.click("#job-remix")
+    ids = ("lora-use-0", "lora-scale-0", "f-cache", "f-cache_threshold")
+    got_back = "[" + ", ".join(f"document.getElementById('{i}')" for i in ids) + "]"
+    values = p.js(got_back + ".map(e => e.type === 'checkbox' ? e.checked : e.value)")
+    assert values == [True, "0.5", "first_block", "0.1"], values
+    # a refused threshold is shown beside the cache, in the server's words
+    p.page.fill("#f-cache_threshold", "99")
+    p.page.click("#submit")
+    p.until("document.getElementById('err-cache').textContent !== ''")
+    form = {**{k: str(v) for k, v in fields.items()}, "cache": '{"method": "first_block", "threshold": 99}'}
+    refused = httpx.post(f"{service}/v1/videos", data=form, headers=auth(KEY_A)).json()["error"]
+    assert refused["param"] == "cache.threshold" and p.text("#err-cache") == refused["message"]
+    assert p.js("document.activeElement.id") == "f-cache_threshold"
+    p.shot("adapters")
+    for v in (vid, direct, plain):
+        httpx.delete(f"{service}/v1/videos/{v}", headers=auth(KEY_A))
 
 
 @pytest.mark.parametrize(("fields", "param", "shown_at"), [
@@ -282,7 +341,7 @@ def test_keyboard_only(tab: Any, service: str) -> None:
         raise AssertionError(f"Tab never reached #{element_id}")
 
     order = []
-    for _ in range(15):
+    for _ in range(16):
         kb.press("Tab")
         order.append(p.js("document.activeElement.id"))
         style = p.js("(() => { const s = getComputedStyle(document.activeElement); "
@@ -290,7 +349,7 @@ def test_keyboard_only(tab: Any, service: str) -> None:
         assert style[0] != "none" and style[1] >= 2, (order[-1], style)  # focus is visible
     assert order == ["skip", "api-key", "key-use", "key-forget", "f-prompt", "f-negative_prompt",
                      "f-width", "f-height", "f-num_frames", "f-fps", "f-num_inference_steps",
-                     "f-guidance_scale", "f-seed", "submit", "clear-form"], order
+                     "f-guidance_scale", "f-seed", "f-cache", "submit", "clear-form"], order
     p.page.focus("body")
     p.js("document.activeElement.blur()")
     tab_to("api-key")

@@ -2,6 +2,7 @@
 
 import {apiKey, onUnauthorized} from "./api.js";
 import {$, setText} from "./dom.js";
+import * as extras from "./extras.js";
 import {clearErrors, loadLimits, showError, submit} from "./form.js";
 import * as jobs from "./jobs.js";
 import {refreshStatus} from "./status.js";
@@ -18,6 +19,7 @@ function keyMessage() {
 function forget() {
   jobs.wipe(true);
   $("create-form").reset();
+  extras.clearAdapters(); // another key's adapters are not this one's
 }
 
 onUnauthorized((message) => {
@@ -37,6 +39,7 @@ function useKey(value) {
   else jobs.wipe();
   keyMessage();
   jobs.refreshList();
+  extras.loadAdapters();
   refreshStatus();
 }
 
@@ -81,11 +84,13 @@ function init() {
   $("create-form").addEventListener("reset", () => {
     clearErrors();
     setText($("create-msg"), "");
+    setTimeout(extras.showThreshold); // after the select is back to its default
   });
+  $("f-cache").addEventListener("change", extras.showThreshold);
   jobs.init();
   loadLimits().catch((error) => {
     setText($("err-form"), `Could not read the service's limits: ${error.message}`);
-  });
+  }).finally(extras.loadAdapters); // after the limits: its hint states the adapter limit
   jobs.refreshList();
   refreshStatus();
 }

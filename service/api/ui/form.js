@@ -3,6 +3,7 @@
 
 import {call, parseJSON, BASE} from "./api.js";
 import {$, setText} from "./dom.js";
+import * as extras from "./extras.js";
 
 export const FIELDS = ["prompt", "negative_prompt", "width", "height", "num_frames", "fps",
   "num_inference_steps", "guidance_scale", "seed", "input_reference"];
@@ -91,6 +92,7 @@ export async function loadLimits() {
   // a model that takes no image states it as {"not": {}}: no value is valid
   const image = rules.input_reference;
   $("field-input_reference").hidden = !image || (image.not && Object.keys(image.not).length === 0);
+  extras.readRules(spec, props);
   return rules;
 }
 
@@ -104,20 +106,28 @@ export function clearErrors() {
 /** Show the server's message beside the field it names; the form's own line otherwise. */
 export function showError(error) {
   const param = error.param;
-  const target = PARAM_TO_ERROR[param] || param;
-  const errNode = target && FIELDS.concat(["size"]).includes(target) ? $(`err-${target}`) : null;
   let text = error.message;
   if (error.retryAfter) text += ` (try again in ${error.retryAfter} s)`;
+  const extra = extras.errorTarget(param);
+  if (extra) {
+    setText($(extra.err), text);
+    if (extra.focus) focusInvalid($(extra.focus));
+    return;
+  }
+  const target = PARAM_TO_ERROR[param] || param;
+  const errNode = target && FIELDS.concat(["size"]).includes(target) ? $(`err-${target}`) : null;
   if (!errNode || (target === "input_reference" && $("field-input_reference").hidden)) {
     setText($("err-form"), param ? `${param}: ${text}` : text);
     return;
   }
   setText(errNode, text);
-  const input = $(`f-${PARAM_TO_FOCUS[param] || target}`);
-  if (input) {
-    input.setAttribute("aria-invalid", "true");
-    input.focus();
-  }
+  focusInvalid($(`f-${PARAM_TO_FOCUS[param] || target}`));
+}
+
+function focusInvalid(input) {
+  if (!input) return;
+  input.setAttribute("aria-invalid", "true");
+  input.focus();
 }
 
 /** The filled fields, as the strings typed (a form body: the server parses the numbers). */
@@ -132,6 +142,7 @@ export function formBody() {
     const value = name.includes("prompt") ? input.value : input.value.trim();
     if (value !== "") body.append(name, value);
   }
+  extras.addTo(body);
   return body;
 }
 
@@ -149,5 +160,6 @@ export function remix(video, negativePrompt) {
     $(`f-${name}`).value = value === undefined || value === null ? "" : String(value);
   }
   clearErrors();
+  extras.remix(video);
   $("f-prompt").focus();
 }

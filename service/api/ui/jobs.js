@@ -88,6 +88,8 @@ function renderCurrent() {
   fillList($("job-meta"), [
     ["id", video.id], ["size", video.size], ["frames", video.num_frames], ["fps", video.fps],
     ["steps", video.num_inference_steps], ["guidance", video.guidance_scale], ["seed", video.seed],
+    ["adapters", (video.loras || []).map((u) => `${u.name} × ${u.scale}`).join(", ")],
+    ["cache", video.cache ? [video.cache.method, video.cache.threshold].filter((x) => x != null).join(" ") : null],
     ["model", video.model], ["created", when(video.created_at)], ["accepted to done", took],
     ["in queue", secs(assigned.queued_s)], ["on the rank", secs(assigned.latency_s)],
     ["rank", video.dp_rank], ["expires", when(video.expires_at)],
