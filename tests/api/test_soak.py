@@ -59,6 +59,7 @@ def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: A
     jobs: list[dict] = []  # every accepted job and how it ended
     refused = {"n": 0}
     kills = {"rank": 0, "replica": 0}
+    retried = {"n": 0}  # content reads tried again (the replica was down)
 
     def client(cid: int) -> None:
         rng = random.Random(cid)
@@ -89,9 +90,28 @@ def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: A
                         pass
                     time.sleep(0.2)
                 if job["final"] and job["final"]["status"] == "completed":
-                    data = c.get(f"{url}/v1/videos/{job['id']}/content").content
-                    job["sha256"] = hashlib.sha256(data).hexdigest()
+                    job["sha256"] = fetch(c, job["id"])
                 job["seconds"] = time.monotonic() - job["t0"]
+
+    def fetch(c: httpx.Client, vid: str) -> str:
+        """The MP4's SHA-256. A read that meets the killed replica (a 5xx from the proxy, a reset)
+        is tried again, as any client would; a 4xx, or no 200 within 120 s, is a failure."""
+        last: object = None
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            try:
+                r = c.get(f"{url}/v1/videos/{vid}/content")
+                if r.status_code == 200:
+                    return hashlib.sha256(r.content).hexdigest()
+                last = (r.status_code, r.text[:200])
+                if r.status_code < 500:
+                    break
+            except httpx.HTTPError as e:
+                last = repr(e)
+            with lock:
+                retried["n"] += 1
+            time.sleep(0.5)
+        return f"unreadable: {last}"
 
     def chaos() -> None:
         t0 = time.monotonic()
@@ -142,6 +162,8 @@ def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: A
     wrong = [j for j in done if j["sha256"] != want[j["variant"]]]
     figures = {"seconds": SOAK_S, "accepted": len(jobs), "completed": len(done), "failed": len(failed),
                "lost": len(lost), "wrong_bytes": len(wrong), "refused_while_down": refused["n"],
+               "unreadable": sorted(j["sha256"] for j in wrong if j["sha256"].startswith("unreadable")),
+               "content_reads_retried": retried["n"],
                "rank_kills": kills["rank"], "replica_kills": kills["replica"],
                "failure_reasons": sorted({j["final"]["error"]["message"][:80] for j in failed}),
                "max_job_seconds": round(max((j["seconds"] for j in jobs), default=0), 1),
