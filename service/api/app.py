@@ -60,7 +60,7 @@ from service.api.schemas import (
 from service.api.service import ServiceConfig, VideoService, video_object
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
-from service.router.dispatcher import Unavailable
+from service.router.health import Unavailable
 from service.router.tenants import QuotaExceeded
 from service.router.waves import QueueFull
 

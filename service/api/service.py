@@ -33,7 +33,7 @@ from service.models.lora import LoraRegistry, Registered, targets_of
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
-from service.router.dispatcher import Availability
+from service.router.health import Availability
 from service.router.policy import DeadlinePolicy, Limits
 from service.router.waves import Ticket
 

@@ -230,7 +230,7 @@ def feed(groups: list[Any], todo: list[tuple[str, GenerationRequest]], done: thr
     """Hand items to whichever group has room (``ahead`` queued beyond what it runs), so a
     faster or less loaded group takes more; with one group everything is queued at once."""
     from service.engine.spec import Outcome
-    from service.router.dispatcher import Unavailable
+    from service.router.health import Unavailable
     from service.router.waves import Ticket
 
     def submit(d: Any, item_id: str, req: GenerationRequest) -> None:

@@ -118,7 +118,7 @@ def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, dem
     import shutil
 
     from service.api.service import ServiceConfig, VideoService
-    from service.router.dispatcher import Unavailable
+    from service.router.health import Unavailable
 
     model = tmp_path / "broken"
     shutil.copytree(demo_model, model)

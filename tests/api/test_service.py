@@ -16,7 +16,7 @@ import pytest
 from service.api.jobs import JobStore
 from service.api.records import JobStatus
 from service.api.service import ServiceConfig, VideoService, video_object
-from service.router.dispatcher import Unavailable
+from service.router.health import Unavailable
 from tests.fakes import FakeExecutor
 
 BODY = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 2}

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from service.models.request import GenerationRequest
-from service.router.dispatcher import Availability, Dispatcher, Unavailable, failure_kind
+from service.router.dispatcher import Dispatcher
+from service.router.health import Availability, Unavailable
 from service.router.policy import DeadlinePolicy
 from service.router.scheduler import ContinuousScheduler, WaveScheduler
 from service.router.tenants import Quota, QuotaExceeded, Tenants
@@ -392,15 +393,6 @@ def test_a_keys_running_limit_leaves_the_other_ranks_to_other_keys() -> None:
     d.step(0)
     d.step(0)
     assert assigned(ex) == ["a0", "b0", "a1"]
-
-
-def test_rebuild_reasons_become_a_fixed_word_for_the_metric_label() -> None:
-    assert failure_kind("a request exceeded its deadline") == "deadline"
-    assert failure_kind("rank 1 died: SIGKILL") == "rank_died"
-    assert failure_kind("rank 0 failed: RuntimeError: video_0123 broke") == "rank_failed"
-    gloo = "rank 0 failed: RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer"
-    assert failure_kind(gloo) == failure_kind("rank 1 failed: Connection reset by peer") == "peer_lost"
-    assert failure_kind("anything else, quoting video_0123") == "other"
 
 
 def test_an_adopted_request_goes_first_past_the_bound_and_counts_as_its_rerun() -> None:
