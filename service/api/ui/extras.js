@@ -5,6 +5,7 @@ import {call} from "./api.js";
 import {$, clear, el, setText} from "./dom.js";
 
 let maxLoras = 0;
+let generation = 0; // a list answered for an earlier key (or an earlier load) is dropped
 
 /** The cache methods and the adapter limit this instance's schema states. */
 export function readRules(spec, props) {
@@ -30,15 +31,18 @@ export function showThreshold() {
 /** The caller's adapters (an API key sees its own and the server's), one row each. */
 export async function loadAdapters() {
   const list = $("lora-list");
+  const mine = ++generation;
   let data = [];
   try {
     ({data} = await call("v1/loras"));
     data = data.data || [];
   } catch (error) {
+    if (mine !== generation) return;
     clear(list);
     if (error.status !== 401) setText($("hint-loras"), `Could not list the adapters: ${error.message}`);
     return;
   }
+  if (mine !== generation) return;
   const keep = asked();
   clear(list);
   data.forEach((entry, i) => {
@@ -57,6 +61,7 @@ export async function loadAdapters() {
 }
 
 export function clearAdapters() {
+  generation += 1;
   clear($("lora-list"));
 }
 
