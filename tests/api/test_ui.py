@@ -245,6 +245,23 @@ def test_adapters_and_a_cache_are_sent_shown_and_remixed(tab: Any, service: str)
         httpx.delete(f"{service}/v1/videos/{v}", headers=auth(KEY_A))
 
 
+def test_a_late_refusal_sent_before_the_key_leaves_the_key_and_the_form(tab: Any, service: str) -> None:
+    """The page's first calls go out without a key; their 401 may come after one is set."""
+    p = tab(hold="**/v1/loras")
+    p.until("document.getElementById('hint-width').textContent !== ''")
+    assert p.held, "the keyless adapter list was not sent"
+    p.use_key(KEY_A)
+    p.until("document.querySelector('#lora-list .lora-row')")  # the keyed list came first
+    p.fill(prompt="typed before a late 401", width=32, height=32, num_frames=5, num_inference_steps=1)
+    with p.page.expect_response(lambda r: r.status == 401):
+        for route in p.held:
+            route.continue_()
+    vid = p.submit()
+    assert p.text("#key-msg") == "Key set for this browser tab."
+    assert wait_final(service, vid, KEY_A)["prompt"] == "typed before a late 401"
+    httpx.delete(f"{service}/v1/videos/{vid}", headers=auth(KEY_A))
+
+
 @pytest.mark.parametrize(("fields", "param", "shown_at"), [
     ({"prompt": "x", "width": 33, "height": 32}, "width", "width"),  # sizes are multiples of 16
     ({"prompt": "", "width": 32}, "prompt", "prompt"),

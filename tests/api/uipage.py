@@ -39,8 +39,12 @@ class Page:
     """One browser tab on /ui with its own session storage; records JS errors and dialogs."""
 
     def __init__(self, browser: Any, url: str, width: int = 1440, key: str | None = None,
-                 bypass_csp: bool = False) -> None:
+                 bypass_csp: bool = False, hold: str | None = None) -> None:
         self.ctx = browser.new_context(viewport={"width": width, "height": 900}, bypass_csp=bypass_csp)
+        self.held: list[Any] = []  # requests to ``hold`` sent without a key, kept until the test lets them go
+        if hold:
+            self.ctx.route(hold, lambda route: route.continue_() if route.request.headers.get("authorization")
+                           else self.held.append(route))
         self.page = self.ctx.new_page()
         self.width, self.url = width, url
         self.errors: list[str] = []
@@ -81,8 +85,13 @@ class Page:
         before = self.current_id()
         self.fill(**fields)
         self.page.click("#submit")
-        return self.until(f"(() => {{ const id = document.getElementById('job-view').dataset.id;"
-                          f" return id && id !== {before!r} ? id : null; }})()")
+        try:
+            return self.until(f"(() => {{ const id = document.getElementById('job-view').dataset.id;"
+                              f" return id && id !== {before!r} ? id : null; }})()")
+        except AssertionError as e:  # say what the page said instead
+            said = self.js("[...document.querySelectorAll('#create-form .err, #create-msg, #key-msg')]"
+                           ".filter(n => n.textContent).map(n => `${n.id}: ${n.textContent}`)")
+            raise AssertionError(f"{e}; the page said {said}; JS errors {self.errors}") from None
 
     def current_id(self) -> str:
         """The id of the video the page has open ('' for none)."""

@@ -70,6 +70,10 @@ export async function call(path, opts = {}) {
   }
   if (ok) return {status: response.status, headers: response.headers, data};
   const error = new ApiError(response.status, data, response.headers);
-  if (response.status === 401 && path.startsWith("v1/")) listeners.forEach((fn) => fn(error.message));
+  // A refusal of the key this call was sent with; one for a key since replaced (the page's
+  // first calls go out before a key is typed) is no news about the key in use.
+  if (response.status === 401 && path.startsWith("v1/") && apiKey.get() === key) {
+    listeners.forEach((fn) => fn(error.message));
+  }
   throw error;
 }
