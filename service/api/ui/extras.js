@@ -8,12 +8,11 @@ let maxLoras = 0;
 let generation = 0; // a list answered for an earlier key (or an earlier load) is dropped
 
 /** The cache methods and the adapter limit this instance's schema states. */
-export function readRules(spec, props) {
+export function readRules(props) {
   const loras = props.loras || {};
   maxLoras = typeof loras.maxItems === "number" ? loras.maxItems : 0;
-  // the object branch of "CacheUse | None", inlined or as a reference
-  let cache = ((props.cache || {}).anyOf || [props.cache || {}]).find((v) => v.type !== "null") || {};
-  if (cache.$ref) cache = (spec.components?.schemas || {})[cache.$ref.split("/").pop()] || {};
+  // the object branch of "CacheUse | None" (the create body's schema is inlined)
+  const cache = ((props.cache || {}).anyOf || []).find((v) => v.type !== "null") || {};
   const methods = ((cache.properties || {}).method || {}).enum;
   $("field-cache").hidden = !Array.isArray(methods);
   for (const option of $("f-cache").options) {
@@ -70,9 +69,8 @@ function asked() {
   const out = [];
   for (const row of $("lora-list").children) {
     if (!row.querySelector(".lora-use").checked) continue;
-    const raw = row.querySelector(".lora-scale").value.trim();
-    const scale = raw === "" ? 1 : Number(raw);
-    out.push({name: row.dataset.name, scale: Number.isFinite(scale) ? scale : raw});
+    const raw = row.querySelector(".lora-scale").value; // a number input: "" or a number
+    out.push({name: row.dataset.name, scale: raw === "" ? 1 : Number(raw)});
   }
   return out;
 }
@@ -94,8 +92,8 @@ export function addTo(body) {
   const method = $("field-cache").hidden ? "" : $("f-cache").value;
   if (method) {
     const cache = {method};
-    const raw = $("f-cache_threshold").value.trim();
-    if (method === "first_block" && raw !== "") cache.threshold = Number.isFinite(Number(raw)) ? Number(raw) : raw;
+    const raw = $("f-cache_threshold").value; // a number input: "" or a number
+    if (method === "first_block" && raw !== "") cache.threshold = Number(raw);
     body.append("cache", JSON.stringify(cache));
   }
 }

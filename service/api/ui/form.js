@@ -92,7 +92,7 @@ export async function loadLimits() {
   // a model that takes no image states it as {"not": {}}: no value is valid
   const image = rules.input_reference;
   $("field-input_reference").hidden = !image || (image.not && Object.keys(image.not).length === 0);
-  extras.readRules(spec, props);
+  extras.readRules(props);
   return rules;
 }
 
