@@ -13,3 +13,7 @@ class BodyError(ValueError):
     def __init__(self, field: str, message: str, kind: str = "value_error") -> None:
         super().__init__(f"{field}: {message}")
         self.field, self.message, self.kind = field, message, kind
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        # pickled with the constructor's arguments (Ray rebuilds a rank's error in the caller)
+        return type(self), (self.field, self.message, self.kind)

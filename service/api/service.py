@@ -29,6 +29,8 @@ from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.spec import Outcome
+from service.models.cache_spec import CacheSpec
+from service.models.checks import check_request
 from service.models.lora import LoraRegistry, Registered, targets_of
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
@@ -59,6 +61,7 @@ class VideoService:
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
+        self._cache_default = CacheSpec.from_obj(off.cache) if off.cache else None
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
@@ -138,6 +141,8 @@ class VideoService:
             self.adapter.validate(req)
             self.limits.check(req)
             req = self._resolve_loras(req, owner)
+            # the rank's own checks, here: what the edge accepts no rank refuses
+            check_request(self.adapter, req, int(self.cfg.offload.lora_cache_gb * 2**30), self._cache_default)
         except RequestError as e:
             field = {"image": "input_reference"}.get(e.field, e.field.removeprefix("extra."))
             raise BodyError(field, e.message) from None

@@ -178,12 +178,14 @@ class RayExecutor(GroupExecutor):
             result = ray.get(ref, timeout=30)
         except RayActorError as e:
             return Reply("lost", error=short(e))
-        except RayTaskError as e:
-            if op == "assign":  # the rank re-validates: that request only
+        except RayError as e:  # a task error; object lost, node died, worker crashed, OOM
+            if op == "assign":
+                # The actor lives (a dead one is a RayActorError above, and its events poll
+                # says so too): whatever went wrong is this request's, never the rank's death.
                 return Reply("refused", (Event(EventKind.REFUSED, job_id=job),), short(e))
-            return Reply("failed", error=short(e))
-        except RayError as e:  # object lost, node died, worker crashed, OOM
-            return Reply("lost", error=short(e))
+            return Reply("failed" if isinstance(e, RayTaskError) else "lost", error=short(e))
+        if op == "assign" and result:  # the rank re-validates: that request only
+            return Reply("refused", (Event(EventKind.REFUSED, job_id=job),), str(result))
         if op == "events":
             return Reply("events", tuple(result))
         if op == "serve":

@@ -56,8 +56,17 @@ class RankActor:
 
     # -- the rank loop, for the executor -------------------------------------------------
 
-    def assign(self, job_id: str, req: Any) -> None:
-        self.worker.assign(job_id, req)
+    def assign(self, job_id: str, req: Any) -> str | None:
+        """None when queued; else why the rank refused the request, as a plain string: a
+        refusal is that request's failure only, and a string crosses the process boundary
+        whatever the exception was (one that did not unpickle read as this rank's death)."""
+        from .executor import short
+
+        try:
+            self.worker.assign(job_id, req)
+        except Exception as e:  # noqa: BLE001 - refused: that request only
+            return short(e) or type(e).__name__
+        return None
 
     def cancel(self, job_id: str) -> bool:
         return self.worker.cancel(job_id)

@@ -27,11 +27,10 @@ import torch
 from torch import nn
 
 from .cache_spec import CacheSpec
-from .request import RequestError
+from .checks import cache_unsupported
 
 log = logging.getLogger("dloserve.models")
 DECISION_POINTS = (0, 1)  # block indices: before the forward's first block, and after it
-FAMILIES = ("wan-t2v",)  # one block list, diffusers' cache hooks know its blocks
 
 
 def diffusers_config(spec: CacheSpec, num_inference_steps: int) -> Any:
@@ -57,23 +56,9 @@ class StepCaches:
     def __init__(self, transformer: nn.Module, handle: Any, adapter: Any, default: CacheSpec | None) -> None:
         self.transformer = transformer
         self.handle = handle
-        attrs = adapter.block_attrs
-        if len(getattr(adapter, "experts", ())) > 1:
-            # Two experts (Wan2.2 A14B): diffusers' hooks and their residual state would sit on
-            # one expert only, and the switch between them is a decision of its own. The offload
-            # can stop each expert's forward early (its decision points are the first two blocks
-            # of the expert that runs), but the model side is not wired up: refused per request.
-            self.unsupported = (f"step caches are not supported on a two-expert model ({adapter.family}: "
-                                f"{' + '.join(adapter.experts)}) yet")
-        elif adapter.family not in FAMILIES or len(attrs) != 1:
-            self.unsupported = f"step caches are not supported for {adapter.family} yet (Wan T2V has them)"
-        elif adapter.sequence_parallel > 1:
-            # Each SP rank sees 1/S of the tokens, so a residual test would decide per rank, and
-            # a skipped block makes no attention all-to-all: the ranks would fall out of step.
-            self.unsupported = "step caches do not run with --sequence-parallel-size > 1 yet"
-        else:
-            self.unsupported = ""
-        self.blocks: nn.ModuleList | None = None if self.unsupported else getattr(transformer, attrs[0])
+        self.unsupported = cache_unsupported(adapter)
+        self.blocks: nn.ModuleList | None = (
+            None if self.unsupported else getattr(transformer, adapter.block_attrs[0]))
         self.default = default if default is not None else CacheSpec()
         if self.unsupported and self.default.enabled:
             raise ValueError(f"--cache: {self.unsupported}")
@@ -85,11 +70,6 @@ class StepCaches:
         the offload's own group."""
         if self.handle is not None and not self.unsupported:
             self.handle.enable_skips(DECISION_POINTS, agree_group=group)
-
-    def check(self, spec: CacheSpec) -> None:
-        """RequestError if this model cannot run ``spec`` (before any compute)."""
-        if spec.enabled and self.unsupported:
-            raise RequestError("cache.method", self.unsupported)
 
     def resolve(self, spec: CacheSpec | None) -> CacheSpec:
         """The request's cache, or the server default when it names none."""

@@ -38,6 +38,9 @@ class CacheError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.field, self.message)
+
 
 @dataclass(frozen=True)
 class CacheSpec:

@@ -44,6 +44,9 @@ class LoraError(ValueError):
         super().__init__(f"adapter {adapter!r}: {key}: {message}")
         self.adapter, self.key, self.message = adapter, key, message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return type(self), (self.adapter, self.key, self.message)
+
 
 @dataclass(frozen=True)
 class Target:
@@ -287,17 +290,6 @@ class RankAdapters:
         modules = dict(transformer.named_modules())
         self.sides = SideBranches(transformer, {n: modules[n] for n in self.targets.linears})
 
-    def check(self, refs: tuple[LoraRef, ...]) -> None:
-        """RequestError for what a request may not ask of this model (before any compute)."""
-        for i, ref in enumerate(refs):
-            if not ref.source:
-                raise RequestError(f"loras[{i}].name", f"adapter {ref.name!r} is not registered")
-            if ref.expert not in (None, "both"):
-                raise RequestError(f"loras[{i}].expert", f"{self.targets.family} has one transformer: "
-                                                         f"expert must be 'both', got {ref.expert!r}")
-        if refs and self.cache.budget <= 0:
-            raise RequestError("loras", "adapters are off on this server (--lora-cache-gb 0)")
-
     def _load(self, ref: LoraRef) -> tuple[str, int, Callable[[], DeviceAdapter]]:
         key = ref.sha256
         if key and key in self.cache:
@@ -315,7 +307,6 @@ class RankAdapters:
         if not refs:
             yield
             return
-        self.check(refs)
         wanted = [self._load(r) for r in refs]
         try:
             adapters = self.cache.acquire(wanted)

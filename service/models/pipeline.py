@@ -41,6 +41,7 @@ from service.offload.auto import ProbeTimings, choose_mode, probe
 from .adapter import ModelAdapter
 from .cache import StepCaches
 from .cache_spec import CacheSpec
+from .checks import check_request
 from .experts import expert_of, lockstep_expert_cost
 from .lora import RankAdapters
 from .options import Mode, OffloadSettings
@@ -183,9 +184,7 @@ class PipelineRunner:
 
     def validate(self, req: GenerationRequest) -> None:
         """Raise RequestError naming the bad field, before any compute."""
-        self.adapter.validate(req)
-        self.loras.check(req.loras)
-        self.caches.check(self.caches.resolve(req.cache))
+        check_request(self.adapter, req, self.loras.cache.budget, self.caches.default)
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None

@@ -30,6 +30,11 @@ class RequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # pickled with the constructor's arguments: a rank's refusal must reach the driver as
+        # itself, never as an unpicklable error that reads as the rank's death
+        return type(self), (self.field, self.message)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

@@ -29,6 +29,9 @@ class Unavailable(Exception):
         super().__init__(why)
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        return type(self), (str(self), self.retry_after_s)
+
 
 @dataclass
 class Track:

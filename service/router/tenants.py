@@ -42,6 +42,9 @@ class QuotaExceeded(Exception):
                          f"retry after {retry_after_s}s")
         self.queued, self.limit, self.retry_after_s = queued, limit, retry_after_s
 
+    def __reduce__(self) -> tuple[type, tuple[int, int, int]]:
+        return type(self), (self.queued, self.limit, self.retry_after_s)
+
 
 @dataclass
 class Tenants:

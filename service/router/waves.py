@@ -29,6 +29,9 @@ class QueueFull(Exception):
         self.depth = depth
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self) -> tuple[type, tuple[int, int]]:
+        return type(self), (self.depth, self.retry_after_s)
+
 
 @dataclass
 class Ticket:

@@ -160,3 +160,32 @@ def test_generate_refuses_a_bad_adapter_before_work(demo_model: str, lora_dir: P
         "--lora", f"broken={lora_dir / 'bad.safetensors'}")
     assert r.returncode == 2 and "adapter 'broken'" in r.stderr
     assert "transformer.blocks.1.attn2.to_k.lora_B.weight" in r.stderr and not out.exists()
+
+
+def test_model_dependent_fields_are_refused_at_the_edge(demo_model: str, lora_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """What a rank would refuse is a 422 here, naming the field, and never reaches a rank: an
+    adapter expert on a one-transformer model, any adapter or a step cache on a two-expert one
+    (issue 31: these once got 202 and made the rank group rebuild twice)."""
+    from service.models.demo import ensure_demo_model
+
+    svc, ex, store = make(demo_model, tmp_path, loras={"style": str(lora_dir / "style.safetensors")})
+    try:
+        with pytest.raises(BodyError) as e:
+            svc.create({**BODY, "loras": [{"name": "style", "expert": "high"}]})
+        assert e.value.field == "loras[0].expert" and "one transformer" in e.value.message
+        served = svc.create({**BODY, "loras": [{"name": "style", "expert": "both"}]})
+        ex.wait_assigned(served.id)
+        assert [job for _, _, job, _ in ex.assigned] == [served.id]  # the refused one never reached a rank
+    finally:
+        svc.close()
+        store.close()
+    two, ex2, store2 = make(str(ensure_demo_model("wan22-t2v-tiny")), tmp_path / "two")
+    try:
+        with pytest.raises(BodyError) as e:
+            two.create({**BODY, "cache": {"method": "first_block"}})
+        assert e.value.field == "cache.method" and "two-expert" in e.value.message
+        two.create(dict(BODY))  # no cache: served
+    finally:
+        two.close()
+        store2.close()

@@ -157,3 +157,26 @@ def test_allgather_a_killed_rank_reruns_both_held_requests_and_the_queue_goes_on
     after = GenerationRequest(prompt="after an idle death", seed=10)
     submit(d, "after", after)
     assert sink.wait(["after"])[0].mp4 == resident.generate(after)
+
+
+def test_allgather_a_request_the_rank_refuses_fails_alone(allgather, resident) -> None:  # noqa: ANN001
+    """A request that gets past the edge but that a rank refuses (here: sent straight to the
+    dispatcher with an adapter expert a one-transformer model has not) fails with the rank's
+    reason; the group is not rebuilt and the other rank's request runs on, exact (issue 31:
+    the rank's RequestError did not unpickle, Ray said 'system error', and the group was
+    rebuilt twice)."""
+    from service.models.lora_ref import LoraRef
+
+    d, sink = allgather
+    (group,) = d.executor._groups.values()
+    steady = GenerationRequest(prompt="runs on", seed=1, num_inference_steps=30)
+    submit(d, "steady", steady)
+    sink.wait_progress("steady")
+    high = LoraRef("x", expert="high", source="/x", sha256="a")
+    bad = GenerationRequest(prompt="refused", seed=2, loras=(high,))
+    submit(d, "bad", bad)
+    out = sink.wait(["bad"])[0]
+    assert not out.ok and "loras[0].expert" in out.error and "one transformer" in out.error, out
+    assert sink.wait(["steady"])[0].mp4 == resident.generate(steady)
+    assert group.generation == 0 and group.rebuilds == 0 and group.state is GroupState.READY
+    assert not sink.requeued
