@@ -103,6 +103,15 @@ class ModelAdapter(ABC):
             return {f"{name}.": self._checkpoint(name) for name in self.experts}
         return self._checkpoint(only or self.experts[0])
 
+    def stored_quantization(self) -> str | None:
+        """"fp8" when ``dloserve quantize`` wrote the denoiser's files (their headers say so),
+        else None: what ``--quantization auto`` serves."""
+        from service.offload.quant_checkpoint import stored_format
+
+        ckpt = self.transformer_checkpoint()
+        paths = ckpt.values() if isinstance(ckpt, dict) else (ckpt,)
+        return "fp8" if any(stored_format(p) for p in paths) else None
+
     @property
     def offload_block_attrs(self) -> tuple[str, ...]:
         """The block lists as the offload sees them (prefixed by the expert with two)."""

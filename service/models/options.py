@@ -18,7 +18,7 @@ from typing import Any
 
 COMPONENTS = ("dit", "text_encoder", "vae")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-QUANTIZATIONS = ("fp8",)  # the transformer blocks' Linear weights in float8_e4m3fn (offload.quant)
+QUANTIZATIONS = ("fp8", "none")  # settings' None: the checkpoint's own (a `dloserve quantize` folder: fp8)
 NEEDS_OFFLOAD = "needs --enable-distributed-layerwise-offload"
 LORA_CACHE_GB = 2.0  # device memory for LoRA adapter weights (docs/lora.md)
 
@@ -52,8 +52,10 @@ class OffloadSettings:
     ``probe_shape``: (height, width, frames) of the load-time probe forward (auto mode and
     the memory budget); None is 480x832x81. ``dtype``: a torch dtype name, None keeps the
     checkpoint's. ``quantization``: "fp8" serves the blocks' Linear weights in FP8 (resident
-    or streamed: half the bytes on the host, over PCIe and in the gathers). ``lora_cache_gb``:
-    device memory for LoRA adapter weights (an LRU; 0: no adapters), counted by the budget.
+    or streamed: half the bytes on the host, over PCIe and in the gathers); None takes the
+    checkpoint's own (fp8 for a ``dloserve quantize`` folder); "none" refuses an fp8 folder.
+    ``lora_cache_gb``: device memory for LoRA adapter weights (an LRU; 0: no adapters),
+    counted by the budget.
     ``cache``: the step cache of requests that name none (a ``--cache`` spec, canonical JSON;
     None: no cache), see cache_spec.py.
     """
@@ -150,6 +152,15 @@ class OffloadSettings:
         if self.device_memory_gb is not None and device == "cuda" and not adapter.can_probe:
             return (f"--dlo-device-memory-gb needs a load-time probe, which {adapter.family} does not have "
                     "yet (Wan does)")
+        if self.quantization != "fp8" and adapter.stored_quantization():
+            # the folder says it holds fp8: read as fp8 unless the flag says otherwise
+            if self.quantization == "none":
+                return (f"--quantization none: {adapter.model_dir} holds fp8 weights (written by "
+                        "`dloserve quantize`) and cannot be served unquantized; drop the flag (its fp8 "
+                        "is read by default)")
+            if adapter.sequence_parallel > 1:
+                return (f"{adapter.model_dir} holds fp8 weights: not yet with --sequence-parallel-size > 1 "
+                        "(serve the unquantized folder)")
         return None
 
 
@@ -227,10 +238,11 @@ def add_offload_arguments(p: argparse.ArgumentParser, offload_default: bool = Fa
                         "default 832x480x81 (generate: the request's own size)")
     g.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="transformer dtype (auto: the checkpoint's)")
-    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+    g.add_argument("--quantization", default="auto", choices=("auto", *QUANTIZATIONS),
                    help="fp8: the transformer blocks' Linear weights in FP8 with per-channel scales, "
-                        "quantized at load (or read from a 'dloserve quantize' folder): half the bytes "
-                        "on the host, over PCIe and in the gathers"),
+                        "quantized at load: half the bytes on the host, over PCIe and in the gathers. "
+                        "auto (default): the checkpoint's own (a 'dloserve quantize' folder is read as "
+                        "fp8, any other as stored); none: never fp8 (an fp8 folder is refused)")
     g.add_argument("--cache", "--cache-default", dest="cache", default=None, metavar="SPEC",
                    help="step cache of requests that name none (generate: the request's): none (default), "
                         "first_block[:threshold=0.05], mag:threshold=0.06,... or a JSON object; skipped "
@@ -282,7 +294,7 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
         components=parse_components(args.dlo_components),
         probe_shape=parse_probe_size(args.dlo_probe_size) if args.dlo_probe_size else None,
         dtype=None if args.dtype == "auto" else args.dtype,
-        quantization=args.quantization,
+        quantization=None if args.quantization in (None, "auto") else args.quantization,
         lora_cache_gb=LORA_CACHE_GB if getattr(args, "lora_cache_gb", None) is None else args.lora_cache_gb,
         cache=getattr(args, "cache", None),
     )
@@ -296,7 +308,7 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
             refused.insert(0, "--dlo-mode auto")
         if settings.components != ("dit",):
             refused.append(FLAGS["components"])
-        if settings.quantization is not None:
+        if settings.quantization == "fp8":
             refused.append(FLAGS["quantization"])
         if settings.cache is not None:
             refused.append(FLAGS["cache"])

@@ -37,6 +37,8 @@ import torch.distributed as dist
 
 from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload, load_resident
 from service.offload.auto import ProbeTimings, choose_mode, probe
+from service.offload.checkpoint import Checkpoint
+from service.offload.quant_checkpoint import prequantized_key
 
 from .adapter import ModelAdapter
 from .cache import StepCaches
@@ -120,6 +122,7 @@ class PipelineRunner:
         adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
         ckpt = adapter.transformer_checkpoint()
+        settings = with_checkpoint_quantization(settings, ckpt)
         marks["build"] = time.perf_counter()
         handle, choice = None, None
         if settings.enabled and sequence_parallel > 1 and group is not None:
@@ -329,6 +332,22 @@ def expert_mix(adapter: ModelAdapter, settings: OffloadSettings, world: int) -> 
                                                    num_frames=frames, num_inference_steps=steps))
              for steps in MIX_STEPS]
     return lockstep_expert_cost(plans, world)
+
+
+def with_checkpoint_quantization(settings: OffloadSettings, ckpt: Any) -> OffloadSettings:
+    """``quantization`` None (the flag's auto) made the checkpoint's own: "fp8" for a folder
+    ``dloserve quantize`` wrote (the folder says what it holds), else left as it is.
+    ``"none"`` with such a folder is refused at load, naming the flag."""
+    if settings.quantization is not None:
+        return settings
+    for path in ckpt.values() if isinstance(ckpt, dict) else (ckpt,):
+        opened = Checkpoint(path)
+        try:
+            if prequantized_key(opened) is not None:
+                return replace(settings, quantization="fp8")
+        finally:
+            opened.close()
+    return settings
 
 
 def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError, serving_dtype
-from .quant import Fp8
-from .quant_checkpoint import quantize_module
+from .quant import NONE, Fp8
+from .quant_checkpoint import prequantized_key, quantize_module
 from .runtime import set_tensor
 
 
@@ -88,8 +88,10 @@ def load_resident(
     """
     dev = torch.device(device)
     ckpt = Checkpoint(checkpoint)
-    # find_blocks only for fp8: a module with no block list still loads unquantized
-    blocks = find_blocks(module, block_attrs) if quantization is not None else []
+    # find_blocks only for fp8 (asked for, or the checkpoint's own): a module with no block
+    # list still loads unquantized
+    fp8 = quantization not in (None, NONE) or (quantization is None and prequantized_key(ckpt) is not None)
+    blocks = find_blocks(module, block_attrs) if fp8 else []
     quant = quantize_module(module, blocks, ckpt, quantization, dev)
     expected = _expected(module)
     ckpt.validate(expected)

@@ -56,13 +56,17 @@ class Fp8:
     name = "fp8"
 
 
-def as_quantization(value: str | Fp8 | None) -> Fp8 | None:
-    """``None``, ``"fp8"`` or an ``Fp8`` -> ``Fp8 | None``; ValueError names the choices."""
-    if value is None or isinstance(value, Fp8):
+NONE = "none"  # no quantization, said outright: an fp8 checkpoint is refused, not read as one
+
+
+def as_quantization(value: str | Fp8 | None) -> Fp8 | str | None:
+    """``None`` (the checkpoint's own), ``"none"``, ``"fp8"`` or an ``Fp8`` -> ``Fp8``,
+    ``"none"`` or None; ValueError names the choices."""
+    if value is None or isinstance(value, Fp8) or value == NONE:
         return value
     if value == "fp8":
         return Fp8()
-    raise ValueError(f"quantization must be None or 'fp8', got {value!r}")
+    raise ValueError(f"quantization must be None, 'none' or 'fp8', got {value!r}")
 
 
 def scale_key(weight_key: str) -> str:

@@ -23,6 +23,7 @@ from torch import nn
 from .checkpoint import INDEX_SUFFIX, Checkpoint, CheckpointError, checkpoint_files
 from .quant import (
     FP8,
+    NONE,
     SCALE_SUFFIX,
     Fp8,
     Fp8Compute,
@@ -58,13 +59,18 @@ def quantize_module(module: nn.Module, blocks: Sequence[tuple[str, nn.Module]], 
                     quantization: str | Fp8 | None, device: torch.device) -> QuantState | None:
     """Make ``blocks``' Linears fp8 (on meta) and ``ckpt`` serve what they expect.
 
-    Without quantization a checkpoint that holds fp8 weights and scales is refused with the
-    fix named (its weights are not plain matrices).
+    ``quantization`` None takes the checkpoint's own: a folder ``dloserve quantize`` wrote
+    (fp8 weights with scales) is served as fp8, any other as it is stored. ``"none"`` says
+    no quantization outright, and a checkpoint that holds fp8 weights is then refused with
+    the fix named (its weights are not plain matrices).
     """
     q = as_quantization(quantization)
     if q is None:
+        q = Fp8() if prequantized_key(ckpt) else None
+    if q is None or q == NONE:
         refuse_prequantized(ckpt)
         return None
+    assert isinstance(q, Fp8)
     compute = resolve_compute(q.compute, device)
     weights = quantize_blocks(blocks, compute)
     source = serve_fp8(ckpt, weights)
@@ -102,14 +108,38 @@ def serve_fp8(ckpt: Checkpoint, weights: Iterable[str]) -> str:
     return "prequantized" if stored else "online"
 
 
-def refuse_prequantized(ckpt: Checkpoint) -> None:
-    """A checkpoint with fp8 weights and scales needs ``quantization='fp8'``: say so."""
-    for key, rec in ckpt.stored.items():
+def prequantized_key(ckpt: Checkpoint) -> str | None:
+    """The first fp8 weight's scale key if ``ckpt`` holds fp8 weights with scales (a folder
+    ``dloserve quantize`` wrote), else None."""
+    for key in ckpt.stored:
         if key.endswith(f".weight{SCALE_SUFFIX}") and getattr(ckpt.stored.get(key[: -len(SCALE_SUFFIX)]),
                                                               "dtype", None) == FP8:
-            raise CheckpointError(f"checkpoint {ckpt.path} holds fp8 weights with scales ({key!r} in "
-                                  f"{rec.file.name}, written by `dloserve quantize`): load it with "
-                                  "quantization='fp8' (--quantization fp8)")
+            return key
+    return None
+
+
+def refuse_prequantized(ckpt: Checkpoint) -> None:
+    """A checkpoint with fp8 weights and scales cannot be served unquantized: say so."""
+    key = prequantized_key(ckpt)
+    if key is not None:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds fp8 weights with scales ({key!r} in "
+                              f"{ckpt.stored[key].file.name}, written by `dloserve quantize`): it cannot be "
+                              "served unquantized; drop --quantization none (its own fp8 is read by default)")
+
+
+def stored_format(path: str | os.PathLike) -> str | None:
+    """The quantization format ``write_quantized`` stamped into the checkpoint's files
+    (their safetensors header), or None: the header alone is read, no tensor is mapped."""
+    import struct
+
+    for f in checkpoint_files(path):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n)) if 0 < n <= 100_000_000 else {}
+        meta = header.get("__metadata__") or {}
+        if meta.get("dloserve_quantization"):
+            return str(meta["dloserve_quantization"])
+    return None
 
 
 def write_quantized(src: str | os.PathLike, dst: str | os.PathLike, weights: Iterable[str],

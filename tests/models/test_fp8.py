@@ -163,3 +163,27 @@ def test_auto_mode_probes_the_fp8_blocks(fp8_model: str) -> None:
         assert stats["quantization_source"] == "prequantized" and stats["mode"] == runner.choice["mode"]
     finally:
         runner.close()
+
+
+def test_a_quantized_folder_is_fp8_without_the_flag(demo_model: str, fp8_model: str, tmp_path: Path) -> None:
+    """The folder carries its quantization (issue 34): --quantization auto (the default) reads
+    it as fp8, the same frames as asking for fp8; none is refused before anything loads,
+    naming the flag; an unquantized folder stays as stored."""
+    from service.models.registry import load_adapter
+
+    assert settings_from_args(_args()).quantization is None  # auto
+    assert settings_from_args(_args("--quantization", "none")).quantization == "none"
+    own, stats, described = _frames(fp8_model, OffloadSettings(Mode.ALLGATHER))
+    asked, _, _ = _frames(fp8_model, OffloadSettings(Mode.ALLGATHER, quantization="fp8"))
+    assert np.array_equal(own, asked)
+    assert stats["quantization"] == "fp8" and stats["quantization_source"] == "prequantized"
+    assert described["quantization"] == "fp8"
+    fp8, plain = load_adapter(fp8_model), load_adapter(demo_model)
+    assert (fp8.stored_quantization(), plain.stored_quantization()) == ("fp8", None)
+    assert "drop the flag" in (OffloadSettings(quantization="none").probe_problem(fp8, "cpu") or "")
+    assert OffloadSettings(quantization="none").probe_problem(plain, "cpu") is None
+    assert OffloadSettings().probe_problem(fp8, "cpu") is None
+    out = tmp_path / "x.mp4"
+    assert cli_main(["generate", "--model", fp8_model, "--prompt", "x", "--quantization", "none",
+                     "--out", str(out)]) == 2
+    assert not out.exists()

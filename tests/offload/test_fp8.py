@@ -241,11 +241,30 @@ def test_budget_and_probe_count_fp8_bytes(ckpts: dict) -> None:
 # -- what is refused ----------------------------------------------------------------------
 
 
+def test_an_fp8_checkpoint_is_read_as_fp8_unless_told_none(ckpts: dict) -> None:
+    """The folder says what it holds: quantization None takes its fp8 (the same host bytes
+    and outputs as asking for fp8); "none" refuses it, naming the flag to drop."""
+    own = enable_layerwise_offload(empty_model(), ckpts["fp8"], device="cpu",
+                                   placement=Placement(resident_blocks=2))
+    asked = enable_layerwise_offload(empty_model(), ckpts["fp8"], device="cpu", quantization="fp8",
+                                     placement=Placement(resident_blocks=2))
+    assert own.stats().quantization == "fp8" and own.stats().quantization_source == "prequantized"
+    for a, b in zip(own.host.blocks, asked.host.blocks, strict=True):
+        assert torch.equal(a.shard, b.shard)
+    for h in (own, asked):
+        h.close()
+    assert torch.equal(torch.stack(_run(load_resident(empty_model(), ckpts["fp8"]))),
+                       torch.stack(_run(load_resident(empty_model(), ckpts["fp8"], quantization="fp8"))))
+    plain = enable_layerwise_offload(empty_model(), ckpts["bf16"], device="cpu")  # a bf16 one stays bf16
+    assert not plain.stats().quantization
+    plain.close()
+
+
 def test_refusals_name_the_fix(ckpts: dict, tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="--quantization fp8"):
-        enable_layerwise_offload(empty_model(), ckpts["fp8"], device="cpu")
-    with pytest.raises(CheckpointError, match="--quantization fp8"):
-        load_resident(empty_model(), ckpts["fp8"])
+    with pytest.raises(CheckpointError, match="drop --quantization none"):
+        enable_layerwise_offload(empty_model(), ckpts["fp8"], device="cpu", quantization="none")
+    with pytest.raises(CheckpointError, match="drop --quantization none"):
+        load_resident(empty_model(), ckpts["fp8"], quantization="none")
     mixed = load_file(ckpts["fp8"])
     mixed["blocks.0.fc1.weight"] = load_file(ckpts["bf16"])["blocks.0.fc1.weight"]
     del mixed["blocks.0.fc1.weight_scale"]
@@ -253,7 +272,7 @@ def test_refusals_name_the_fix(ckpts: dict, tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="quantize all of them or none"):
         enable_layerwise_offload(empty_model(), tmp_path / "mixed.safetensors", device="cpu",
                                  quantization="fp8")
-    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'none' or 'fp8'"):
         enable_layerwise_offload(empty_model(), ckpts["bf16"], device="cpu", quantization="int4")
     ck = Checkpoint(ckpts["bf16"])
     ck.derive("blocks.0.fc1.weight", FP8, (160, 64), "blocks.0.fc1.weight", quantize_weight)
