@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.api.keys import owner_id
-from service.engine.spec import EngineSpec
+from service.engine.spec import CPUS_PER_RANK, EngineSpec
 from service.models.image import MAX_IMAGE_PIXELS
 from service.models.options import Mode, OffloadSettings
 from service.router.tenants import Quota, Tenants
@@ -29,7 +29,8 @@ class ServiceConfig(BaseModel):
                                      description="where the weights live: mode (resident, allgather, "
                                                  "rank-local, auto), resident_layers, device_memory_gb, "
                                                  "components, probe_shape, dtype (service.models.options)")
-    cpus_per_rank: float = 1.0
+    cpus_per_rank: float = CPUS_PER_RANK
+    cpus_per_rank_why: str = Field("set", description="where cpus_per_rank came from (/readyz)")
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
     num_replicas: int = 1

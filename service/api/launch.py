@@ -169,6 +169,7 @@ def _run(args: argparse.Namespace) -> int:
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    _size_ranks(args)
     cfg = config_from_args(args, gpus)
     _store_url["url"] = cfg.results_url
     mode = cfg.offload.mode.value
@@ -187,6 +188,25 @@ def _run(args: argparse.Namespace) -> int:
           f"(POST {url}/v1/videos, docs {url}/docs); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
+
+
+def _size_ranks(args: argparse.Namespace) -> None:
+    """``--cpus-per-rank`` when not given: from the host on a cluster of our own (one node, all
+    our ranks on it), else the old default of 1 (a joined cluster's nodes are shared)."""
+    import ray
+
+    from service.engine.spec import CPUS_PER_RANK, host_cpus_per_rank
+
+    if args.cpus_per_rank is not None:
+        args.cpus_per_rank_why = "--cpus-per-rank"
+    elif _own_cluster["started"]:
+        ranks = args.data_parallel_size * args.sequence_parallel_size * args.num_replicas
+        args.cpus_per_rank, args.cpus_per_rank_why = host_cpus_per_rank(
+            ray.cluster_resources().get("CPU", 1.0), ranks)
+    else:
+        args.cpus_per_rank = CPUS_PER_RANK
+        args.cpus_per_rank_why = "the default on a joined cluster (--cpus-per-rank sets it)"
+    print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
 def _start_local_cluster(loopback: bool) -> None:

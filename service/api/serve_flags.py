@@ -93,6 +93,7 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         sp_size=args.sequence_parallel_size,
         offload=settings_from_args(args),
         cpus_per_rank=args.cpus_per_rank,
+        cpus_per_rank_why=getattr(args, "cpus_per_rank_why", "--cpus-per-rank"),
         gpus_per_rank=gpus_per_rank,
         strategy=args.placement_strategy,
         num_replicas=args.num_replicas,

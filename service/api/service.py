@@ -264,6 +264,7 @@ class VideoService:
             "ready": st["state"] in ("ready", "degraded"),
             **st,
             "scheduler": self.cfg.scheduler,
+            "cpus_per_rank": {"value": self.cfg.cpus_per_rank, "why": self.cfg.cpus_per_rank_why},
             "instance": self.cfg.instance,
             "queue_depth": self.dispatcher.depth,
             "in_flight": self.dispatcher.held,

@@ -8,6 +8,20 @@ from typing import Any
 
 from service.models.options import Mode, OffloadSettings
 
+INGRESS_CPUS = 2  # left to the ingress (body parsing, image checks), the proxy and Ray's daemons
+CPUS_PER_RANK = 1.0  # the default where the host is not ours to size (a cluster we join)
+
+
+def host_cpus_per_rank(node_cpus: float, ranks: int) -> tuple[float, str]:
+    """The CPUs each rank gets by default on a node we own, and why: the node's, less what the
+    ingress needs, shared by the ``ranks`` on it; whole CPUs, never below ``CPUS_PER_RANK``
+    (so a small host places its ranks as before). A rank's CPUs size its MP4 encoder pool
+    (engine.encoder.pool_size): on a 16-core host one rank gets 14, three encoders, not one."""
+    share = float(int((node_cpus - INGRESS_CPUS) // max(1, ranks)))
+    value = max(CPUS_PER_RANK, share)
+    return value, (f"from the host: {node_cpus:g} CPUs less {INGRESS_CPUS} for the ingress, over "
+                   f"{ranks} rank{'s' if ranks != 1 else ''} (--cpus-per-rank sets it)")
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -21,7 +35,7 @@ class EngineSpec:
     dp_size: int = 1
     sp_size: int = 1  # sequence parallel: each of the dp_size groups is S ranks
     settings: OffloadSettings = field(default_factory=lambda: OffloadSettings(Mode.ALLGATHER))
-    cpus_per_rank: float = 1.0
+    cpus_per_rank: float = CPUS_PER_RANK
     gpus_per_rank: float = 0.0
     strategy: str = "STRICT_PACK"
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first

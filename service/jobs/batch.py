@@ -307,7 +307,7 @@ def _run(args: argparse.Namespace, model: str, settings: Any,
     import ray
     from tqdm import tqdm
 
-    from service.engine.spec import EngineSpec
+    from service.engine.spec import CPUS_PER_RANK, EngineSpec
     from service.router.build import build_dispatcher
     from service.router.policy import DeadlinePolicy
 
@@ -315,8 +315,9 @@ def _run(args: argparse.Namespace, model: str, settings: Any,
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    cpus = CPUS_PER_RANK if args.cpus_per_rank is None else args.cpus_per_rank  # a shared cluster: not sized
     spec = EngineSpec(model_dir=model, dp_size=args.data_parallel_size, sp_size=args.sequence_parallel_size,
-                      settings=settings, cpus_per_rank=args.cpus_per_rank, gpus_per_rank=gpus,
+                      settings=settings, cpus_per_rank=cpus, gpus_per_rank=gpus,
                       strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank)
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)

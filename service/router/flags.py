@@ -18,7 +18,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> 
     g = p.add_argument_group("rank placement and scheduling")
     g.add_argument("--gpus-per-rank", type=float, default=None,
                    help="default: 1 if the cluster has GPUs, else 0")
-    g.add_argument("--cpus-per-rank", type=float, default=1.0)
+    g.add_argument("--cpus-per-rank", type=float, default=None,
+                   help="CPUs reserved per rank (its MP4 encoders follow them); default: serve on a "
+                        "cluster of its own shares the node's CPUs, less 2 for the ingress, among its "
+                        "ranks (at least 1); on a joined cluster and in the batch job, 1")
     g.add_argument("--placement-strategy", default="STRICT_PACK",
                    choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
     g.add_argument("--scheduler", choices=("continuous", "waves"), default="continuous",

@@ -233,3 +233,8 @@ def test_a_lost_replicas_jobs_run_again_on_another_and_its_late_answer_changes_n
         b.close()
         a.close()
         store.close()
+
+
+def test_readyz_says_how_the_ranks_were_sized(service) -> None:  # noqa: ANN001
+    svc, _ = service
+    assert svc.readiness()["cpus_per_rank"] == {"value": 1.0, "why": "set"}

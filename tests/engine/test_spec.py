@@ -28,3 +28,18 @@ def test_dp_layouts(mode: Mode, layout: list[tuple[int, int]]) -> None:
 def test_auto_must_be_resolved_before_a_layout() -> None:
     with pytest.raises(ValueError, match="resolve --dlo-mode auto"):
         EngineSpec("unused", dp_size=2, settings=OffloadSettings(Mode.AUTO)).group_layout()
+
+
+def test_host_sized_cpus_per_rank() -> None:
+    """A node of ours shares its CPUs (less the ingress's) among its ranks, whole CPUs, never
+    below the old default of 1: a 2-core host places DP2 as before; a 16-core H200 host gives
+    one rank 14 CPUs (three 4-thread encoders instead of one)."""
+    from service.engine.encoder import pool_size
+    from service.engine.spec import CPUS_PER_RANK, INGRESS_CPUS, host_cpus_per_rank
+
+    assert host_cpus_per_rank(2, 2)[0] == CPUS_PER_RANK == 1.0
+    value, why = host_cpus_per_rank(16, 1)
+    assert value == 16 - INGRESS_CPUS and "16 CPUs" in why and "--cpus-per-rank" in why
+    assert pool_size(value) == 3 and pool_size(CPUS_PER_RANK) == 1
+    assert host_cpus_per_rank(32, 2)[0] == 15 and host_cpus_per_rank(16, 3)[0] == 4
+    assert host_cpus_per_rank(0.5, 4)[0] == 1.0
