@@ -64,7 +64,7 @@ def _serving(results: Path, *extra: str) -> Iterator[tuple[str, Serve]]:
 @pytest.fixture(scope="module")
 def served(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
     """With one adapter registered at start (every key may use it)."""
-    from service.models.lora_demo import write_demo_lora
+    from service.models.demo.lora import write_demo_lora
 
     lora = tmp_path_factory.mktemp("ui-loras") / "style.safetensors"
     write_demo_lora(demo_model, lora, rank=4)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.models.lora_demo import write_demo_lora
+from service.models.demo.lora import write_demo_lora
 from service.models.lora_ref import LoraRef
 from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.models.demo.lora import write_demo_lora
 from service.models.lora import LoraError, Targets, read_adapter, targets_of
-from service.models.lora_demo import write_demo_lora
 from service.models.registry import load_adapter
 
 
