@@ -45,6 +45,7 @@ from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
 from service.api.records import JobRecord, JobStatus
+from service.api.results import StorageError
 from service.api.schemas import (
     BodyError,
     ErrorResponse,
@@ -58,6 +59,8 @@ from service.api.schemas import (
     parse_body,
 )
 from service.api.service import ServiceConfig, VideoService, video_object
+from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
+from service.api.storage_health import cause_of
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.health import Unavailable
@@ -94,7 +97,8 @@ _CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not arrive
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
                   429: {**_ERR, "description": "this API key's queue is full (quota_exceeded) or the "
                                                "whole queue is (queue_full); see Retry-After"},
-                  503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
+                  503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"},
+                  507: {**_ERR, "description": "the results storage refuses writes (full); see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
 _MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; ranges on local storage)"},
         206: {"content": {"video/mp4": {}}, "description": "the requested range"},
@@ -229,6 +233,10 @@ class VideoIngress:
             metrics()["requests"].inc(1, tags={"status": "throttled"})
             return error(429, str(e), kind="rate_limit_error", code="queue_full",
                          headers={"Retry-After": str(e.retry_after_s)})
+        except StorageError as e:  # (a job-store actor's arrives wrapped: its cause says why)
+            metrics()["requests"].inc(1, tags={"status": "refused_storage"})
+            return error(507, str(cause_of(e)), None, kind="server_error", code="storage_full",
+                         headers={"Retry-After": str(STORAGE_RETRY_S)})
         except Unavailable as e:
             metrics()["requests"].inc(1, tags={"status": "refused_down"})
             return error(503, str(e), kind="server_error", code="engine_down",
