@@ -30,6 +30,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.adapter_io import AdapterIOBusy, AdapterIOTimeout
 from service.api.catalog import ModelCard, ModelList, model_card
 from service.api.http import (
     NO_STORE,
@@ -367,7 +368,10 @@ class VideoIngress:
               "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
               responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
                          409: {**_ERR, "description": "the name is taken"},
-                         422: {**_ERR, "description": "a bad adapter (param names the key)"}})
+                         422: {**_ERR, "description": "a bad adapter (param names the key; source: not a "
+                                                      "regular file)"},
+                         503: {**_ERR, "description": "every adapter-reading thread is busy (Retry-After)"},
+                         504: {**_ERR, "description": "reading the file took over lora_read_timeout_s"}})
     async def create_lora(self, request: Request) -> Any:
         """Register an adapter file under a name; the whole file is checked against the model
         (shapes, keys, layout) before it is accepted."""
@@ -381,7 +385,9 @@ class VideoIngress:
         try:
             raw = await read_capped(request, self.svc.cfg.max_body_bytes, self.svc.cfg.body_timeout_s)
             body = LoraCreate.model_validate(json.loads(raw or b"null"))
-            entry = await asyncio.to_thread(self.svc.add_lora, body.name, body.source, owner)
+            # Its own bounded pool with a timeout: a hung read never holds up POST /v1/videos.
+            entry = await self.svc.adapter_io.run(self.svc.add_lora, body.name, body.source, owner,
+                                                  undo=lambda e: self.svc.delete_lora(e.name, owner))
         except TooLarge as e:
             return error(413, str(e), None, code="body_too_large")
         except BodyTimeout as e:
@@ -397,6 +403,11 @@ class VideoIngress:
             return error(409, str(e.args[0]), "name", code="lora_exists")
         except LoraError as e:
             return error(422, str(e), e.key, code="invalid_lora")
+        except AdapterIOBusy as e:
+            return error(503, str(e), "source", kind="server_error", code="lora_io_busy",
+                         headers={"Retry-After": str(e.retry_after_s)})
+        except AdapterIOTimeout as e:
+            return error(504, str(e), "source", kind="server_error", code="lora_read_timeout")
         return JSONResponse(entry.public(), status_code=201)
 
     @app.get("/v1/loras", responses=_AUTH)

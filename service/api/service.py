@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
 from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys
@@ -30,7 +31,8 @@ from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.spec import Outcome
-from service.models.lora import LoraRegistry, Registered, targets_of
+from service.models.lora import LoraError, LoraRegistry, Registered, targets_of
+from service.models.lora_checks import NotRegularFile, check_regular
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -61,6 +63,7 @@ class VideoService:
                                   owners=bool(cfg.api_key_hashes))
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
+        self.adapter_io = AdapterIO(cfg.lora_io_threads, cfg.lora_read_timeout_s)  # POST /v1/loras' reads
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
@@ -206,6 +209,12 @@ class VideoService:
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
         if not any(path.is_relative_to(r) for r in roots):
             raise PermissionError(f"source must be a file under {[str(r) for r in roots]} (--lora-dir)")
+        try:
+            check_regular(path)  # a FIFO or a device would block the reader: refused unopened
+        except NotRegularFile as e:
+            raise LoraError(name, "source", str(e)) from None
+        except FileNotFoundError:
+            raise LoraError(name, "source", f"no file {source!r} under --lora-dir") from None
         return self.loras.register(name, str(path), owner)
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:
@@ -328,6 +337,7 @@ class VideoService:
 
     def close(self) -> None:
         self._closed.set()
+        self.adapter_io.close()
         self.dispatcher.stop()
         self._finisher.shutdown(wait=True)
         self._beat.join(timeout=5)
