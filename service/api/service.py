@@ -68,12 +68,12 @@ class VideoService:
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
-        self.storage_health = StorageHealth(self.storage)  # a failed write: not ready, 507
         if node_id is None:
             import ray
 
             node_id = ray.get_runtime_context().get_node_id()
         self.node_id = node_id
+        self.storage_health = StorageHealth(self.storage, self.dp_group)  # a failed write: not ready, 507
         if store is None:
             from service.api.jobs import connect_store
 

@@ -3,8 +3,8 @@
 A full disk (or a read-only mount, or an object store that refuses) fails every job the
 replica would accept: their records cannot be written, nor their videos. So the first
 ``StorageError`` makes ``/readyz`` answer 503 (a balancer sends work elsewhere), new jobs get
-507 with Retry-After before any work, ``dloserve_storage_errors_total`` counts it (the
-DloserveStorageFailing alert), and a probe write of the size that failed, every
+507 with Retry-After before any work, the gauge ``dloserve_storage_ready{group}`` drops to 0
+(the DloserveStorageFailing alert), and a probe write of the size that failed, every
 ``PROBE_EVERY_S`` from the heartbeat thread, clears it once there is room again.
 """
 
@@ -34,8 +34,8 @@ def cause_of(e: BaseException) -> BaseException:
 class StorageHealth:
     """The replica's view of its results storage: fine, or failing since when and why."""
 
-    def __init__(self, storage: ResultStorage) -> None:
-        self.storage = storage
+    def __init__(self, storage: ResultStorage, group: str) -> None:
+        self.storage, self.group = storage, group
         self._lock = threading.Lock()
         self._trouble: dict[str, Any] | None = None  # why, since, the size of the write that failed
         self._probed = 0.0
@@ -45,14 +45,18 @@ class StorageHealth:
         cause = cause_of(e)
         code = getattr(cause, "errno", None)
         kind = errno.errorcode.get(code, "EIO") if isinstance(code, int) else "EIO"
-        metrics()["storage_errors"].inc(1, tags={"errno": kind})
         with self._lock:
             first = self._trouble is None
             self._trouble = {"error": redact(str(cause)), "errno": kind, "since": time.time(),
                              "bytes": max(nbytes, self._trouble["bytes"] if self._trouble else 0)}
             self._probed = time.monotonic()
+        self.report()
         if first:
             log.error("results storage failing (%s): not ready until a write succeeds", cause)
+
+    def report(self) -> None:
+        """The gauge: 1 while writes go through (set at every heartbeat: Prometheus sees it)."""
+        metrics()["storage_ready"].set(0 if self.problem() else 1, tags={"group": self.group})
 
     def problem(self) -> dict[str, Any] | None:
         """``{error, errno, since}`` while writes fail, else None."""
@@ -68,6 +72,7 @@ class StorageHealth:
 
     def probe(self) -> None:
         """From the heartbeat thread: try a write of the failed size now and then; clear on success."""
+        self.report()
         with self._lock:
             if self._trouble is None or time.monotonic() - self._probed < PROBE_EVERY_S:
                 return
@@ -80,4 +85,5 @@ class StorageHealth:
             return
         with self._lock:
             self._trouble = None
+        self.report()
         log.warning("results storage takes writes again: ready")

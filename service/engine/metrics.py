@@ -82,9 +82,9 @@ def metrics() -> dict[str, Any]:
             ("reason",)
         ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
-        "storage_errors": Counter(
-            "dloserve_storage_errors_total", "Writes the results storage refused (full, read-only), by errno",
-            ("errno",)
+        "storage_ready": Gauge(
+            "dloserve_storage_ready", "1 while the results storage takes this replica's writes, 0 after one "
+            "was refused (full, read-only) until a probe write succeeds", ("group",)
         ),
         "groups_lost": Counter(
             "dloserve_dp_groups_lost_total", "Replicas (DP groups) that stopped heartbeating with jobs held",
