@@ -7,6 +7,7 @@ in-process job store, whose record writes are the ones that fail.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from pathlib import Path
@@ -63,3 +64,41 @@ def test_a_full_disk_refuses_jobs_before_work_and_turns_readyz_not_ready(
             svc.close()
             store.close()
     assert 507 in _CREATE_ERRORS
+
+
+@pytest.mark.e2e
+def test_a_full_results_disk_over_http(app_url: str, demo_model: str, tmp_path: Path) -> None:
+    """Served (real Serve, the job-store actor writing to a full 600 KiB tmpfs): POST is a 507
+    in the API's error shape with Retry-After (it was a plain-text 500), /readyz 503 naming
+    the errno, no temp file left; room again: ready, and a job completes. Needs a tmpfs mount
+    (root): the store writes in another process, where RLIMIT_FSIZE of this one cannot reach."""
+    import httpx
+    from ray import serve
+
+    from service.api.app import build_app
+    from tests.api.conftest import wait_final, wait_ready
+
+    with small_disk(tmp_path) as disk:
+        if disk.errno != errno.ENOSPC:
+            pytest.skip("no tmpfs mount here (not root): covered without HTTP by the test above")
+        cfg = ServiceConfig(model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+                            results_url=str(disk.folder), pg_timeout_s=60)
+        serve.run(build_app(cfg.model_dump()), name="fulldisk", route_prefix="/fulldisk")
+        url = f"{app_url}/fulldisk"
+        try:
+            wait_ready(url, 180)
+            disk.fill()
+            r = httpx.post(f"{url}/v1/videos", json=BODY, timeout=30)
+            assert r.status_code == 507 and r.headers["retry-after"].isdigit(), r.text
+            err = r.json()["error"]
+            assert err["code"] == "storage_full" and "No space left" in err["message"], err
+            ready = httpx.get(f"{url}/readyz", timeout=10)
+            assert ready.status_code == 503 and ready.json()["storage"]["errno"] == "ENOSPC", ready.text
+            assert not [p.name for p in disk.folder.iterdir() if p.name.endswith(".tmp")]
+            disk.make_room()
+            wait_ready(url, 60)
+            r = httpx.post(f"{url}/v1/videos", json=BODY, timeout=30)
+            assert r.status_code == 202, r.text
+            assert wait_final(url, r.json()["id"])["status"] == "completed"
+        finally:
+            serve.delete("fulldisk")
