@@ -80,6 +80,10 @@ class ServiceConfig(BaseModel):
                                   "name -> .safetensors path (--lora NAME=PATH); a bad one fails the start")
     lora_dirs: list[str] = Field(default_factory=list, description="folders POST /v1/loras may register "
                                  "files from (--lora-dir); none: run-time registration is off")
+    lora_io_threads: int = Field(4, ge=1, le=64, description="threads that read adapters for POST /v1/loras "
+                                 "(their own: a hung read never holds up job submission); all busy: 503")
+    lora_read_timeout_s: float = Field(60.0, gt=0, description="POST /v1/loras answers 504 when reading "
+                                       "and checking the file takes longer")
 
     @model_validator(mode="after")
     def _sp_always_gathers(self) -> ServiceConfig:

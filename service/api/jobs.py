@@ -150,9 +150,13 @@ class JobStore(JobTable):
                 "unfinished": len(self.unfinished())}
 
     def _reap_loop(self) -> None:
+        swept = time.monotonic()
         while not self._stop.wait(0.5):
             try:
                 self.reap()
+                if time.monotonic() - swept > 60:  # temp files of writers killed since the start
+                    swept = time.monotonic()
+                    self.storage.sweep_tmp()
             except Exception:  # noqa: BLE001 - keep noticing; the next round retries
                 log.exception("reaping lost DP groups failed")
 

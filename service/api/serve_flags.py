@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest input_reference image file; where the model takes images a body may be "
                         "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
-                   help="largest input_reference image (width x height from its header, before decoding)")
+                   help="largest input_reference image (width x height from its header, before decoding); "
+                        "the service also caps it at its largest video, --max-width x --max-height")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="on SIGTERM: how long running jobs may take to finish")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)

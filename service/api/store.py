@@ -63,6 +63,8 @@ class JobTable:
                            if exclusive and storage.local_path is not None else None)
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
+        if self._lock_file is not None:  # the folder's one owner: a killed writer's temp files go
+            storage.sweep_tmp()
         for d in storage.read_records():
             try:
                 rec = JobRecord.from_json(d)
@@ -71,9 +73,10 @@ class JobTable:
             self._jobs[rec.id] = rec
 
     def put(self, rec: JobRecord) -> None:
+        """Record a new job; StorageError (and no record) when its write fails."""
         with self._lock:
-            self._jobs[rec.id] = rec
             self.storage.write_record(rec.to_json())
+            self._jobs[rec.id] = rec
             self._prune()
 
     def get(self, job_id: str) -> JobRecord | None:

@@ -82,6 +82,10 @@ def metrics() -> dict[str, Any]:
             ("reason",)
         ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
+        "storage_ready": Gauge(
+            "dloserve_storage_ready", "1 while the results storage takes this replica's writes, 0 after one "
+            "was refused (full, read-only) until a probe write succeeds", ("group",)
+        ),
         "groups_lost": Counter(
             "dloserve_dp_groups_lost_total", "Replicas (DP groups) that stopped heartbeating with jobs held",
             ("node",)

@@ -37,6 +37,11 @@ class ModelError(ValueError):
     """A model directory cannot be served; the message names the path."""
 
 
+class NonFiniteOutput(ArithmeticError):
+    """The decoded frames hold NaN or Inf: the request fails with this reason instead of
+    storing a black video marked completed (the rank and its group are fine)."""
+
+
 class ModelAdapter(ABC):
     """One model family. Subclasses fill the class variables and the abstract methods."""
 
@@ -259,8 +264,12 @@ def frames_to_uint8(video: torch.Tensor) -> np.ndarray:
 
     The same float32 arithmetic as ``video.to_uint8`` on diffusers' numpy output (clip,
     x255, round half to even), done where the frames are, so a 480p clip crosses to the
-    host as 97 MB of uint8 instead of 388 MB of float32.
+    host as 97 MB of uint8 instead of 388 MB of float32. NonFiniteOutput when a frame holds
+    NaN or Inf (one pass over the frames where they are: clamp would make NaN black).
     """
+    if not bool(torch.isfinite(video).all()):
+        raise NonFiniteOutput("the decoded frames hold NaN or Inf (an adapter or settings that overflow "
+                              "the model's numbers): no video was stored")
     x = (video.float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
     return x.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 

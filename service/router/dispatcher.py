@@ -147,6 +147,15 @@ class Dispatcher:
             self._cv.notify_all()
             return t
 
+    def admit(self, tenant: str | None) -> None:
+        """What ``submit`` would refuse (Unavailable, QuotaExceeded, QueueFull), asked before
+        the work of reading a request (its image) is done; ``submit`` asks again."""
+        with self._cv:
+            availability, why = self._availability()
+            if availability is Availability.DOWN:
+                raise Unavailable(why, self._retry_after_down())
+            self.scheduler.admit(tenant)
+
     def adopt(self, ticket_id: str, key: str, payload: Any, tenant: str | None = None) -> bool:
         """Queue a request that a lost group held (another replica's), past the bounds and
         quotas: it was admitted once. This is its rerun (``reruns`` 1). False if this
