@@ -71,7 +71,8 @@ class VideoService:
             from service.api.jobs import connect_store
 
             store = connect_store(self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s,
-                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s)
+                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s,
+                                  webhooks=cfg.webhook_targets())
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,

@@ -16,14 +16,18 @@ A final record is final: a late update from a group that was declared dead canno
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage, safe_id
+
+log = logging.getLogger("dloserve.store")
 
 
 class StoreLocked(RuntimeError):
@@ -63,6 +67,7 @@ class JobTable:
                            if exclusive and storage.local_path is not None else None)
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
+        self.on_final: Callable[[JobRecord], None] | None = None  # each record that becomes final, once
         for d in storage.read_records():
             try:
                 rec = JobRecord.from_json(d)
@@ -113,7 +118,12 @@ class JobTable:
             self._jobs[job_id] = rec
             self.storage.write_record(rec.to_json())
             self._prune()
-            return rec
+        if self.on_final is not None:
+            try:
+                self.on_final(rec)  # webhooks: queued, never blocking
+            except Exception:  # noqa: BLE001 - an announcement never undoes the end
+                log.exception("on_final for %s failed", job_id)
+        return rec
 
     def fail(self, ids: list[str], code: str, message: str) -> int:
         """Fail these jobs if still live; returns how many were."""
