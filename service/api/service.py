@@ -84,6 +84,7 @@ class VideoService:
         self._draining: str | None = None
         self._closed = threading.Event()
         self._progress: dict[str, int] = {}  # latest per job, sent by the heartbeat thread
+        self._previews: dict[str, tuple[int, bytes]] = {}  # latest image per job, sent the same way
         self._progress_lock = threading.Lock()
         # Storing a video (an upload, with S3) and its final record happen off the dispatcher
         # thread, which must get back to scheduling at once.
@@ -100,8 +101,11 @@ class VideoService:
             try:
                 with self._progress_lock:
                     progress, self._progress = self._progress, {}
+                    previews, self._previews = self._previews, {}
                 if progress:
                     self.store.progress(progress)
+                if previews:
+                    self.store.put_previews(previews)
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
@@ -326,6 +330,10 @@ class VideoService:
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:
             self._progress[ticket_id] = min(99, int(100 * step / max(1, total)))
+
+    def on_preview(self, ticket_id: str, step: int, total: int, image: bytes) -> None:
+        with self._progress_lock:
+            self._previews[ticket_id] = (step, image)
 
     def on_requeue(self, ticket: Ticket, why: str) -> None:
         with self._progress_lock:

@@ -16,6 +16,7 @@ A final record is final: a late update from a group that was declared dead canno
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -68,6 +69,7 @@ class JobTable:
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
         self.on_final: Callable[[JobRecord], None] | None = None  # each record that becomes final, once
+        self._previews: dict[str, tuple[int, bytes, str]] = {}  # job -> (step, image, etag): memory only
         for d in storage.read_records():
             try:
                 rec = JobRecord.from_json(d)
@@ -100,6 +102,19 @@ class JobTable:
         """Several jobs' progress at once (kept in memory: not worth a write each)."""
         for job_id, pct in updates.items():
             self.update(job_id, persist=False, progress=pct)
+
+    def put_previews(self, updates: dict[str, tuple[int, bytes]]) -> None:
+        """Several jobs' latest preview images (kept in memory, like progress; a finished job
+        keeps its last one until the job goes)."""
+        with self._lock:
+            for job_id, (step, data) in updates.items():
+                if job_id in self._jobs:
+                    self._previews[job_id] = (step, data, hashlib.sha256(data).hexdigest()[:20])
+
+    def preview(self, job_id: str) -> tuple[int, bytes, str] | None:
+        """(step, image bytes, etag) of the job's latest preview, or None."""
+        with self._lock:
+            return self._previews.get(job_id)
 
     def finish(self, job_id: str, by: str | None = None, **fields: Any) -> JobRecord | None:
         """End a job (its video, if any, is already stored): its final record, or None if it
@@ -145,6 +160,7 @@ class JobTable:
             return False
         with self._lock:
             found = self._jobs.pop(job_id, None) is not None
+            self._previews.pop(job_id, None)
             self.storage.drop(job_id)
             return found
 
@@ -174,4 +190,5 @@ class JobTable:
         excess = max(0, len(self._jobs) - len(expired) - self.max_jobs)
         for r in expired + [r for r in done if r not in expired][:excess]:
             self._jobs.pop(r.id, None)
+            self._previews.pop(r.id, None)
             self.storage.drop(r.id)
