@@ -360,6 +360,9 @@ class VideoService:
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
+            last = self._previews.pop(ticket.id, None)
+        if last is not None:  # its last step's preview is in the store before its end is
+            self.store.put_previews({ticket.id: last})
         t0 = time.monotonic()
         held = self.store.get(ticket.id)
         if held is not None and (held.dp_group not in (None, self.dp_group)
