@@ -215,3 +215,30 @@ def test_secrets_urls_and_key_file_lines_are_checked() -> None:
         parse_key_lines(["sk-1 webhook_url=http://127.0.0.1:9/h"])
     with pytest.raises(ValueError, match="go together"):
         ServiceConfig(webhook_url="http://127.0.0.1:9/h")
+
+
+def test_serve_flags_give_the_store_its_targets(tmp_path: Path) -> None:
+    """--webhook-url/--webhook-secret-file and the key file's webhook_url=/webhook_secret= become
+    the ServiceConfig fields, and those the job store's targets (by owner id)."""
+    import argparse
+
+    from service.api.keys import key_hash, owner_id
+    from service.api.serve_flags import add_arguments, webhook_settings
+
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET + "\n")
+    keys = tmp_path / "keys"
+    keys.write_text(f"sk-a webhook_url=http://127.0.0.1:9/a webhook_secret={SECRET}\nsk-b max_queued=2\n")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--webhook-url", "http://127.0.0.1:9/ops", "--webhook-secret-file", str(secret),
+                         "--api-key-file", str(keys)])
+    cfg = ServiceConfig(**webhook_settings(args))
+    assert cfg.webhook_targets() == {"url": "http://127.0.0.1:9/ops", "secret": SECRET,
+                                     "keys": {owner_id(key_hash("sk-a")): {"url": "http://127.0.0.1:9/a",
+                                                                           "secret": SECRET}}}
+    secret.write_text("not a secret")
+    with pytest.raises(WebhookConfigError, match="--webhook-secret-file"):
+        webhook_settings(args)
+    with pytest.raises(WebhookConfigError, match="go together"):
+        webhook_settings(p.parse_args(["--webhook-url", "http://127.0.0.1:9/ops"]))
