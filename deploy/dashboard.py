@@ -65,6 +65,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
       ("sum by (reason) (increase(ray_dloserve_requests_requeued_total[1h]))", "run again: {{reason}}"),
       ("sum by (group, reason) (increase(ray_dloserve_group_rebuilds_total[1h]))", "rebuilds {{reason}}"),
       ("sum by (node) (increase(ray_dloserve_dp_groups_lost_total[1h]))", "replica lost on {{node}}")]),
+    ("Webhook delivery failures by reason (1 h; retried until given_up)", "short",
+     [("sum by (reason) (increase(ray_dloserve_webhook_failures_total[1h]))", "{{reason}}")]),
 ]
 
 

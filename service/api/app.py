@@ -45,6 +45,8 @@ from service.api.http import (
 from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
+from service.api.previews import RESPONSES as PREVIEW_RESPONSES
+from service.api.previews import preview_response
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError
 from service.api.schemas import (
@@ -328,6 +330,15 @@ class VideoIngress:
             return error(409, f"video {video_id} is {rec.status.value}", "video_id", code="not_ready")
         return video_response(self.svc.storage, video_id, request) or error(
             404, f"video {video_id} has no content (expired or deleted)", "video_id", code="not_found")
+
+    @app.get("/v1/videos/{video_id}/preview", response_class=Response,
+             responses={**PREVIEW_RESPONSES, **_BY_ID})
+    def video_preview(self, request: Request, video_id: str) -> Any:
+        """The running job's latest preview image (a latent projection, once per step at most)."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return preview_response(self.svc, video_id, owner, request)
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=_BY_ID)
     def delete_video(self, request: Request, video_id: str) -> Any:

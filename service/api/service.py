@@ -81,7 +81,8 @@ class VideoService:
             from service.api.jobs import connect_store
 
             store = connect_store(self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s,
-                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s)
+                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s,
+                                  webhooks=cfg.webhook_targets())
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,
@@ -93,6 +94,7 @@ class VideoService:
         self._draining: str | None = None
         self._closed = threading.Event()
         self._progress: dict[str, int] = {}  # latest per job, sent by the heartbeat thread
+        self._previews: dict[str, tuple[int, bytes]] = {}  # latest image per job, sent the same way
         self._progress_lock = threading.Lock()
         # Storing a video (an upload, with S3) and its final record happen off the dispatcher
         # thread, which must get back to scheduling at once.
@@ -109,9 +111,12 @@ class VideoService:
             try:
                 with self._progress_lock:
                     progress, self._progress = self._progress, {}
+                    previews, self._previews = self._previews, {}
                 if progress:
                     self.store.progress(progress)
                 self.storage_health.probe()
+                if previews:
+                    self.store.put_previews(previews)
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
@@ -356,6 +361,10 @@ class VideoService:
         with self._progress_lock:
             self._progress[ticket_id] = min(99, int(100 * step / max(1, total)))
 
+    def on_preview(self, ticket_id: str, step: int, total: int, image: bytes) -> None:
+        with self._progress_lock:
+            self._previews[ticket_id] = (step, image)
+
     def on_requeue(self, ticket: Ticket, why: str) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
@@ -392,6 +401,9 @@ class VideoService:
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
+            last = self._previews.pop(ticket.id, None)
+        if last is not None:  # its last step's preview is in the store before its end is
+            self.store.put_previews({ticket.id: last})
         t0 = time.monotonic()
         held = self.store.get(ticket.id)
         if held is not None and (held.dp_group not in (None, self.dp_group)

@@ -90,6 +90,10 @@ def metrics() -> dict[str, Any]:
             "dloserve_dp_groups_lost_total", "Replicas (DP groups) that stopped heartbeating with jobs held",
             ("node",)
         ),
+        "webhook_failures": Counter(
+            "dloserve_webhook_failures_total", "Webhook delivery attempts that failed (each retry counts), "
+            "events dropped on a full queue and deliveries given up", ("reason", "type")
+        ),
     }
 
 

@@ -51,6 +51,8 @@ class ModelAdapter(ABC):
     components: ClassVar[tuple[str, ...]]  # folders that must exist next to model_index.json
     extra_args: ClassVar[frozenset[str]] = frozenset()
     sequence_parallel: int = 1  # ranks one request's tokens are split across (SP group size)
+    # (step, total, latents) at each step's end, before on_step: the rank's preview (engine.preview)
+    latents_hook: Callable[[int, int, Any], None] | None = None
     # text encoders whose block lists can stream (components option "text_encoder")
     text_encoder_blocks: ClassVar[dict[str, tuple[str, ...]]] = {}
     can_probe: ClassVar[bool] = False  # has probe_inputs (--dlo-mode auto, a memory budget on CUDA)
@@ -200,7 +202,9 @@ class ModelAdapter(ABC):
     def step_callback(self, on_step: StepCallback | None, steps: int) -> StepCallback:
         """``on_step`` plus staging: staged modules go to the device after the last step."""
 
-        def callback(done: int, total: int) -> None:
+        def callback(done: int, total: int, latents: Any = None) -> None:
+            if latents is not None and self.latents_hook is not None:
+                self.latents_hook(done, total, latents)  # the preview (engine.preview), before the event
             if done == steps:
                 for s in self.staged.values():
                     s.stage_in()

@@ -328,7 +328,11 @@ class Dispatcher:
         h = self._held.get(ev.job_id)
         if h is None or h.group.id != ev.group:
             return
-        if kind is EventKind.STEP:
+        if kind is EventKind.STEP and ev.preview is not None:
+            on_preview = getattr(self.sink, "on_preview", None)  # a sink that shows previews (the API)
+            if on_preview is not None:
+                on_preview(h.ticket.id, ev.step, ev.total, ev.preview)
+        elif kind is EventKind.STEP:
             self.sink.on_progress(h.ticket.id, ev.step, ev.total)
         elif kind is EventKind.FORWARDS_DONE:
             h.forwarding = False
