@@ -85,6 +85,8 @@ class PipelineRunner:
                                   device, int(settings.lora_cache_gb * 2**30))
         self.caches = StepCaches(transformer, handle, adapter,
                                  CacheSpec.from_obj(settings.cache) if settings.cache else None)
+        self.cfg_batch = cfg_batch_on(settings, device, adapter)
+        adapter.cfg_rule = self._cfg_rule if self.cfg_batch else None
         self._closed = False
         self.experts = expert_of(transformer)  # the modules that each make one forward
         # Who says which expert comes next: the request's plan (False), or a tick loop that
@@ -181,6 +183,11 @@ class PipelineRunner:
 
     # -- requests ----------------------------------------------------------------------
 
+    def _cfg_rule(self, req: GenerationRequest) -> bool:
+        """Which CFG requests this server batches: those without a step cache (a cache decides
+        per branch, on the branch's own residuals)."""
+        return not self.caches.resolve(req.cache).enabled
+
     def validate(self, req: GenerationRequest) -> None:
         """Raise RequestError naming the bad field, before any compute."""
         self.adapter.validate(req)
@@ -257,6 +264,7 @@ class PipelineRunner:
             "components": list(self.settings.components) if self.settings.enabled else [],
             "dtype": self.settings.dtype,
             "quantization": self.settings.quantization,
+            "cfg_batch": self.cfg_batch,
             "load_s": round(self.load_s, 3),
             "lora_cache": self.loras.stats(),
         }
@@ -280,6 +288,16 @@ class PipelineRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def cfg_batch_on(settings: OffloadSettings, device: torch.device, adapter: ModelAdapter) -> bool:
+    """Whether this server batches CFG rows (``--cfg-batch``): the settings and the device,
+    for a family whose pipeline makes cond/uncond pairs; refused with sequence parallelism."""
+    if adapter.sequence_parallel > 1:
+        if settings.cfg_batch == "on":
+            raise ValueError("--cfg-batch on: not yet with --sequence-parallel-size > 1")
+        return False
+    return adapter.cfg_batchable and settings.cfg_batching(device.type)
 
 
 def dtype_of(settings: OffloadSettings) -> torch.dtype | None:
@@ -344,7 +362,8 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: Offloa
                                  quantization=settings.quantization)
     try:
         height, width, frames = settings.probe_shape or (480, 832, 81)
-        inputs = adapter.probe_inputs(module, height, width, frames, dev)
+        batch = 2 if cfg_batch_on(settings, dev, adapter) else 1  # CFG rows in one forward
+        inputs = adapter.probe_inputs(module, height, width, frames, dev, batch)
         with torch.inference_mode():
             return probe(h, lambda: module(**inputs), group)
     finally:
