@@ -27,6 +27,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from service.offload.auto import ProbeTimings, choose_mode, probe
 from .adapter import ModelAdapter
 from .cache import StepCaches
 from .cache_spec import CacheSpec
+from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
 from .experts import expert_of, lockstep_expert_cost
 from .lora import RankAdapters
 from .options import Mode, OffloadSettings
@@ -85,6 +87,7 @@ class PipelineRunner:
                                   device, int(settings.lora_cache_gb * 2**30))
         self.caches = StepCaches(transformer, handle, adapter,
                                  CacheSpec.from_obj(settings.cache) if settings.cache else None)
+        self.compiled: CompiledBlocks | None = None  # --compile (load sets it)
         self.cfg_batch = cfg_batch_on(settings, device, adapter)
         adapter.cfg_rule = self._cfg_rule if self.cfg_batch else None
         self._closed = False
@@ -175,9 +178,20 @@ class PipelineRunner:
                     handle.close()
                 raise
         marks["transformer"] = time.perf_counter()
+        compiled = None
+        if compile_on(settings, dev, adapter):
+            compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
+            if adapter.can_probe:  # the compile at start-up, at the probe size (or the smallest on CPU)
+                height, width, frames = settings.probe_shape or warmup_shape(adapter, dev)
+                first = expert_of(module)[0]
+                batch = 2 if cfg_batch_on(settings, dev, adapter) else 1
+                inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
+                compiled.warm_up(lambda: first(**inputs))
+            marks["compile"] = time.perf_counter()
         adapter.load_components(dev, settings.components)
         marks["components"] = time.perf_counter()
         runner = cls(adapter, module, handle, dev, settings, time.perf_counter() - t0, choice)
+        runner.compiled = compiled
         runner.load_stages = _durations(marks)
         return runner
 
@@ -203,7 +217,8 @@ class PipelineRunner:
         if self._plan_hooks and not self.tick_driven:
             self._plan = list(self.adapter.expert_plan(req))
         cache = self.caches.resolve(req.cache)
-        with self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
+        eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
+        with eager, self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step)
 
     def generate(
@@ -265,6 +280,7 @@ class PipelineRunner:
             "dtype": self.settings.dtype,
             "quantization": self.settings.quantization,
             "cfg_batch": self.cfg_batch,
+            "compile": self.compiled.describe() if self.compiled else None,
             "load_s": round(self.load_s, 3),
             "lora_cache": self.loras.stats(),
         }
@@ -279,6 +295,8 @@ class PipelineRunner:
         self._closed = True
         for h in self._plan_hooks:
             h.remove()
+        if self.compiled is not None:
+            self.compiled.close()
         if self.handle is not None:
             self.handle.close()
         self.adapter.close()
