@@ -39,6 +39,7 @@ import torch.distributed as dist
 from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload, load_resident
 from service.offload.auto import ProbeTimings, choose_mode, probe
 
+from . import attention
 from .adapter import ModelAdapter
 from .cache import StepCaches
 from .cache_spec import CacheSpec
@@ -88,6 +89,7 @@ class PipelineRunner:
         self.caches = StepCaches(transformer, handle, adapter,
                                  CacheSpec.from_obj(settings.cache) if settings.cache else None)
         self.compiled: CompiledBlocks | None = None  # --compile (load sets it)
+        self.attention: dict[str, Any] = {}  # the SDPA kernel that runs, and why (load sets it)
         self.cfg_batch = cfg_batch_on(settings, device, adapter)
         adapter.cfg_rule = self._cfg_rule if self.cfg_batch else None
         self._closed = False
@@ -178,6 +180,9 @@ class PipelineRunner:
                     handle.close()
                 raise
         marks["transformer"] = time.perf_counter()
+        attn = attention.report(expert_of(module)[0], dev, dtype)
+        log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
+                 attn["why"])
         compiled = None
         if compile_on(settings, dev, adapter):
             compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
@@ -186,12 +191,14 @@ class PipelineRunner:
                 first = expert_of(module)[0]
                 batch = 2 if cfg_batch_on(settings, dev, adapter) else 1
                 inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
-                compiled.warm_up(lambda: first(**inputs))
+                with attention.chosen():  # the kernels the requests' forwards will trace
+                    compiled.warm_up(lambda: first(**inputs))
             marks["compile"] = time.perf_counter()
         adapter.load_components(dev, settings.components)
         marks["components"] = time.perf_counter()
         runner = cls(adapter, module, handle, dev, settings, time.perf_counter() - t0, choice)
         runner.compiled = compiled
+        runner.attention = attn
         runner.load_stages = _durations(marks)
         return runner
 
@@ -218,7 +225,8 @@ class PipelineRunner:
             self._plan = list(self.adapter.expert_plan(req))
         cache = self.caches.resolve(req.cache)
         eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
-        with eager, self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
+        with eager, attention.chosen(), self.loras.applied(req.loras), \
+                self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step)
 
     def generate(
@@ -280,6 +288,7 @@ class PipelineRunner:
             "dtype": self.settings.dtype,
             "quantization": self.settings.quantization,
             "cfg_batch": self.cfg_batch,
+            "attention": self.attention,
             "compile": self.compiled.describe() if self.compiled else None,
             "load_s": round(self.load_s, 3),
             "lora_cache": self.loras.stats(),
