@@ -15,6 +15,8 @@ Parts (``--parts``, comma-separated):
   DLO DP1 (AllGather) and resident: seconds per step and requests/s at 4,096 tokens
   (1024x1024, one frame: transfer-bound) and 32,760 tokens, ``--cfg-batch`` off/on,
   ``--compile`` off/on.
+- ``defaults``: the runner under default flags (DLO DP1): the attention kernel, compile and CFG
+  batch it reports, and dynamo's graph count across requests (no recompile after warm-up).
 
     python loadtest/bench_compute.py --parts block,model40 --out $OUT/h200-compute-block.json
     python loadtest/bench_compute.py --parts dlo --model /tmp/wan12 --out $OUT/h200-compute-dlo.json
@@ -290,6 +292,32 @@ def part_dlo(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     return out
 
 
+def part_defaults(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """The runner under default flags (DLO AllGather DP1; --compile and --cfg-batch auto): what
+    it reports (attention kernel, compile, CFG batch, load stages) and dynamo's graph count
+    before and after requests of one size through both slots (none new expected)."""
+    from torch._dynamo.utils import counters
+
+    from service.models.options import Mode, OffloadSettings
+    from service.models.pipeline import PipelineRunner
+    from service.models.request import GenerationRequest
+
+    settings = OffloadSettings(Mode.ALLGATHER, probe_shape=(1024, 1024, 1))
+    runner = PipelineRunner.load(args.model, dev, settings=settings)
+    try:
+        warm = int(counters["stats"]["unique_graphs"])
+        for seed in range(3):
+            runner.frames(GenerationRequest(prompt="a fox", seed=seed, height=1024, width=1024, num_frames=1,
+                                            num_inference_steps=3))
+        d = runner.describe()
+        return {"attention": d["attention"], "compile": d["compile"], "cfg_batch": d["cfg_batch"],
+                "load_stages": runner.load_stages, "graphs_after_warmup": warm,
+                "graphs_after_3_requests": int(counters["stats"]["unique_graphs"]),
+                "forwards": runner.offload_stats()["forwards"]}
+    finally:
+        runner.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="block,model40")
@@ -326,6 +354,8 @@ def main() -> None:
                 result[part] = part_model40(args, cfg, dev)
             elif part == "dlo":
                 result[part] = part_dlo(args, dev)
+            elif part == "defaults":
+                result[part] = part_defaults(args, dev)
         except Exception as e:  # noqa: BLE001 - keep the other parts' figures
             traceback.print_exc()
             result[part + "_error"] = f"{type(e).__name__}: {e}"

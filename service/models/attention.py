@@ -12,6 +12,7 @@ FP8 attention) are not used: the one measured (SageAttention 1) was slower than 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,9 +40,12 @@ def report(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     config = getattr(transformer, "config", {}) or {}
     heads = int(config.get("num_attention_heads", 1))
     head_dim = int(config.get("attention_head_dim", 64))
-    if dtype is None:
-        floats = (t.dtype for t in transformer.parameters() if t.is_floating_point() and t.element_size() > 1)
-        dtype = next(floats, torch.float32)
+    if dtype is None:  # the checkpoint's: the dtype most of the resident weights have (not the fp32 norms)
+        counts: Counter[torch.dtype] = Counter()
+        for t in transformer.parameters():
+            if t.is_floating_point() and t.element_size() > 1:
+                counts[t.dtype] += t.numel()
+        dtype = counts.most_common(1)[0][0] if counts else torch.float32
     q = torch.empty(1, heads, 1024, head_dim, device=device, dtype=dtype)
     with chosen():
         picked = SDPBackend(torch._fused_sdp_choice(q, q, q))

@@ -19,3 +19,13 @@ def test_the_report_is_torchs_own_choice(resident) -> None:  # noqa: ANN001 - Pi
     assert got["order"][0] == "cudnn_attention" and "math" in got["order"]
     assert got["heads"] == heads and got["dtype"] == "float32"
     assert "H200" in got["why"]
+
+
+def test_the_reported_dtype_is_the_weights_not_the_fp32_norms() -> None:
+    """A bf16 checkpoint keeps some small modules in fp32 (Wan's norms, scale_shift_table):
+    the report asks torch about bf16 inputs, as the blocks compute (on the H200 a first try
+    that took the first parameter's dtype reported memory-efficient attention, not cuDNN)."""
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 64).to(torch.bfloat16))
+    model.config = {"num_attention_heads": 2, "attention_head_dim": 4}
+    assert attention.report(model, torch.device("cpu"), None)["dtype"] == "bfloat16"
+    assert attention.report(model, torch.device("cpu"), torch.float32)["dtype"] == "float32"
