@@ -97,3 +97,26 @@ def test_lora_requests_run_the_blocks_eagerly(demo_model: str, tmp_path: Path) -
         runner.close()
     assert not np.array_equal(with_lora, plain)
     assert np.array_equal(with_lora, eager_frames(demo_model, lora, mode=Mode.RANK_LOCAL))
+
+
+def test_two_experts_compile_and_batch_cfg(tmp_path: Path) -> None:
+    """Wan2.2 A14B's two experts share one block class: one graph for both, streamed through
+    one ring, with CFG in one forward too (one forward per step, the expert plan follows)."""
+    from service.models.demo import ensure_demo_model
+
+    model = str(ensure_demo_model("wan22-t2v-tiny"))
+    req = replace(REQ, num_inference_steps=4)
+    frames = {}
+    for name, comp in (("compiled", "on"), ("eager", "off")):
+        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(
+            Mode.ALLGATHER, compile=comp, cfg_batch="on", probe_shape=SHAPE))
+        try:
+            assert runner.adapter.forwards(req) == 4 and len(runner.adapter.expert_plan(req)) == 4
+            warm = graphs()
+            frames[name] = runner.frames(req)
+            if comp == "on":
+                assert graphs() == warm
+                assert runner.offload_stats()["forwards"] == 1 + 4
+        finally:
+            runner.close()
+    assert np.array_equal(frames["compiled"], frames["eager"])
