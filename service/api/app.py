@@ -168,7 +168,8 @@ class VideoIngress:
             dp_group=serve.get_replica_context().replica_id.unique_id,
         )
         if not self.svc.cfg.api_key_hashes:
-            log.warning("no API key configured: every client can read and delete every job")
+            log.warning("no API key configured: every client can read and delete every job made "
+                        "without a key")
         rules = body_rules(self.svc.adapter, self.svc.limits, self.svc.model_name)
         app.openapi_schema = None
         required = ("input_reference",) if self.svc.adapter.image_input == "required" else ()

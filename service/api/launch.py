@@ -123,7 +123,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if not keys:
         print("dloserve serve: WARNING: no --api-key given: any client that reaches the port can read, "
-              "download and delete every job", file=sys.stderr, flush=True)
+              "download and delete every job made without a key (jobs a key made stay that key's)",
+              file=sys.stderr, flush=True)
     if args.api_key or args.admin_key:
         print("dloserve serve: note: keys given as --api-key/--admin-key are visible to every user of "
               "this machine in the process list; use --api-key-file/--admin-key-file (or "

@@ -36,6 +36,8 @@ class ResultStorage:
         self.fs, root = url_to_fs(os.path.expanduser(url), **(storage_options or {}))
         self.root = root.rstrip("/")
         self.local_path: Path | None = Path(root) if self.is_local else None
+        if self.local_path is not None and not self.local_path.exists():
+            self.local_path.mkdir(mode=0o700, parents=True)  # other users see no names either
         self.fs.makedirs(self.root, exist_ok=True)
 
     @property
@@ -49,6 +51,7 @@ class ResultStorage:
         if self.is_local:
             tmp = self._path(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
             self.fs.pipe_file(tmp, data)
+            os.chmod(tmp, 0o600)  # records and MP4s are their owners' only
             self.fs.mv(tmp, self._path(name))
         else:
             self.fs.pipe_file(self._path(name), data)
