@@ -36,6 +36,8 @@ from service.api.http import (
     NOSNIFF,
     BodyTimeout,
     TooLarge,
+    TooManyUploads,
+    Uploads,
     allowed_methods,
     error,
     read_capped,
@@ -88,12 +90,15 @@ _CREATE_BODY = create_body(_inlined(VideoCreate.model_json_schema()))  # input_r
 _ERR = {"model": ErrorResponse}
 _AUTH = {401: {**_ERR, "description": "missing or unknown API key"},
          422: {**_ERR, "description": "a query parameter is invalid (param names it)"}}
-_CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not arrive within body_timeout_s"},
+_CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not start within first_byte_"
+                                                         "timeout_s or arrive within body_timeout_s"},
                   413: {**_ERR, "description": "body (or its image) over the size limit"},
                   415: {**_ERR, "description": "not JSON or a form"},
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
-                  429: {**_ERR, "description": "this API key's queue is full (quota_exceeded) or the "
-                                               "whole queue is (queue_full); see Retry-After"},
+                  429: {**_ERR, "description": "this API key's queue is full (quota_exceeded), the "
+                                               "whole queue is (queue_full), or this key or address "
+                                               "sends too many bodies at once (too_many_uploads); "
+                                               "see Retry-After"},
                   503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
 _MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; ranges on local storage)"},
@@ -105,6 +110,17 @@ _MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; range
 
 def _unauthorized(e: AuthError) -> JSONResponse:
     return error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _too_many(e: TooManyUploads) -> JSONResponse:
+    """429 at once, the body unread (the connection closes rather than read it)."""
+    return error(429, str(e), None, kind="rate_limit_error", code="too_many_uploads",
+                 headers={"Retry-After": "1", "Connection": "close"})
+
+
+def _address(request: Request) -> str | None:
+    """The client's address as the proxy saw it (behind another proxy: that proxy's)."""
+    return request.client.host if request.client else None
 
 
 register_ui(app)  # the playground at /ui/ (service/api/ui)
@@ -175,6 +191,8 @@ class VideoIngress:
         required = ("input_reference",) if self.svc.adapter.image_input == "required" else ()
         app.openapi_schema = instance_openapi(app.openapi(), rules, required)
         app.state.svc = self.svc  # for _bad_params: the key is checked before a parameter is
+        cfg = self.svc.cfg
+        self.uploads = Uploads(cfg.max_uploads_per_key, cfg.max_uploads_per_address, cfg.max_uploads)
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine cannot serve is reported unhealthy."""
@@ -203,13 +221,17 @@ class VideoIngress:
             strict = media_type(ctype) == "application/json"  # a form's numbers are strings
             cap = body_cap(media_type(ctype), cfg.max_body_bytes, cfg.max_image_bytes,
                            self.svc.adapter.image_input != "none")
-            raw = await read_capped(request, cap, cfg.body_timeout_s)
+            with self.uploads.slot(owner, _address(request)):
+                raw = await read_capped(request, cap, cfg.body_timeout_s, cfg.first_byte_timeout_s)
             fields = await parse_body(ctype, raw)
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
             return await asyncio.to_thread(self.svc.create, fields, owner, strict)
         except MediaTypeError as e:
             return error(415, str(e), None, code="unsupported_media_type")
+        except TooManyUploads as e:
+            metrics()["requests"].inc(1, tags={"status": "over_quota"})
+            return _too_many(e)
         except TooLarge as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return error(413, str(e), None, code="body_too_large")
@@ -372,9 +394,14 @@ class VideoIngress:
         from service.models.lora import LoraError
 
         try:
-            raw = await read_capped(request, self.svc.cfg.max_body_bytes, self.svc.cfg.body_timeout_s)
+            cfg = self.svc.cfg
+            with self.uploads.slot(owner, _address(request)):
+                raw = await read_capped(request, cfg.max_body_bytes, cfg.body_timeout_s,
+                                        cfg.first_byte_timeout_s)
             body = LoraCreate.model_validate(json.loads(raw or b"null"))
             entry = await asyncio.to_thread(self.svc.add_lora, body.name, body.source, owner)
+        except TooManyUploads as e:
+            return _too_many(e)
         except TooLarge as e:
             return error(413, str(e), None, code="body_too_large")
         except BodyTimeout as e:
@@ -437,7 +464,10 @@ class VideoIngress:
         """200 when a rank group serves; 503 while starting, rebuilding or draining. Without
         a key (when keys are configured) only ``ready`` and ``instance``; an API key adds
         the engine's state and the caller's own counts; an admin key everything."""
-        r = self.svc.readiness_for(self.svc.caller(request.headers.get("authorization")))
+        caller = self.svc.caller(request.headers.get("authorization"))
+        r = self.svc.readiness_for(caller)
+        if caller.admin:
+            r["uploads"] = self.uploads.count  # request bodies being read now
         return JSONResponse(r, status_code=200 if r["ready"] else 503)
 
     def __del__(self) -> None:

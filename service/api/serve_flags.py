@@ -66,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
                    help="a request body must arrive within this long, or 408 (slow clients)")
+    p.add_argument("--first-byte-timeout-s", type=float, default=3.0,
+                   help="a request body must start within this long, or 408 (headers sent, then nothing)")
+    p.add_argument("--max-uploads-per-key", type=int, default=8,
+                   help="request bodies one API key may send at once; more get 429 at once (0: no cap)")
+    p.add_argument("--max-uploads-per-address", type=int, default=16,
+                   help="request bodies one client address may send at once (0: no cap; behind a "
+                        "proxy every client has the proxy's address)")
     p.add_argument("--max-image-bytes", type=int, default=8 * 2**20,
                    help="largest input_reference image file; where the model takes images a body may be "
                         "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
@@ -124,6 +131,9 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         max_running_per_key=args.max_running_per_key or None,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout_s,
+        first_byte_timeout_s=args.first_byte_timeout_s,
+        max_uploads_per_key=args.max_uploads_per_key or None,
+        max_uploads_per_address=args.max_uploads_per_address or None,
         loras=dict(lora_flags(args)[0]),
         lora_dirs=list(args.lora_dir),
         max_image_bytes=args.max_image_bytes,
