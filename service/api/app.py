@@ -46,6 +46,7 @@ from service.api.http import (
 from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
+from service.api.origin import LOOPBACK_HOSTS, refusal
 from service.api.records import JobRecord, JobStatus
 from service.api.schemas import (
     BodyError,
@@ -60,6 +61,7 @@ from service.api.schemas import (
     parse_body,
 )
 from service.api.service import ServiceConfig, VideoService, video_object
+from service.api.ui import HEADERS as PAGE_HEADERS
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.health import Unavailable
@@ -67,7 +69,10 @@ from service.router.tenants import QuotaExceeded
 from service.router.waves import QueueFull
 
 log = logging.getLogger("dloserve.api")
-app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO")
+# No /docs or /redoc: they load scripts from a CDN on the origin where /ui keeps the key
+# (the page at /ui and /openapi.json describe the API instead).
+app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO",
+              docs_url=None, redoc_url=None)
 
 def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
     """A pydantic schema with its ``$defs`` put in place (an OpenAPI document has no root $defs)."""
@@ -155,6 +160,18 @@ async def _bad_params(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 @app.middleware("http")
+async def _origin(request: Request, call_next: Any) -> Response:
+    """Host and Origin checks (origin.py) before any route: 403 in the API's error shape."""
+    svc = getattr(request.app.state, "svc", None)
+    hosts = svc.cfg.allowed_hosts if svc is not None else []
+    refused = refusal(request.method, request.headers, hosts)
+    if refused is not None:
+        param = "host" if refused[0] == "forbidden_host" else "origin"
+        return error(403, refused[1], param, kind="permission_error", code=refused[0], where="header")
+    return await call_next(request)
+
+
+@app.middleware("http")
 async def _headers(request: Request, call_next: Any) -> Response:
     """Every answer names the DP group (replica) that gave it: which replica served a read
     is visible to operators and to the multi-node tests. (The replica's id is its DP group's
@@ -167,6 +184,9 @@ async def _headers(request: Request, call_next: Any) -> Response:
         pass
     for name, value in NOSNIFF.items():
         response.headers.setdefault(name, value)
+    if response.headers.get("content-type", "").startswith("text/html"):
+        for name, value in PAGE_HEADERS.items():  # any HTML answer: the /ui page's CSP and all
+            response.headers.setdefault(name, value)
     response.headers.setdefault("Cache-Control", NO_STORE)
     return response
 
@@ -381,6 +401,7 @@ class VideoIngress:
     @app.post("/v1/loras", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
               "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
               responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
+                         415: {**_ERR, "description": "not application/json"},
                          409: {**_ERR, "description": "the name is taken"},
                          422: {**_ERR, "description": "a bad adapter (param names the key)"}})
     async def create_lora(self, request: Request) -> Any:
@@ -393,6 +414,9 @@ class VideoIngress:
 
         from service.models.lora import LoraError
 
+        ctype = request.headers.get("content-type") or "application/json"  # none: JSON, as before
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            return error(415, "POST /v1/loras takes application/json", None, code="unsupported_media_type")
         try:
             cfg = self.svc.cfg
             with self.uploads.slot(owner, _address(request)):
@@ -490,6 +514,8 @@ def build_app(args: dict[str, Any]) -> Any:
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
            blocking: bool = False, proxy_location: str = "EveryNode") -> DeploymentHandle:
     """Start Serve's HTTP proxy on host:port and run the app (used by the CLI and tests)."""
+    if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
+        cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     return serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/",
                      blocking=blocking)

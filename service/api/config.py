@@ -80,6 +80,9 @@ class ServiceConfig(BaseModel):
                                                 "caps them, where every client has its address)")
     max_uploads: int = Field(64, ge=1, description="request bodies read at once in all, well under the "
                              "replica's 256 request slots: health checks and reads always find one")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names the service answers "
+                                     "to (403 forbidden_host otherwise); empty: any. A loopback bind "
+                                     "sets the loopback names (DNS rebinding)")
     unhealthy_after_s: float = Field(300.0, gt=0)
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)

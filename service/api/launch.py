@@ -185,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2 if isinstance(e, PortTaken) else 1
     _report_listeners(args.host)
     print(f"dloserve ready at {url} in {time.monotonic() - t0:.1f} s "
-          f"(POST {url}/v1/videos, docs {url}/docs); Ctrl-C to stop", flush=True)
+          f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
 
