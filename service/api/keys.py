@@ -38,7 +38,7 @@ def parse_key_lines(lines: Iterable[str], source: str = "key file") -> list[KeyE
     start with ``#`` are skipped. A key has no whitespace in it."""
     out = []
     for n, line in enumerate(lines, 1):
-        words = line.split()
+        words = (line.removeprefix("\ufeff") if n == 1 else line).split()  # a BOM is no part of a key
         if not words or words[0].startswith("#"):
             continue
         quota: dict[str, int] = {}
@@ -50,6 +50,15 @@ def parse_key_lines(lines: Iterable[str], source: str = "key file") -> list[KeyE
             quota[name] = int(value)
         out.append(KeyEntry(words[0], quota))
     return out
+
+
+MIN_KEY_CHARS = 16  # shorter keys are accepted with a warning at start (guessable)
+
+
+def short_keys(keys: Iterable[str]) -> int:
+    """How many of ``keys`` are shorter than MIN_KEY_CHARS (the launcher warns; it does not
+    refuse them, so a deployment's existing short keys keep working)."""
+    return sum(len(k.strip()) < MIN_KEY_CHARS for k in keys)
 
 
 def key_hash(key: str) -> str:

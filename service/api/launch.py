@@ -121,6 +121,14 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, KeyFileError) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
+    from service.api.keys import MIN_KEY_CHARS, short_keys
+    from service.api.serve_flags import key_entries
+
+    short = short_keys(e.key for e in key_entries(args))
+    if short:
+        print(f"dloserve serve: WARNING: {short} API key(s) shorter than {MIN_KEY_CHARS} characters: a short "
+              "key can be guessed; use long random ones (e.g. `openssl rand -hex 24`)", file=sys.stderr,
+              flush=True)
     if not keys:
         print("dloserve serve: WARNING: no --api-key given: any client that reaches the port can read, "
               "download and delete every job made without a key (jobs a key made stay that key's)",

@@ -149,20 +149,27 @@ def results_url(args: argparse.Namespace) -> str:
     return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
-def api_keys(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS, each with
-    its own limits from the key file (empty: the flags' defaults); the keys themselves never
-    leave this process (the Serve config carries only hashes). OSError or KeyFileError for
-    a file that cannot be read."""
-    from service.api.keys import KeyEntry, key_hash, parse_key_lines
+def key_entries(args: argparse.Namespace) -> list[Any]:
+    """Every API key from --api-key, --api-key-file and DLOSERVE_API_KEYS, as KeyEntry."""
+    from service.api.keys import KeyEntry, parse_key_lines
 
     entries = [KeyEntry(k) for k in args.api_key or []]
     if args.api_key_file:
         with open(args.api_key_file) as f:
             entries += parse_key_lines(f, args.api_key_file)
-    entries += [KeyEntry(k.strip()) for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",") if k.strip()]
+    return entries + [KeyEntry(k.strip()) for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",")
+                      if k.strip()]
+
+
+def api_keys(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS, each with
+    its own limits from the key file (empty: the flags' defaults); the keys themselves never
+    leave this process (the Serve config carries only hashes). OSError or KeyFileError for
+    a file that cannot be read."""
+    from service.api.keys import key_hash
+
     out: dict[str, dict[str, int]] = {}
-    for e in entries:
+    for e in key_entries(args):
         out.setdefault(key_hash(e.key), {}).update(e.quota)
     return out
 
