@@ -207,12 +207,16 @@ def _start_local_cluster(loopback: bool) -> None:
     port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
     host's outward address, but takes the loopback address as the node's when
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its single-machine mode, meant for laptops; on
-    Linux it does the same). Its child processes inherit the setting.
+    Linux it does the same). Its child processes inherit the setting. A watchdog
+    (service/api/watchdog.py) stops the cluster's processes should this one be killed.
     """
     import ray
 
     _own_cluster["started"] = True  # from here on, our descendants are ours to stop
     _own_cluster["ray"] = True
+    from service.api.watchdog import start_watchdog
+
+    start_watchdog()  # a SIGKILL of this process leaves none of the cluster's behind
     if loopback:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         from ray._private import ray_constants
