@@ -22,8 +22,8 @@ def _member(rank: int, init: str, port: int, out: Any) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
     t = torch.ones(1)
     dist.all_reduce(t)
-    if rank == 0:  # while the store serves the group: where does its port listen?
-        out.put((float(t), [x for x in listeners([os.getpid()]) if x["port"] == port]))
+    # While the store serves the group: where does its port listen, and gloo's?
+    out.put((rank, float(t), listeners([os.getpid()])))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -36,10 +36,11 @@ def test_the_rendezvous_store_of_a_loopback_group_listens_on_loopback_only() -> 
     procs = [ctx.Process(target=_member, args=(r, init, port, out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    total, socks = out.get(timeout=120)
+    seen = dict((rank, (total, socks)) for rank, total, socks in (out.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert total == 2.0  # the group formed through the store and reduced
-    assert socks, "the store's port is not listening"
-    assert all(s["address"] == "127.0.0.1" for s in socks), socks
+    assert [seen[r][0] for r in (0, 1)] == [2.0, 2.0]  # the group formed through the store and reduced
+    assert [s for s in seen[0][1] if s["port"] == port], "the store's port is not listening"
+    everything = seen[0][1] + seen[1][1]  # the store's and gloo's listeners, of both ranks
+    assert all(s["address"] == "127.0.0.1" for s in everything), everything
