@@ -37,6 +37,8 @@ from service.api.http import (
     NOSNIFF,
     BodyTimeout,
     TooLarge,
+    TooManyUploads,
+    Uploads,
     allowed_methods,
     error,
     read_capped,
@@ -45,6 +47,7 @@ from service.api.http import (
 from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
+from service.api.origin import LOOPBACK_HOSTS, refusal
 from service.api.previews import RESPONSES as PREVIEW_RESPONSES
 from service.api.previews import preview_response
 from service.api.records import JobRecord, JobStatus
@@ -64,6 +67,7 @@ from service.api.schemas import (
 from service.api.service import ServiceConfig, VideoService, video_object
 from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
 from service.api.storage_health import cause_of
+from service.api.ui import HEADERS as PAGE_HEADERS
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.health import Unavailable
@@ -71,7 +75,10 @@ from service.router.tenants import QuotaExceeded
 from service.router.waves import QueueFull
 
 log = logging.getLogger("dloserve.api")
-app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO")
+# No /docs or /redoc: they load scripts from a CDN on the origin where /ui keeps the key
+# (the page at /ui and /openapi.json describe the API instead).
+app = FastAPI(title="dloserve", version="0.1.0", description="DiT video generation with DLO",
+              docs_url=None, redoc_url=None)
 
 def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
     """A pydantic schema with its ``$defs`` put in place (an OpenAPI document has no root $defs)."""
@@ -94,12 +101,15 @@ _CREATE_BODY = create_body(_inlined(VideoCreate.model_json_schema()))  # input_r
 _ERR = {"model": ErrorResponse}
 _AUTH = {401: {**_ERR, "description": "missing or unknown API key"},
          422: {**_ERR, "description": "a query parameter is invalid (param names it)"}}
-_CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not arrive within body_timeout_s"},
+_CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not start within first_byte_"
+                                                         "timeout_s or arrive within body_timeout_s"},
                   413: {**_ERR, "description": "body (or its image) over the size limit"},
                   415: {**_ERR, "description": "not JSON or a form"},
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
-                  429: {**_ERR, "description": "this API key's queue is full (quota_exceeded) or the "
-                                               "whole queue is (queue_full); see Retry-After"},
+                  429: {**_ERR, "description": "this API key's queue is full (quota_exceeded), the "
+                                               "whole queue is (queue_full), or this key or address "
+                                               "sends too many bodies at once (too_many_uploads); "
+                                               "see Retry-After"},
                   503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"},
                   507: {**_ERR, "description": "the results storage refuses writes (full); see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
@@ -112,6 +122,17 @@ _MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; range
 
 def _unauthorized(e: AuthError) -> JSONResponse:
     return error(401, str(e), None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _too_many(e: TooManyUploads) -> JSONResponse:
+    """429 at once, the body unread (the connection closes rather than read it)."""
+    return error(429, str(e), None, kind="rate_limit_error", code="too_many_uploads",
+                 headers={"Retry-After": "1", "Connection": "close"})
+
+
+def _address(request: Request) -> str | None:
+    """The client's address as the proxy saw it (behind another proxy: that proxy's)."""
+    return request.client.host if request.client else None
 
 
 register_ui(app)  # the playground at /ui/ (service/api/ui)
@@ -146,6 +167,18 @@ async def _bad_params(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 @app.middleware("http")
+async def _origin(request: Request, call_next: Any) -> Response:
+    """Host and Origin checks (origin.py) before any route: 403 in the API's error shape."""
+    svc = getattr(request.app.state, "svc", None)
+    hosts = svc.cfg.allowed_hosts if svc is not None else []
+    refused = refusal(request.method, request.headers, hosts)
+    if refused is not None:
+        param = "host" if refused[0] == "forbidden_host" else "origin"
+        return error(403, refused[1], param, kind="permission_error", code=refused[0], where="header")
+    return await call_next(request)
+
+
+@app.middleware("http")
 async def _headers(request: Request, call_next: Any) -> Response:
     """Every answer names the DP group (replica) that gave it: which replica served a read
     is visible to operators and to the multi-node tests. (The replica's id is its DP group's
@@ -158,6 +191,9 @@ async def _headers(request: Request, call_next: Any) -> Response:
         pass
     for name, value in NOSNIFF.items():
         response.headers.setdefault(name, value)
+    if response.headers.get("content-type", "").startswith("text/html"):
+        for name, value in PAGE_HEADERS.items():  # any HTML answer: the /ui page's CSP and all
+            response.headers.setdefault(name, value)
     response.headers.setdefault("Cache-Control", NO_STORE)
     return response
 
@@ -175,12 +211,15 @@ class VideoIngress:
             dp_group=serve.get_replica_context().replica_id.unique_id,
         )
         if not self.svc.cfg.api_key_hashes:
-            log.warning("no API key configured: every client can read and delete every job")
+            log.warning("no API key configured: every client can read and delete every job made "
+                        "without a key")
         rules = body_rules(self.svc.adapter, self.svc.limits, self.svc.model_name)
         app.openapi_schema = None
         required = ("input_reference",) if self.svc.adapter.image_input == "required" else ()
         app.openapi_schema = instance_openapi(app.openapi(), rules, required)
         app.state.svc = self.svc  # for _bad_params: the key is checked before a parameter is
+        cfg = self.svc.cfg
+        self.uploads = Uploads(cfg.max_uploads_per_key, cfg.max_uploads_per_address, cfg.max_uploads)
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine cannot serve is reported unhealthy."""
@@ -209,13 +248,17 @@ class VideoIngress:
             strict = media_type(ctype) == "application/json"  # a form's numbers are strings
             cap = body_cap(media_type(ctype), cfg.max_body_bytes, cfg.max_image_bytes,
                            self.svc.adapter.image_input != "none")
-            raw = await read_capped(request, cap, cfg.body_timeout_s)
+            with self.uploads.slot(owner, _address(request)):
+                raw = await read_capped(request, cap, cfg.body_timeout_s, cfg.first_byte_timeout_s)
             fields = await parse_body(ctype, raw)
             # create() writes the job record under a lock the dispatcher shares: keep it
             # off the event loop so status polls are not held up behind it.
             return await asyncio.to_thread(self.svc.create, fields, owner, strict)
         except MediaTypeError as e:
             return error(415, str(e), None, code="unsupported_media_type")
+        except TooManyUploads as e:
+            metrics()["requests"].inc(1, tags={"status": "over_quota"})
+            return _too_many(e)
         except TooLarge as e:
             metrics()["requests"].inc(1, tags={"status": "rejected"})
             return error(413, str(e), None, code="body_too_large")
@@ -378,6 +421,7 @@ class VideoIngress:
     @app.post("/v1/loras", status_code=201, openapi_extra={"requestBody": {"required": True, "content": {
               "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
               responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
+                         415: {**_ERR, "description": "not application/json"},
                          409: {**_ERR, "description": "the name is taken"},
                          422: {**_ERR, "description": "a bad adapter (param names the key; source: not a "
                                                       "regular file)"},
@@ -393,12 +437,20 @@ class VideoIngress:
 
         from service.models.lora import LoraError
 
+        ctype = request.headers.get("content-type") or "application/json"  # none: JSON, as before
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            return error(415, "POST /v1/loras takes application/json", None, code="unsupported_media_type")
         try:
-            raw = await read_capped(request, self.svc.cfg.max_body_bytes, self.svc.cfg.body_timeout_s)
+            cfg = self.svc.cfg
+            with self.uploads.slot(owner, _address(request)):
+                raw = await read_capped(request, cfg.max_body_bytes, cfg.body_timeout_s,
+                                        cfg.first_byte_timeout_s)
             body = LoraCreate.model_validate(json.loads(raw or b"null"))
             # Its own bounded pool with a timeout: a hung read never holds up POST /v1/videos.
             entry = await self.svc.adapter_io.run(self.svc.add_lora, body.name, body.source, owner,
                                                   undo=lambda e: self.svc.delete_lora(e.name, owner))
+        except TooManyUploads as e:
+            return _too_many(e)
         except TooLarge as e:
             return error(413, str(e), None, code="body_too_large")
         except BodyTimeout as e:
@@ -466,7 +518,10 @@ class VideoIngress:
         """200 when a rank group serves; 503 while starting, rebuilding or draining. Without
         a key (when keys are configured) only ``ready`` and ``instance``; an API key adds
         the engine's state and the caller's own counts; an admin key everything."""
-        r = self.svc.readiness_for(self.svc.caller(request.headers.get("authorization")))
+        caller = self.svc.caller(request.headers.get("authorization"))
+        r = self.svc.readiness_for(caller)
+        if caller.admin:
+            r["uploads"] = self.uploads.count  # request bodies being read now
         return JSONResponse(r, status_code=200 if r["ready"] else 503)
 
     def __del__(self) -> None:
@@ -489,6 +544,8 @@ def build_app(args: dict[str, Any]) -> Any:
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
            blocking: bool = False, proxy_location: str = "EveryNode") -> DeploymentHandle:
     """Start Serve's HTTP proxy on host:port and run the app (used by the CLI and tests)."""
+    if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
+        cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     return serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/",
                      blocking=blocking)

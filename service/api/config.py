@@ -72,6 +72,18 @@ class ServiceConfig(BaseModel):
                                   "width x height from its header, checked before decoding")
     body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within this "
                                   "(408 otherwise)")
+    first_byte_timeout_s: float = Field(3.0, gt=0, description="a request body must start within this "
+                                        "(408 otherwise; only where shorter than body_timeout_s)")
+    max_uploads_per_key: int | None = Field(8, ge=1, description="request bodies one API key may send at "
+                                            "once (429 too_many_uploads beyond); None: no cap")
+    max_uploads_per_address: int | None = Field(16, ge=1, description="request bodies one client address "
+                                                "may send at once; None: no cap (behind a proxy that "
+                                                "caps them, where every client has its address)")
+    max_uploads: int = Field(64, ge=1, description="request bodies read at once in all, well under the "
+                             "replica's 256 request slots: health checks and reads always find one")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names the service answers "
+                                     "to (403 forbidden_host otherwise); empty: any. A loopback bind "
+                                     "sets the loopback names (DNS rebinding)")
     unhealthy_after_s: float = Field(300.0, gt=0)
     limits: dict[str, Any] = Field(default_factory=dict)
     deadline: dict[str, Any] = Field(default_factory=dict)

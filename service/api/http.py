@@ -7,7 +7,9 @@ Kept out of app.py so the routes stay a list of routes; nothing here knows the s
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Request
@@ -40,9 +42,12 @@ class BodyTimeout(Exception):
     """The body did not arrive in time (408): a slow client holds a replica slot no longer."""
 
 
-async def read_capped(request: Request, cap: int, timeout_s: float) -> bytes:
+async def read_capped(request: Request, cap: int, timeout_s: float,
+                      first_byte_s: float | None = None) -> bytes:
     """The body, never reading more than ``cap`` + one chunk of it, nor for longer than
-    ``timeout_s`` in all (a client sending a byte now and then is cut off, not waited for).
+    ``timeout_s`` in all (a client sending a byte now and then is cut off, not waited for),
+    and its first bytes within ``first_byte_s`` (a client that sends headers only is cut off
+    sooner still).
 
     The limit is on the whole body, not between chunks: Serve's proxy passes chunks on as
     they come, so this is where a slow body is seen.
@@ -50,20 +55,74 @@ async def read_capped(request: Request, cap: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > cap:
         raise TooLarge(f"body of {declared} bytes is over the limit of {cap}")
+    first_s = first_byte_s if first_byte_s is not None and first_byte_s < timeout_s else None
 
     async def read() -> bytes:
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream().__aiter__()
+        while True:
+            try:
+                if first_s is not None and not chunks:
+                    chunk = await asyncio.wait_for(stream.__anext__(), first_s)
+                else:
+                    chunk = await stream.__anext__()
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            except TimeoutError:
+                raise BodyTimeout(f"the request body did not start within {first_s:g} s") from None
             size += len(chunk)
             if size > cap:
                 raise TooLarge(f"body is over the limit of {cap} bytes")
             chunks.append(chunk)
-        return b"".join(chunks)
 
     try:
         return await asyncio.wait_for(read(), timeout_s)
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+
+
+class TooManyUploads(Exception):
+    """This key or address already sends as many bodies as it may (429 at once)."""
+
+
+class Uploads:
+    """Request bodies being read at once, per API key, per client address and in all.
+
+    A body that arrives slowly holds one of the replica's request slots (Serve's
+    ``max_ongoing_requests``) until it is complete or cut off: one key or address may hold
+    only a few, and all bodies together fewer than the slots, so /healthz, /readyz and
+    reads always find one free. The event loop is the only caller: no lock.
+    """
+
+    def __init__(self, per_key: int | None, per_address: int | None, total: int) -> None:
+        self.limits = {"key": per_key, "address": per_address}
+        self.total = total
+        self.held: Counter[tuple[str, str]] = Counter()
+        self.count = 0
+
+    @contextmanager
+    def slot(self, key: str | None, address: str | None) -> Iterator[None]:
+        """Held while one body is read; TooManyUploads when a cap is reached."""
+        mine = [(kind, who) for kind, who in (("key", key), ("address", address))
+                if who is not None and self.limits[kind] is not None]
+        for kind, who in mine:
+            if self.held[(kind, who)] >= (self.limits[kind] or 0):
+                name = "API key" if kind == "key" else "client address"
+                raise TooManyUploads(f"this {name} is already sending {self.limits[kind]} request bodies; "
+                                     "send the next when one of them is answered")
+        if self.count >= self.total:
+            raise TooManyUploads(f"the service is already reading {self.total} request bodies; retry shortly")
+        for h in mine:
+            self.held[h] += 1
+        self.count += 1
+        try:
+            yield
+        finally:
+            self.count -= 1
+            for h in mine:
+                self.held[h] -= 1
+                if not self.held[h]:
+                    del self.held[h]
 
 
 def allowed_methods(routes: list[Any], scope: dict[str, Any]) -> str:

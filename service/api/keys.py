@@ -41,7 +41,7 @@ def parse_key_lines(lines: Iterable[str], source: str = "key file") -> list[KeyE
     with ``#`` are skipped. A key has no whitespace in it."""
     out = []
     for n, line in enumerate(lines, 1):
-        words = line.split()
+        words = (line.removeprefix("\ufeff") if n == 1 else line).split()  # a BOM is no part of a key
         if not words or words[0].startswith("#"):
             continue
         quota: dict[str, int] = {}
@@ -69,6 +69,15 @@ def _check_webhook(webhook: dict[str, str], where: str) -> None:
         Target.of(webhook, where)
     except WebhookConfigError as e:
         raise KeyFileError(str(e)) from None
+
+
+MIN_KEY_CHARS = 16  # shorter keys are accepted with a warning at start (guessable)
+
+
+def short_keys(keys: Iterable[str]) -> int:
+    """How many of ``keys`` are shorter than MIN_KEY_CHARS (the launcher warns; it does not
+    refuse them, so a deployment's existing short keys keep working)."""
+    return sum(len(k.strip()) < MIN_KEY_CHARS for k in keys)
 
 
 def key_hash(key: str) -> str:

@@ -124,9 +124,18 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, KeyFileError, WebhookConfigError) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
+    from service.api.keys import MIN_KEY_CHARS, short_keys
+    from service.api.serve_flags import key_entries
+
+    short = short_keys(e.key for e in key_entries(args))
+    if short:
+        print(f"dloserve serve: WARNING: {short} API key(s) shorter than {MIN_KEY_CHARS} characters: a short "
+              "key can be guessed; use long random ones (e.g. `openssl rand -hex 24`)", file=sys.stderr,
+              flush=True)
     if not keys:
         print("dloserve serve: WARNING: no --api-key given: any client that reaches the port can read, "
-              "download and delete every job", file=sys.stderr, flush=True)
+              "download and delete every job made without a key (jobs a key made stay that key's)",
+              file=sys.stderr, flush=True)
     if args.api_key or args.admin_key:
         print("dloserve serve: note: keys given as --api-key/--admin-key are visible to every user of "
               "this machine in the process list; use --api-key-file/--admin-key-file (or "
@@ -188,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2 if isinstance(e, PortTaken) else 1
     _report_listeners(args.host)
     print(f"dloserve ready at {url} in {time.monotonic() - t0:.1f} s "
-          f"(POST {url}/v1/videos, docs {url}/docs); Ctrl-C to stop", flush=True)
+          f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
 
@@ -221,12 +230,16 @@ def _start_local_cluster(loopback: bool) -> None:
     port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
     host's outward address, but takes the loopback address as the node's when
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its single-machine mode, meant for laptops; on
-    Linux it does the same). Its child processes inherit the setting.
+    Linux it does the same). Its child processes inherit the setting. A watchdog
+    (service/api/watchdog.py) stops the cluster's processes should this one be killed.
     """
     import ray
 
     _own_cluster["started"] = True  # from here on, our descendants are ours to stop
     _own_cluster["ray"] = True
+    from service.api.watchdog import start_watchdog
+
+    start_watchdog()  # a SIGKILL of this process leaves none of the cluster's behind
     if loopback:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         from ray._private import ray_constants

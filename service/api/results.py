@@ -59,6 +59,8 @@ class ResultStorage:
         self.fs, root = url_to_fs(os.path.expanduser(url), **(storage_options or {}))
         self.root = root.rstrip("/")
         self.local_path: Path | None = Path(root) if self.is_local else None
+        if self.local_path is not None and not self.local_path.exists():
+            self.local_path.mkdir(mode=0o700, parents=True)  # other users see no names either
         self.fs.makedirs(self.root, exist_ok=True)
 
     @property
@@ -79,6 +81,7 @@ class ResultStorage:
         tmp = self._path(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             self.fs.pipe_file(tmp, data)
+            os.chmod(tmp, 0o600)  # records and MP4s are their owners' only
             self.fs.mv(tmp, self._path(name))
         except BaseException as e:
             try:

@@ -65,6 +65,14 @@ class LoraCreate(BaseModel):
     source: str = Field(min_length=1, max_length=4096,
                         description="a .safetensors path on the server, under one of its --lora-dir folders")
 
+    @field_validator("source")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        """A NUL cannot be in a path: the file system call would fail with a ValueError (500)."""
+        if "\x00" in v:
+            raise ValueError("must not contain a NUL character")
+        return v
+
 
 def _strict_json(model: type[BaseModel], value: Any) -> Any:
     """``value`` (decoded from a form field's JSON) validated strictly: a form's lax reading of
@@ -120,7 +128,7 @@ class VideoCreate(BaseModel):
         if isinstance(v, str):
             try:
                 v = json.loads(v)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
                 raise ValueError('must be a JSON object like {"method": "first_block"}') from None
             return _strict_json(CacheUse, v)  # JSON inside a form: its numbers must be numbers
         return v
@@ -132,7 +140,7 @@ class VideoCreate(BaseModel):
         if isinstance(v, str):
             try:
                 v = json.loads(v)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
                 raise ValueError("must be a JSON list of {name, scale} objects") from None
             return [_strict_json(LoraUse, x) for x in v] if isinstance(v, list) else v
         return v

@@ -72,6 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
                    help="a request body must arrive within this long, or 408 (slow clients)")
+    p.add_argument("--first-byte-timeout-s", type=float, default=3.0,
+                   help="a request body must start within this long, or 408 (headers sent, then nothing)")
+    p.add_argument("--max-uploads-per-key", type=int, default=8,
+                   help="request bodies one API key may send at once; more get 429 at once (0: no cap)")
+    p.add_argument("--max-uploads-per-address", type=int, default=16,
+                   help="request bodies one client address may send at once (0: no cap; behind a "
+                        "proxy every client has the proxy's address)")
     p.add_argument("--max-image-bytes", type=int, default=8 * 2**20,
                    help="largest input_reference image file; where the model takes images a body may be "
                         "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
@@ -88,6 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
     """The ServiceConfig of the flags (FlagError naming a bad one)."""
     from service.api.service import ServiceConfig
+    from service.engine.spec import CPUS_PER_RANK
     from service.models.lora_ref import lora_flags
     from service.models.options import settings_from_args
 
@@ -99,8 +107,9 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         dp_size=args.data_parallel_size,
         sp_size=args.sequence_parallel_size,
         offload=settings_from_args(args),
-        cpus_per_rank=args.cpus_per_rank,
-        cpus_per_rank_why=getattr(args, "cpus_per_rank_why", "--cpus-per-rank"),
+        cpus_per_rank=CPUS_PER_RANK if args.cpus_per_rank is None else args.cpus_per_rank,
+        cpus_per_rank_why=getattr(args, "cpus_per_rank_why", None) or (
+            "the default" if args.cpus_per_rank is None else "--cpus-per-rank"),
         gpus_per_rank=gpus_per_rank,
         strategy=args.placement_strategy,
         num_replicas=args.num_replicas,
@@ -132,6 +141,9 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         max_running_per_key=args.max_running_per_key or None,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout_s,
+        first_byte_timeout_s=args.first_byte_timeout_s,
+        max_uploads_per_key=args.max_uploads_per_key or None,
+        max_uploads_per_address=args.max_uploads_per_address or None,
         loras=dict(lora_flags(args)[0]),
         lora_dirs=list(args.lora_dir),
         max_image_bytes=args.max_image_bytes,
@@ -170,20 +182,27 @@ def results_url(args: argparse.Namespace) -> str:
     return url if "://" in url else os.path.abspath(os.path.expanduser(url))
 
 
-def api_keys(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS, each with
-    its own limits from the key file (empty: the flags' defaults); the keys themselves never
-    leave this process (the Serve config carries only hashes). OSError or KeyFileError for
-    a file that cannot be read."""
-    from service.api.keys import KeyEntry, key_hash, parse_key_lines
+def key_entries(args: argparse.Namespace) -> list[Any]:
+    """Every API key from --api-key, --api-key-file and DLOSERVE_API_KEYS, as KeyEntry."""
+    from service.api.keys import KeyEntry, parse_key_lines
 
     entries = [KeyEntry(k) for k in args.api_key or []]
     if args.api_key_file:
         with open(args.api_key_file) as f:
             entries += parse_key_lines(f, args.api_key_file)
-    entries += [KeyEntry(k.strip()) for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",") if k.strip()]
+    return entries + [KeyEntry(k.strip()) for k in os.environ.get("DLOSERVE_API_KEYS", "").split(",")
+                      if k.strip()]
+
+
+def api_keys(args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """SHA-256 of every key from --api-key, --api-key-file and DLOSERVE_API_KEYS, each with
+    its own limits from the key file (empty: the flags' defaults); the keys themselves never
+    leave this process (the Serve config carries only hashes). OSError or KeyFileError for
+    a file that cannot be read."""
+    from service.api.keys import key_hash
+
     out: dict[str, dict[str, int]] = {}
-    for e in entries:
+    for e in key_entries(args):
         out.setdefault(key_hash(e.key), {}).update(e.quota)
     return out
 

@@ -234,9 +234,11 @@ class VideoService:
         return self.loras.remove(name, owner)
 
     def get(self, job_id: str, owner: str | None = None) -> JobRecord | None:
-        """The job if it exists and belongs to ``owner`` (with API keys on, jobs are private)."""
+        """The job if it exists and belongs to ``owner``. Without keys the caller is None:
+        a job a key made (a restart on the same folder with the key file missing) stays
+        that key's, never an anonymous caller's."""
         rec = self.store.get(job_id)
-        if rec is None or (not self.keys.open and rec.owner != owner):
+        if rec is None or rec.owner != owner:
             return None  # another key's job is "not found": its existence is not told either
         return rec
 
@@ -259,7 +261,7 @@ class VideoService:
 
     def list(self, after: str | None, limit: int, order: str, owner: str | None = None,
              ) -> tuple[list[JobRecord], bool]:
-        return self.store.page(owner, not self.keys.open, after, limit, order)
+        return self.store.page(owner, True, after, limit, order)  # keyless: the unowned only
 
     def owner_of(self, authorization: str | None) -> str | None:
         """The caller's owner id from ``Authorization: Bearer KEY``; AuthError if keys are on

@@ -40,7 +40,7 @@ def lock_folder(root: Path) -> Any:
     kernel drops it when the process dies, so a crashed instance never blocks the next)."""
     import fcntl
 
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)  # its records are private
     f = open(root / ".lock", "a+")  # noqa: SIM115 - held open on purpose
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

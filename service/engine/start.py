@@ -4,6 +4,7 @@ test process): join the group's process groups, load the pipeline, start the ran
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,9 +51,11 @@ def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, devi
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if place.world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
-                                rank=place.rank, world_size=place.world,
-                                timeout=timedelta(seconds=spec.pg_timeout_s))
+        assert init_method is not None, "a group of several processes needs a rendezvous"
+        timeout = timedelta(seconds=spec.pg_timeout_s)
+        store = rendezvous_store(init_method, place.rank, place.world, timeout)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                                rank=place.rank, world_size=place.world, timeout=timeout)
     control = control_group(place.world)  # the per-tick agreement, on the CPU
     t_group = time.monotonic()
     lead = not sp or place.lead
@@ -72,6 +75,31 @@ def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, devi
                            **{f"load.{k}_s": v for k, v in runner.load_stages.items()},
                            "encoders_s": round(time.monotonic() - t_load, 3)}
     return worker
+
+
+def rendezvous_store(init_method: str, rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's TCPStore at ``tcp://HOST:PORT``; process 0 serves it on HOST only.
+
+    A TCPStore given ``tcp://127.0.0.1:P`` alone listens on every interface, with no
+    authentication: anyone reaching the node could read and overwrite the group's keys.
+    Process 0 binds the socket itself, on the address it named, and hands it over.
+    """
+    hostport = init_method.removeprefix("tcp://")
+    host, _, port = hostport.rpartition(":")
+    host = host.strip("[]")
+    if rank != 0:
+        return dist.TCPStore(host, int(port), world, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, int(port)))
+        sock.listen(max(128, world))
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store's server owns the listening socket from here on
+    return dist.TCPStore(host, int(port), world, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
 
 
 def stop_rank(worker: RankWorker | None) -> None:

@@ -36,10 +36,13 @@ class RankActor:
         self._gauge_thread.start()
 
     def rendezvous_address(self) -> str:
-        """Process 0 picks its node IP and a free port for the TCP rendezvous."""
+        """Process 0 picks its node IP and a free port of it for the TCP rendezvous; the
+        store listens on that address only (start.rendezvous_store): the loopback one on a
+        loopback cluster (``dloserve serve --host 127.0.0.1``)."""
         from service.offload.spawn import free_port
 
-        return f"tcp://{ray.util.get_node_ip_address()}:{free_port('')}"
+        ip = ray.util.get_node_ip_address()
+        return f"tcp://{f'[{ip}]' if ':' in ip else ip}:{free_port(ip)}"
 
     def setup(self, init_method: str | None) -> dict[str, Any]:
         """Join the process group, load the pipeline, start the rank loop; returns load facts."""

@@ -7,7 +7,8 @@
 required; ``seed``, ``height``, ``width``, ``num_frames``, ``fps``,
 ``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``flow_shift``; Wan2.2
 A14B: ``guidance_scale_2``; image-to-video: ``image``, a path (relative to the prompts
-file's folder) or an fsspec URL of a PNG, JPEG or WebP file) and an optional ``id``
+file's folder) or an fsspec URL of a PNG, JPEG or WebP file, under the prompts file's folder
+or ``--image-root``, at most 16 MiB) and an optional ``id``
 (default: ``item-<line>``). Every line is validated (its image read and checked) before
 any worker starts. Outputs go to ``OUT/<id>.mp4``; ``OUT/manifest.jsonl`` gets one line per
 finished item with the file's SHA-256. Re-running skips items whose manifest entry is
@@ -37,28 +38,50 @@ FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)} - {"extra"}
 EXTRA = {"guidance_scale_2"}  # family arguments a line may give (they go to ``extra``)
 
 
-def read_image(source: object, base: Path, where: str) -> bytes:
-    """The checked bytes of a line's ``image``: a path (relative to ``base``) or an fsspec URL."""
+def read_image(source: object, base: Path, where: str, root: str | None = None) -> bytes:
+    """The checked bytes of a line's ``image``: a path (relative to ``base``) or a URL, under
+    ``root`` (default: ``base``, the prompts file's folder; ``--image-root``), read up to
+    MAX_IMAGE_BYTES. Errors name the line and the source, never the file's bytes: a prompts
+    file cannot make the job read, or quote, any file the job's user can."""
     import fsspec
 
-    from service.models.image import check_image
+    from service.models.image import MAX_IMAGE_BYTES, check_image
 
     if not isinstance(source, str) or not source:
         raise ValueError(f"{where}: image: must be a path or URL, got {source!r}")
-    url = source if "://" in source else str((base / source).resolve())
+    limit = root or str(base)
+    url = _confined(source, base, limit)
+    if url is None:
+        raise ValueError(f"{where}: image: {source!r} is outside {limit} (the prompts file's folder, "
+                         "or --image-root)")
     try:
         with fsspec.open(url, "rb") as f:
-            data = f.read()
+            data = f.read(MAX_IMAGE_BYTES + 1)
     except (OSError, ValueError, ImportError) as e:
-        raise ValueError(f"{where}: image: cannot read {source!r}: {e}") from None
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
+        raise ValueError(f"{where}: image: cannot read {source!r}: {reason}") from None
     try:
-        check_image(data, "image")
+        check_image(data, "image", max_bytes=MAX_IMAGE_BYTES)
     except RequestError as e:
         raise ValueError(f"{where}: {e} ({source})") from None
     return data
 
 
-def read_prompts(path: Path) -> list[tuple[str, GenerationRequest]]:
+def _confined(source: str, base: Path, root: str) -> str | None:
+    """The URL to read ``source`` from, or None where it is not under ``root``: a local
+    path (or file:// URL) after symlinks are resolved, a remote URL by its prefix."""
+    local_root = root.removeprefix("file://") if "://" not in root.removeprefix("file://") else None
+    if "://" in source and not source.startswith("file://"):
+        prefix = root.rstrip("/") + "/"
+        return source if local_root is None and source.startswith(prefix) and ".." not in source else None
+    if local_root is None:
+        return None
+    path = Path(source.removeprefix("file://"))
+    resolved = (base / path).resolve() if not path.is_absolute() else path.resolve()
+    return str(resolved) if resolved.is_relative_to(Path(local_root).resolve()) else None
+
+
+def read_prompts(path: Path, image_root: str | None = None) -> list[tuple[str, GenerationRequest]]:
     """Parse and check every line; raises ValueError naming the line and field."""
     items: list[tuple[str, GenerationRequest]] = []
     seen: set[str] = set()
@@ -80,7 +103,7 @@ def read_prompts(path: Path) -> list[tuple[str, GenerationRequest]]:
         if "prompt" not in obj:
             raise ValueError(f"{path}:{n}: prompt: missing")
         if "image" in obj:
-            obj["image"] = read_image(obj["image"], path.parent, f"{path}:{n}")
+            obj["image"] = read_image(obj["image"], path.parent, f"{path}:{n}", image_root)
         extra = {k: obj.pop(k) for k in EXTRA & set(obj)}
         seen.add(item_id)
         items.append((item_id, GenerationRequest(**obj, extra=extra)))
@@ -220,6 +243,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-groups", type=int, default=1,
                    help="DP groups (each its own placement group; on a cluster, a node each)")
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or local)")
+    p.add_argument("--image-root", default=None,
+                   help="folder (or URL prefix, s3://bucket/images) that lines' images must be under "
+                        "(default: the prompts file's folder)")
     add_offload_arguments(p, offload_default=True)
     add_engine_arguments(p, deadline_base_s=600.0)
     return p
@@ -273,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     from service.models.registry import load_adapter, resolve_model
 
     try:
-        items = read_prompts(args.prompts)
+        items = read_prompts(args.prompts, args.image_root)
         settings = settings_from_args(args)
         if args.lora:  # shared flag; lines naming adapters are the next step (docs/lora.md)
             raise ValueError("--lora: the batch job takes no adapters yet (use dloserve generate or serve)")

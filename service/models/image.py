@@ -18,6 +18,7 @@ separately resizes the shorter side and centre-crops to its own square (224 for 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from typing import Any
 
@@ -40,6 +41,12 @@ def sniff(data: bytes) -> str | None:
     return None
 
 
+def plain(e: BaseException) -> str:
+    """A library's message without the reprs it quotes (``<_io.BytesIO object at 0x7f..>``:
+    a heap address is no business of a client's)."""
+    return re.sub(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>", "", str(e))
+
+
 def check_image(data: bytes, field: str = "image", max_pixels: int = MAX_IMAGE_PIXELS,
                 max_bytes: int | None = None) -> tuple[str, int, int]:
     """(type, width, height) of a valid image; RequestError naming ``field`` otherwise.
@@ -58,16 +65,16 @@ def check_image(data: bytes, field: str = "image", max_pixels: int = MAX_IMAGE_P
         raise RequestError(field, f"the image file is {len(data)} bytes, over the limit of {max_bytes}")
     kind = sniff(bytes(data[:16]))
     if kind is None:
-        raise RequestError(field, f"not a PNG, JPEG or WebP image (first bytes {bytes(data[:8])!r})")
+        raise RequestError(field, "not a PNG, JPEG or WebP image (by its first bytes)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own cap is below
             img = Image.open(io.BytesIO(data), formats=[kind])  # lazy: the header only
     except Image.DecompressionBombError as e:  # Pillow's own cap (2 x MAX_IMAGE_PIXELS), from the header
         raise RequestError(field, f"{kind} is over the limit of {max_pixels} pixels (refused before "
-                                  f"decoding): {e}") from None
+                                  f"decoding): {plain(e)}") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise RequestError(field, f"unreadable {kind} header: {e}") from None
+        raise RequestError(field, f"unreadable {kind} header: {plain(e)}") from None
     width, height = img.size
     if width < 1 or height < 1:
         raise RequestError(field, f"{kind} of {width}x{height} pixels has no pixels")
@@ -77,7 +84,7 @@ def check_image(data: bytes, field: str = "image", max_pixels: int = MAX_IMAGE_P
     try:
         img.load()
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise RequestError(field, f"{kind} data is truncated or corrupt: {e}") from None
+        raise RequestError(field, f"{kind} data is truncated or corrupt: {plain(e)}") from None
     return kind, width, height
 
 

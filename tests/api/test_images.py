@@ -252,3 +252,13 @@ def test_the_pixel_cap_is_the_largest_video_this_instance_makes(i2v_model: str, 
     finally:
         svc.close()
         store.close()
+
+
+def test_image_errors_carry_no_library_reprs_and_no_file_bytes() -> None:
+    """Pillow quotes ``<_io.BytesIO object at 0x7f..>`` (a heap address); a file that is no
+    image is not quoted either (the batch job reads files a client does not own)."""
+    for data in (b"\xff\xd8\xff" + b"y" * 40, b"\x89PNG\r\n\x1a\n" + b"x" * 40, b"SECRET-TOKEN-1234"):
+        with pytest.raises(RequestError) as e:
+            check_image(data)
+        assert "0x" not in e.value.message and "<" not in e.value.message, e.value.message
+        assert "SECRET" not in e.value.message and "yyy" not in e.value.message

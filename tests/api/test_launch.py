@@ -139,3 +139,26 @@ def test_a_start_removes_stale_results_folders_of_stopped_instances(monkeypatch,
     assert "already in use" in err and f"removed the results folder of a stopped instance: {stale}" in err
     assert not stale.exists()
     assert all(d.exists() for d in (fresh, running, foreign, other, own))
+
+
+def test_a_key_files_byte_order_mark_is_no_part_of_its_first_key(tmp_path: Path) -> None:
+    from service.api.keys import key_hash
+
+    keys = tmp_path / "keys"
+    keys.write_bytes("sk-bom-0123456789abcdef\nsk-second-0123456789\n".encode("utf-8-sig"))
+    cfg = config_from_args(parse("/m", "--api-key-file", str(keys)), 0.0)
+    assert sorted(cfg.api_key_hashes) == sorted(key_hash(k) for k in ("sk-bom-0123456789abcdef",
+                                                                       "sk-second-0123456789"))
+
+
+def test_short_keys_are_warned_about_at_start(capsys, tmp_path: Path, demo_model: str) -> None:  # noqa: ANN001
+    import socket
+
+    with socket.socket() as busy:  # the start ends on the busy port (exit 2), after the key checks
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert run(parse(demo_model, "--api-key", "k", "--api-key", "sk-long-enough-0123456789",
+                         "--port", port, "--results-dir", str(tmp_path / "r"))) == 2
+    err = capsys.readouterr().err
+    assert "1 API key(s) shorter than 16 characters" in err and "sk-long" not in err

@@ -151,3 +151,20 @@ def test_a_multipart_body_cut_before_its_closing_boundary_is_a_422() -> None:
         with pytest.raises(BodyError) as e:
             parse_body(ctype, body)
         assert e.value.kind == "multipart_invalid" and "closing boundary" in e.value.message
+
+
+@pytest.mark.parametrize("field", ["loras", "cache"])
+def test_json_nested_50000_deep_inside_a_form_field_is_a_422_naming_it(field: str) -> None:
+    ctype, raw = encoded(data={"prompt": "x", field: "[" * 50000 + "]" * 50000})
+    fields = parse_body(ctype, raw)
+    with pytest.raises(BodyError) as e:
+        validate_create(fields, strict=False)
+    assert e.value.field == field, e.value.message
+
+
+def test_a_nul_in_an_adapter_source_is_a_field_error() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as e:
+        schemas.LoraCreate.model_validate({"name": "style", "source": "/loras/a\x00.safetensors"})
+    assert e.value.errors()[0]["loc"] == ("source",)

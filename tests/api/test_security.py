@@ -19,7 +19,8 @@ from tests.api.conftest import wait_final, wait_ready
 
 KEY_A, KEY_B = "sk-test-alice-0123456789", "sk-test-bob-9876543210"
 ADMIN = "sk-test-admin-5555555555"
-BODY_TIMEOUT_S = 3.0
+BODY_TIMEOUT_S = 10.0  # the held uploads of a test outlast its checks
+UPLOADS_PER_KEY = 4
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactor
         results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
         api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
         admin_key_hashes=[hashlib.sha256(ADMIN.encode()).hexdigest()],
-        max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S,
+        max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S, first_byte_timeout_s=1.0,
+        max_uploads_per_key=UPLOADS_PER_KEY,
     )
     serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")
     url = f"{app_url}/keyed"
@@ -196,8 +198,8 @@ def test_a_key_over_its_own_queue_quota_gets_429_and_another_key_is_accepted(key
 
 
 def test_slow_bodies_are_cut_off_not_waited_for(keyed: str) -> None:
-    """20 clients declare a 1,000-byte body and send a byte every 0.5 s: each is answered
-    408 long before its body could be complete (it would take 500 s)."""
+    """20 clients of one key declare a 1,000-byte body and send a byte every 0.5 s: each is
+    answered long before its body could be complete (it would take 500 s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     host, port = keyed.split("//")[1].split("/")[0].split(":")
@@ -219,7 +221,76 @@ def test_slow_bodies_are_cut_off_not_waited_for(keyed: str) -> None:
 
     with ThreadPoolExecutor(20) as pool:
         results = list(pool.map(slow_client, range(20)))
-    assert all(status == 408 for status, _ in results), results
+    # Each is cut off (408), or refused at once (429: its key already sends its share).
+    assert all(status in (408, 429) for status, _ in results), results
+    assert sum(status == 429 for status, _ in results) >= 20 - UPLOADS_PER_KEY, results
     assert all(sent < 1000 for _, sent in results)
     listed = httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_A)).json()["data"]
     assert not [v for v in listed if v["prompt"] == " "]
+
+
+def open_upload(url: str, key: str, first: bytes = b"{") -> socket.socket:
+    """A POST whose body starts (``first``) and then stalls; the caller closes it."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    path = url.split(port, 1)[1]
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(f"POST {path}/v1/videos HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+              "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode() + first)
+    return s
+
+
+def answer_of(s: socket.socket) -> tuple[int, bytes]:
+    """The status and the whole answer (it ends with the connection, or its body's length)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split(b" ", 2)[1]), data.lower()
+
+
+def _length(data: bytes) -> int:
+    head = data.split(b"\r\n\r\n", 1)[0].lower()
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 1
+
+
+def test_one_key_holding_its_uploads_gets_429_and_health_and_other_keys_still_answer(keyed: str) -> None:
+    """A key's slow uploads take a few of the replica's request slots, never all: its next
+    one is refused at once, while /healthz, /readyz and another key are answered."""
+    held = [open_upload(keyed, KEY_A) for _ in range(UPLOADS_PER_KEY)]
+    try:
+        end = time.monotonic() + 30
+        while httpx.get(f"{keyed}/readyz", headers=auth(ADMIN)).json().get("uploads") != UPLOADS_PER_KEY:
+            assert time.monotonic() < end, "the held uploads never reached the replica"
+            time.sleep(0.05)
+        extra = open_upload(keyed, KEY_A)
+        try:
+            status, data = answer_of(extra)
+        finally:
+            extra.close()
+        assert status == 429 and b"too_many_uploads" in data and b"retry-after: 1" in data, data
+        assert httpx.get(f"{keyed}/healthz").status_code == 200
+        assert httpx.get(f"{keyed}/readyz").status_code == 200
+        assert httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_B)).status_code == 200
+        r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "bob", "num_inference_steps": 1},
+                       headers=auth(KEY_B))
+        assert r.status_code == 202, r.text  # another key's upload is no business of key A's cap
+        assert httpx.get(f"{keyed}/readyz", headers=auth(ADMIN)).json()["uploads"] == UPLOADS_PER_KEY
+        wait_final(keyed, r.json()["id"], headers=auth(KEY_B))
+        httpx.delete(f"{keyed}/v1/videos/{r.json()['id']}", headers=auth(KEY_B))
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_body_that_never_starts_is_cut_off_at_the_first_byte_timeout(keyed: str) -> None:
+    s = open_upload(keyed, KEY_A, first=b"")
+    try:
+        status, data = answer_of(s)
+    finally:
+        s.close()
+    assert status == 408 and b"did not start within 1 s" in data, data

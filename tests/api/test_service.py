@@ -238,3 +238,39 @@ def test_a_lost_replicas_jobs_run_again_on_another_and_its_late_answer_changes_n
 def test_readyz_says_how_the_ranks_were_sized(service) -> None:  # noqa: ANN001
     svc, _ = service
     assert svc.readiness()["cpus_per_rank"] == {"value": 1.0, "why": "set"}
+
+
+def test_a_restart_without_keys_keeps_every_keys_jobs_private(demo_model: str, tmp_path: Path) -> None:
+    """The key file missing after a redeploy: the keyed jobs in the results folder are no
+    anonymous caller's to list, read or delete; and results are the service user's only."""
+    from service.api.keys import key_hash
+
+    folder = tmp_path / "results"
+    cfg = ServiceConfig(model=demo_model, results_url=str(folder), api_key_hashes=[key_hash(KEY_A)])
+    store = JobStore(str(folder), {}, 3600.0, 100, 30.0)
+    ex = FakeExecutor((1,))
+    svc = VideoService(cfg, executor=ex, store=store, node_id="node-1")
+    rec = svc.create(dict(BODY), owner(svc, KEY_A))
+    ex.wait_assigned(rec.id)
+    ex.run(rec.id)
+    until(lambda: status(svc, rec.id) is JobStatus.COMPLETED)
+    svc.close()
+    store.close()
+    store._lock_file.close()  # the first instance has stopped: its lock goes with it
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert {f.stat().st_mode & 0o777 for f in folder.glob(f"{rec.id}.*")} == {0o600}
+
+    store = JobStore(str(folder), {}, 3600.0, 100, 30.0)  # the same folder, no keys now
+    svc = VideoService(ServiceConfig(model=demo_model, results_url=str(folder)), executor=FakeExecutor((1,)),
+                       store=store, node_id="node-1")
+    try:
+        assert svc.store.get(rec.id) is not None  # still there, still its key's
+        assert svc.get(rec.id, None) is None
+        assert svc.delete(rec.id, None) == "missing"
+        mine = svc.create(dict(BODY))
+        listed, _ = svc.list(None, 100, "desc", None)
+        assert [r.id for r in listed] == [mine.id]
+        assert svc.get(mine.id, None) is not None
+    finally:
+        svc.close()
+        store.close()

@@ -122,3 +122,35 @@ def test_batch_image_lines_two_experts_equal_resident(ray_cluster: dict, tmp_pat
     r = subprocess.run([sys.executable, "-m", "service.jobs.batch", "--prompts", str(bad), "--out",
                         str(tmp_path / "o"), "--model", model], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "bad.jsonl:1: image: cannot read" in r.stderr
+
+
+def test_batch_images_stay_under_the_prompts_folder_or_image_root(tmp_path: Path) -> None:
+    """A prompts file cannot make the job read (or quote) a file outside its folder."""
+    from tests.api.test_images import png
+
+    inside, outside = tmp_path / "job", tmp_path / "elsewhere"
+    inside.mkdir()
+    outside.mkdir()
+    (outside / "a.png").write_bytes(png(40, 40))
+    (outside / "secret.png").write_text("SECRET-TOKEN-0123456789")
+    (inside / "link.png").symlink_to(outside / "a.png")
+    (inside / "big.png").write_bytes(png(40, 40) + b"\0" * (16 * 2**20))
+    (inside / "notes.png").write_text("SECRET-TOKEN-0123456789")
+    prompts = inside / "p.jsonl"
+
+    def error_of(image: str, root: str | None = None) -> str:
+        prompts.write_text(json.dumps({"prompt": "x", "image": image}) + "\n")
+        try:
+            read_prompts(prompts, root)
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    for image in ("../elsewhere/a.png", str(outside / "a.png"), (outside / "a.png").as_uri(), "link.png",
+                  "/etc/passwd", "https://example.com/a.png"):
+        assert "is outside" in error_of(image), image
+    assert "over the limit" in error_of("big.png")
+    for image, root in (("notes.png", None), ("../elsewhere/secret.png", str(outside))):
+        message = error_of(image, root)
+        assert "not a PNG" in message and "SECRET" not in message, message
+    assert error_of("../elsewhere/a.png", str(outside)) == ""  # --image-root lets it in
