@@ -11,7 +11,7 @@ and waits. When a rank dies, the rebuilt group is made of the standbys: no new i
 and no imports, only the process group and the load. Ray gives a zero-GPU actor
 ``CUDA_VISIBLE_DEVICES=""`` and one thread, so a standby is told what the rank it replaces
 had (its GPU ids, before anything initialises CUDA; its CPU share for torch's threads; the
-encoder pool is in its spec).
+encoder pool's size, in its spec). Its encoder processes start while it waits, too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from .spec import EngineSpec
-from .start import RankPlace
+from .start import RankPlace, rank_encoder
 from .worker import RankActor
 
 
@@ -68,6 +68,8 @@ class WarmRankActor(RankActor):
             self._gauge_thread.join(timeout=5)
         self.created = time.time()
         self.import_s = warm_imports(spec)
+        # A standby's encoder processes start now too (a new rank's start while it loads).
+        self._encoder = rank_encoder(spec, place) if standby else None
 
     def started(self) -> dict[str, Any]:
         """Answers once the constructor (process start and imports) is done."""
@@ -79,7 +81,19 @@ class WarmRankActor(RankActor):
             self._stop = threading.Event()
             self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True)
             self._gauge_thread.start()
-        return super().setup(init_method)
+        encoder, self._encoder = self._encoder, None
+        if encoder is None:
+            return super().setup(init_method)
+        import torch
+
+        from .start import load_facts, start_rank
+
+        t0 = time.monotonic()
+        device = torch.device("cuda", 0) if self.spec.device == "cuda" else torch.device("cpu")
+        self.worker = start_rank(self.spec, self.place, init_method, device, on_report=self._report_offload,
+                                 encoder=encoder)
+        self._report_memory()
+        return load_facts(self.worker, t0)
 
 
 class StandbyRank(WarmRankActor):
