@@ -44,3 +44,4 @@ class Event:
     seconds: float = 0.0  # FINISHED: from the rank taking the job to its end
     timings: dict[str, float] = field(default_factory=dict)  # FINISHED: seconds per stage
     step_s: tuple[float, ...] = ()  # FINISHED: seconds of each denoising step
+    preview: bytes | None = field(default=None, repr=False)  # STEP: the latents as an image (engine.preview)

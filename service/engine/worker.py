@@ -77,7 +77,7 @@ class RankActor:
     def events(self, timeout: float = 1.0) -> list[Event]:
         evs = self.worker.events(timeout)
         for e in evs:
-            if e.kind is EventKind.STEP:
+            if e.kind is EventKind.STEP and e.preview is None:  # (a preview's event: no new step)
                 now = time.monotonic()
                 last = self._last_step.get(e.job_id)
                 if last is not None:

@@ -192,7 +192,7 @@ class WanAdapter(ModelAdapter):
         step = self.step_callback(on_step, steps)
 
         def callback(_pipe: Any, i: int, _t: Any, _kwargs: dict) -> dict:
-            step(i + 1, steps)
+            step(i + 1, steps, _kwargs.get("latents"))
             return {}
 
         extra: dict[str, Any] = {}
