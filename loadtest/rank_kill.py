@@ -8,7 +8,8 @@ encoders), times start-up to ready, sends a long request, kills one rank process
 request has made progress, and reports: the seconds from the kill to `/readyz` 200 (serving
 again), the killed request's final status (by default it runs again on the rebuilt group)
 and when it ended, the seconds to the next request's completion, and the group's cold-start
-breakdown from the service log.
+breakdown from the service log. ``--no-rank-standby`` rebuilds on new processes (no
+standby) for the comparison; the JSON has /readyz's ``startup`` (the command to ready).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def main() -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--steps", type=int, default=20, help="steps of the request that is killed")
     p.add_argument("--size", default="832x480x33", help="WIDTHxHEIGHTxFRAMES of the requests")
+    p.add_argument("--no-rank-standby", action="store_true",
+                   help="serve --no-rank-standby: rebuild on new rank processes (the comparison)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     port = free_port()
@@ -72,6 +75,8 @@ def main() -> int:
            "--enable-distributed-layerwise-offload", "--port", str(port), "--max-steps", "1000"]
     if args.device == "cpu":
         cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
+    if args.no_rank_standby:
+        cmd += ["--no-rank-standby"]
     log_path = Path(args.out).with_suffix(".log")
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -92,7 +97,7 @@ def main() -> int:
         vid = httpx.post(f"{url}/v1/videos", json=body, timeout=60).json()["id"]
         while httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()["progress"] < 10:
             time.sleep(0.1)
-        ranks = matching(proc.pid, "RankActor")
+        ranks = matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
         res["rank_processes"] = len(ranks)
         t_kill = time.monotonic()
         os.kill(ranks[-1], signal.SIGKILL)
@@ -119,9 +124,11 @@ def main() -> int:
     res["group_starts"] = [line.strip()[-900:] for line in log_path.read_text().splitlines()
                            if re.search(r"group \w+ gen \d+ ready in", line)]
     res["last_start"] = [g.get("last_start") for g in res.get("readyz", {}).get("groups", [])]
+    res["startup"] = res.get("readyz", {}).get("startup")  # the command to ready, step by step
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps({k: res[k] for k in ("ready_s", "killed_request", "kill_to_ready_s", "next_request",
-                                          "kill_to_next_completed_s") if k in res}, indent=1))
+                                          "kill_to_next_completed_s", "last_start", "startup") if k in res},
+                     indent=1))
     return 0
 
 

@@ -53,7 +53,10 @@ class ServiceConfig(BaseModel):
     scheduler: Literal["continuous", "waves"] = "continuous"
     starve_s: float = Field(30.0, gt=0)
     encoders_per_rank: int | None = Field(None, ge=0, description="None: from the rank's CPUs")
+    rank_standby: bool = Field(True, description="a pre-imported process per rank replaces one that dies")
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
+    launch_marks: dict[str, float] = Field(default_factory=dict, description="set by the launcher: "
+                                           "when its start-up steps ended, wall-clock (/readyz startup)")
     api_key_hashes: list[str] = Field(default_factory=list,
                                       description="SHA-256 (hex) of the accepted API keys; empty = open")
     admin_key_hashes: list[str] = Field(default_factory=list,
@@ -135,7 +138,8 @@ class ServiceConfig(BaseModel):
         return EngineSpec(model_dir=model_dir, dp_size=self.dp_size, sp_size=self.sp_size,
                           settings=self.offload, cpus_per_rank=self.cpus_per_rank,
                           gpus_per_rank=self.gpus_per_rank, strategy=self.strategy,
-                          pg_timeout_s=self.pg_timeout_s, encoders_per_rank=self.encoders_per_rank)
+                          pg_timeout_s=self.pg_timeout_s, encoders_per_rank=self.encoders_per_rank,
+                          standby=self.rank_standby)
 
     def tenants(self) -> Tenants:
         """Each API key's quota (its owner id's), the defaults where the key file sets none;

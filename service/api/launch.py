@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     t0 = time.monotonic()
+    marks = {"command": time.time()}  # /readyz's startup breakdown (service.api.startup)
     try:
         args.model = resolve_model(args.model)  # the demo is written once, here
         adapter = load_adapter(args.model, args.sequence_parallel_size)
@@ -166,6 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dloserve serve: port {args.port} on {args.host} is already in use"
               f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
         return 2
+    marks["checked"] = time.time()
     if args.address:
         err = _join(args.address, args.join_timeout_s)
         if err:
@@ -183,6 +185,8 @@ def _run(args: argparse.Namespace) -> int:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     _size_ranks(args)
     cfg = config_from_args(args, gpus)
+    marks["ray_up"] = time.time()
+    cfg = cfg.model_copy(update={"launch_marks": marks})
     _store_url["url"] = cfg.results_url
     mode = cfg.offload.mode.value
     print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "

@@ -120,6 +120,7 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         scheduler=args.scheduler,
         starve_s=args.starve_s,
         encoders_per_rank=args.encoders_per_rank,
+        rank_standby=args.rank_standby,
         retention_s=args.retention_s,
         max_jobs=args.max_jobs,
         limits={

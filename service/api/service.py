@@ -25,6 +25,7 @@ from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError, open_storage
 from service.api.schemas import BodyError, Video, validate_create
+from service.api.startup import startup_breakdown
 from service.api.storage_health import StorageHealth
 from service.api.store import JobTable
 from service.api.views import public_ready, redact, tenant_ready, tenant_record
@@ -53,6 +54,7 @@ class VideoService:
                  executor: Executor | None = None, store: Any = None, node_id: str | None = None) -> None:
         """``executor`` and ``store`` default to Ray's (rank actors, the cluster's job-store
         actor); tests pass the fake executor and an in-process ``JobStore``."""
+        self.replica_at = time.time()  # /readyz startup: the launcher's steps end here
         self.cfg = cfg
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
@@ -305,6 +307,8 @@ class VideoService:
             "dp_group": self.dp_group,
             "node_id": self.node_id,
             "results_url": self.storage.url,
+            "startup": startup_breakdown(self.cfg.launch_marks, self.replica_at, st.get("startup", {}),
+                                         len(st["groups"])),
         }
 
     def health_problem(self) -> str | None:

@@ -27,6 +27,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
@@ -149,6 +150,10 @@ class GroupExecutor(Executor):
         self._pending: queue.SimpleQueue[Event] = queue.SimpleQueue()  # from start/rebuild threads
         self._threads: set[threading.Thread] = set()
         self._closed = False
+        # Before the groups start (the transport's: when, placement, auto's probe) and when
+        # each group was first ready: /readyz's ``startup`` (service.api.startup).
+        self.startup: dict[str, float] = {}
+        self._first_ready: dict[str, float] = {}
 
     # -- the transport's part ---------------------------------------------------------
     @abstractmethod
@@ -240,7 +245,9 @@ class GroupExecutor(Executor):
     def status(self) -> dict[str, Any]:
         with self._lock:
             groups = [g.status(self._names(g)) for g in self._groups.values()]
+            startup = {**self.startup, "groups_ready_at": dict(self._first_ready)}
         return {"groups": groups, "dp_size": self.spec.dp_size, "sp_size": self.spec.sp_size,
+                "startup": startup,
                 "offload_mode": self.mode_choice or {"mode": self.spec.settings.mode.value,
                                                      "reason": "set by flags"}}
 
@@ -282,6 +289,7 @@ class GroupExecutor(Executor):
                     g.forwarding.clear()
                     g.serving = 0
                     g.state = GroupState.READY  # last_error stays: what the last failure was (readyz, /ui)
+                    self._first_ready.setdefault(g.info.id, time.time())
                 self._pending.put(Event(EventKind.GROUP_READY, group=g.info.id))
             except Exception as e:  # noqa: BLE001 - any start failure leaves a clean, failed group
                 why = f"group {'rebuild' if rebuild else 'start'} failed: {short(e)}"
@@ -341,13 +349,16 @@ class GroupExecutor(Executor):
         return out
 
 
-def log_start(g: Group, facts: list[dict[str, Any]], stages: dict[str, float]) -> None:
+def log_start(g: Group, facts: list[dict[str, Any]], stages: dict[str, float],
+              detail: dict[str, float] | None = None, extra: dict[str, Any] | None = None) -> None:
     """Where a group's start went (kept for /readyz, and one log line): the transport's
-    stages, then the slowest rank's (process group, load and its parts, encoders)."""
+    stages (they add up to ``seconds``), parts of them (``detail``, named ``stage.part``),
+    then the slowest rank's (process group, load and its parts, encoders)."""
     slowest = max(facts, key=lambda f: f.get("setup_s", 0.0), default={})
-    breakdown = {k: round(v, 3) for k, v in {**stages, **slowest.get("stages", {})}.items()}
+    breakdown = {k: round(v, 3) for k, v in {**stages, **(detail or {}), **slowest.get("stages", {})}.items()}
     g.started = {"seconds": round(sum(stages.values()), 3), "stages": breakdown,
-                 "encoders": [f.get("encoders") for f in facts], "compute": slowest.get("compute")}
+                 "encoders": [f.get("encoders") for f in facts], "compute": slowest.get("compute"),
+                 **(extra or {})}
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in breakdown.items())
     log.info("group %s gen %d ready in %.2f s (%s); ranks: %s; compute: %s", g.info.id, g.generation,
              sum(stages.values()), parts, [(f["rank"], f["pid"], f.get("setup_s")) for f in facts],

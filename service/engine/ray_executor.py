@@ -5,10 +5,11 @@ one AllGather DP group (one torch.distributed group), or one rank that makes no
 collectives (rank-local or resident: each its own group, so one that dies takes only
 itself down), or an SP group of S processes that is one rank to the scheduler.
 
-Lifecycle of a group: start (actors, rendezvous, load) -> ready -> on a dead rank, a rank
-error or a missed deadline it is broken -> rebuild (kill its actors, new actors, a new
-process group on a new port). Nothing waits without a timeout: set-up has one, the long
-polls have one, the process group has one.
+Lifecycle of a group: start (actors: process start and imports; rendezvous; load) -> ready
+(and one standby per process starts: engine.standby) -> on a dead rank, a rank error or a
+missed deadline it is broken -> rebuild (kill its actors; the standbys, or new actors where
+there are none or one died; a new process group on a new port; new standbys). Nothing
+waits without a timeout: set-up has one, the long polls have one, the process group has one.
 
 Every process has one ``events`` long poll outstanding while its group is ready, so a
 rank that dies, even idle, shows up at once as a dead actor.
@@ -30,8 +31,8 @@ from service.models.options import Mode
 
 from .executor import Group, GroupExecutor, Reply, log_start, short
 from .spec import EngineSpec
+from .standby import StandbyRankRemote, WarmRankActorRemote
 from .start import RankPlace, probe_mode
-from .worker import RankActorRemote
 
 log = logging.getLogger("dloserve.engine")
 NAMESPACE = "dloserve"
@@ -58,19 +59,26 @@ class RayExecutor(GroupExecutor):
         self._own_placement = False
         # ref -> (group, generation, process, op, job id)
         self._refs: dict[Any, tuple[Group, int, int, str, str]] = {}
+        self._standbys: dict[str, list[tuple[Any, str]]] = {}  # group -> (actor, name) per process
+        self._actor_names: dict[str, list[str]] = {}
 
     # -- start ------------------------------------------------------------------------
     def start(self) -> None:
+        t0 = time.monotonic()
+        self.startup["began_at"] = time.time()
         try:
             self._place()
         except Exception as e:  # noqa: BLE001
             self._drop_placement()
             raise RuntimeError(f"placement failed: {short(e)}") from e
+        t_placed = time.monotonic()
+        self.startup["placement_s"] = round(t_placed - t0, 3)
         if self.spec.settings.mode is Mode.AUTO and self.mode_choice is None:
             try:
                 self._resolve_auto()
             except Exception as e:  # noqa: BLE001
                 raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
+            self.startup["auto_probe_s"] = round(time.monotonic() - t_placed, 3)
         self._lay_out()
         self._start_all()
 
@@ -99,24 +107,85 @@ class RayExecutor(GroupExecutor):
     def _open(self, g: Group) -> None:
         assert self.placement is not None, "start() places the groups first"
         t0 = time.monotonic()
-        actors = []
-        for p in range(g.world):
-            strategy = PlacementGroupSchedulingStrategy(
-                self.placement, placement_group_bundle_index=g.info.first_rank + p)
-            place = RankPlace(g.info.id, p, g.world, g.info.first_rank)
-            actors.append(RankActorRemote.options(
-                name=self._name(g, p), namespace=NAMESPACE, num_cpus=self.spec.cpus_per_rank,
-                num_gpus=self.spec.gpus_per_rank, scheduling_strategy=strategy, max_restarts=0,
-            ).remote(self.spec, place))
+        actors, names, started = self._take_standbys(g)
+        if not actors:
+            actors = [self._actor(g, p, self._name(g, p)) for p in range(g.world)]
+            names = [self._name(g, p) for p in range(g.world)]
         with self._lock:
             g.handles = actors
+            self._actor_names[g.info.id] = names
+        if not started:  # a new process: its start and imports are this stage
+            started = self._get([a.started.remote() for a in actors])
+        t_up = time.monotonic()
         addr = self._get(actors[0].rendezvous_address.remote()) if g.world > 1 else None
         t_addr = time.monotonic()
         facts = self._get([a.setup.remote(addr) for a in actors])
-        log_start(g, facts, {"actors_and_rendezvous_s": t_addr - t0, "setup_s": time.monotonic() - t_addr})
+        standby = all(s["standby"] for s in started)
+        detail = {} if standby else {"actors.import_s": max(s["import_s"] for s in started)}
+        log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
+                             "setup_s": time.monotonic() - t_addr}, detail,
+                  {"standby": standby, "pids": [s["pid"] for s in started]})
+        self._make_standbys(g, started, facts)
         with self._lock:
             for p in range(g.world):
                 self._poll(g, p)
+
+    def _actor(self, g: Group, process: int, name: str, standby: bool = False,
+               visible_devices: str | None = None, spec: EngineSpec | None = None) -> Any:
+        """Rank process ``process`` of ``g`` in its bundle; a standby holds no resources
+        (the rank it will replace holds the bundle's)."""
+        strategy = PlacementGroupSchedulingStrategy(
+            self.placement, placement_group_bundle_index=g.info.first_rank + process)
+        place = RankPlace(g.info.id, process, g.world, g.info.first_rank)
+        remote = StandbyRankRemote if standby else WarmRankActorRemote
+        return remote.options(
+            name=name, namespace=NAMESPACE, num_cpus=0 if standby else self.spec.cpus_per_rank,
+            num_gpus=0 if standby else self.spec.gpus_per_rank, scheduling_strategy=strategy, max_restarts=0,
+        ).remote(spec or self.spec, place, standby, visible_devices)
+
+    def _make_standbys(self, g: Group, started: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
+        """One standby per rank process of a ready group: the rank's GPUs and encoder pool."""
+        if not self.spec.standby:
+            return
+        spec = self.spec
+        if spec.encoders_per_rank is None:  # a 0-CPU actor would size its pool from the host
+            spec = replace(spec, encoders_per_rank=max(int(f.get("encoders") or 0) for f in facts))
+        with self._lock:
+            if self._closed:
+                return
+            self._kill_standbys(g.info.id)
+            names = [f"{self._name(g, p)}-standby" for p in range(g.world)]
+            self._standbys[g.info.id] = [
+                (self._actor(g, p, names[p], True, started[p]["visible_devices"], spec), names[p])
+                for p in range(g.world)]
+
+    def _take_standbys(self, g: Group) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
+        """The group's standbys, once they answer (they may still be importing); none if
+        there are none or one of them died (the caller starts new processes)."""
+        with self._lock:
+            standbys = self._standbys.pop(g.info.id, [])
+        if len(standbys) != g.world:
+            self._kill_all([a for a, _ in standbys])
+            return [], [], []
+        actors = [a for a, _ in standbys]
+        try:
+            started = self._get([a.started.remote() for a in actors])
+        except Exception as e:  # noqa: BLE001 - a dead standby: new processes instead
+            log.warning("group %s: standbys unusable (%s); starting new rank processes", g.info.id, short(e))
+            self._kill_all(actors)
+            return [], [], []
+        return actors, [n for _, n in standbys], started
+
+    def _kill_standbys(self, gid: str) -> None:
+        self._kill_all([a for a, _ in self._standbys.pop(gid, [])])
+
+    @staticmethod
+    def _kill_all(actors: list[Any]) -> None:
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead is fine
+                pass
 
     def _get(self, refs: Any) -> Any:
         """ray.get within the set-up timeout, giving up at once when the executor closes."""
@@ -131,11 +200,7 @@ class RayExecutor(GroupExecutor):
                     raise RuntimeError(f"set-up took longer than {self.spec.setup_timeout_s:.0f} s") from None
 
     def _kill(self, g: Group) -> None:
-        for a in g.handles:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead is fine
-                pass
+        self._kill_all(g.handles)
         g.handles = []
         self._refs = {r: v for r, v in self._refs.items() if v[0] is not g}
 
@@ -193,13 +258,16 @@ class RayExecutor(GroupExecutor):
         return Reply("none")
 
     def _names(self, g: Group) -> list[str]:
-        return [self._name(g, p) for p in range(len(g.handles))]
+        return list(self._actor_names.get(g.info.id, []))[:len(g.handles)]
 
     def _name(self, g: Group, process: int) -> str:
         return f"dloserve-{g.info.id}-gen{g.generation}-rank{process}"
 
     def close(self) -> None:
         super().close()
+        with self._lock:
+            for gid in list(self._standbys):
+                self._kill_standbys(gid)
         self._drop_placement()
 
     def _drop_placement(self) -> None:
@@ -209,4 +277,6 @@ class RayExecutor(GroupExecutor):
             self.placement, self._own_placement = None, False
 
     def status(self) -> dict[str, Any]:
-        return {**super().status(), "namespace": NAMESPACE}
+        with self._lock:
+            standbys = {gid: [n for _, n in sb] for gid, sb in self._standbys.items()}
+        return {**super().status(), "namespace": NAMESPACE, "standbys": standbys}

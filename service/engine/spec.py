@@ -41,6 +41,7 @@ class EngineSpec:
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     setup_timeout_s: float = 900.0
     encoders_per_rank: int | None = None  # MP4 encoders per rank; None: from its CPUs (engine.encoder)
+    standby: bool = True  # Ray: a pre-imported process per rank waits to replace it (engine.standby)
 
     def bundles(self) -> list[dict[str, float]]:
         """One bundle per rank process (D x S); a Serve replica with 0 CPUs rides in bundle 0."""

@@ -42,10 +42,18 @@ class RankPlace:
         return str(self.first + self.rank)
 
 
+def rank_encoder(spec: EngineSpec, place: RankPlace) -> Encoder:
+    """The rank's MP4 encoder pool (its processes start now): only the lead of an SP group
+    encodes."""
+    return Encoder(spec.encoders_per_rank if spec.sp_size == 1 or place.lead else 0)
+
+
 def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, device: torch.device,
-               on_report: Callable[[], None] | None = None, progress: bool = False) -> RankWorker:
+               on_report: Callable[[], None] | None = None, progress: bool = False,
+               encoder: Encoder | None = None) -> RankWorker:
     """Rank ``place`` of a group, loaded and looping; ``init_method`` is the TCP rendezvous of
-    a group of several processes (None for one). Every process of the group calls it at once."""
+    a group of several processes (None for one). Every process of the group calls it at once.
+    ``encoder``: a pool started ahead (a standby's); else one starts here."""
     sp = spec.sp_size > 1
     t0 = time.monotonic()
     if device.type == "cuda":
@@ -59,7 +67,8 @@ def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, devi
     control = control_group(place.world)  # the per-tick agreement, on the CPU
     t_group = time.monotonic()
     lead = not sp or place.lead
-    encoder = Encoder(spec.encoders_per_rank if lead else 0)  # its processes start while we load
+    if encoder is None:
+        encoder = rank_encoder(spec, place)  # its processes start while we load
     gather = dist.group.WORLD if spec.settings.enabled and place.world > 1 else None
     try:
         runner = PipelineRunner.load(spec.model_dir, device, settings=spec.settings, group=gather,

@@ -344,7 +344,8 @@ def _run(args: argparse.Namespace, model: str, settings: Any,
     cpus = CPUS_PER_RANK if args.cpus_per_rank is None else args.cpus_per_rank  # a shared cluster: not sized
     spec = EngineSpec(model_dir=model, dp_size=args.data_parallel_size, sp_size=args.sequence_parallel_size,
                       settings=settings, cpus_per_rank=cpus, gpus_per_rank=gpus,
-                      strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank)
+                      strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
+                      standby=args.rank_standby)
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
     sink = ManifestSink(args.out, len(todo), bar)

@@ -43,3 +43,20 @@ def test_host_sized_cpus_per_rank() -> None:
     assert pool_size(value) == 3 and pool_size(CPUS_PER_RANK) == 1
     assert host_cpus_per_rank(32, 2)[0] == 15 and host_cpus_per_rank(16, 3)[0] == 4
     assert host_cpus_per_rank(0.5, 4)[0] == 1.0
+
+
+def test_rank_standby_is_on_by_default_and_the_flag_turns_it_off() -> None:
+    import argparse
+
+    from service.api.serve_flags import add_arguments, config_from_args
+    from service.jobs import batch
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    flags = ["/m", "--cpus-per-rank", "1"]
+    assert config_from_args(p.parse_args(flags), gpus_per_rank=0.0).engine_spec("/m").standby
+    off = config_from_args(p.parse_args([*flags, "--no-rank-standby"]), gpus_per_rank=0.0)
+    assert not off.rank_standby and not off.engine_spec("/m").standby
+    bp = batch.parser()
+    assert bp.parse_args(["--prompts", "p", "--out", "o"]).rank_standby
+    assert not bp.parse_args(["--prompts", "p", "--out", "o", "--no-rank-standby"]).rank_standby

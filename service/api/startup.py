@@ -1,0 +1,45 @@
+"""Where the time from ``dloserve serve`` to ready went: ``/readyz``'s ``startup``.
+
+The steps run one after another, so their seconds add up to ``ready_s`` (the command to the
+last group's first ready); ``unaccounted_s`` is what no step covers (it should stay near 0).
+The launcher stamps its own steps (``ServiceConfig.launch_marks``, wall-clock); the replica
+stamps when it began; the executor when it began, its placement and auto probe, and when
+each group was first ready (each group's own breakdown is ``groups[].last_start``: actor
+start and imports, rendezvous, load). A replica that Serve started from a config file has
+no launcher marks: its breakdown starts at the replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[str, Any],
+                      groups: int) -> dict[str, Any]:
+    """``marks``: the launcher's ``command``, ``checked`` (model, keys, results folder, port)
+    and ``ray_up``; ``engine``: the executor's ``startup`` status; ``groups``: how many."""
+    ready = engine.get("groups_ready_at") or {}
+    began = engine.get("began_at")
+    t_ready = max(ready.values()) if ready and len(ready) >= groups else None
+    steps: dict[str, float | None] = {}
+    if marks:
+        steps["launcher_checks_s"] = _between(marks.get("command"), marks.get("checked"))
+        steps["ray_start_s"] = _between(marks.get("checked"), marks.get("ray_up"))
+        # the Serve controller and HTTP proxy, then the ingress replica's process and imports
+        steps["serve_and_replica_start_s"] = _between(marks.get("ray_up"), replica_at)
+    steps["replica_init_s"] = _between(replica_at, began)  # model card, job store, dispatcher
+    steps["engine.placement_s"] = engine.get("placement_s")
+    if "auto_probe_s" in engine:
+        steps["engine.auto_probe_s"] = engine["auto_probe_s"]
+    groups_began = None if began is None else began + sum(
+        engine.get(k) or 0.0 for k in ("placement_s", "auto_probe_s"))
+    steps["groups_s"] = _between(groups_began, t_ready)  # the groups start at once; the last one
+    start = marks.get("command", replica_at) if marks else replica_at
+    total = _between(start, t_ready)
+    known = [v for v in steps.values() if v is not None]
+    return {"from": "command" if marks else "replica", "ready_s": total, "steps": steps,
+            "unaccounted_s": None if total is None else round(total - sum(known), 3)}
+
+
+def _between(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(b - a, 3)
