@@ -53,7 +53,8 @@ class ServiceConfig(BaseModel):
     scheduler: Literal["continuous", "waves"] = "continuous"
     starve_s: float = Field(30.0, gt=0)
     encoders_per_rank: int | None = Field(None, ge=0, description="None: from the rank's CPUs")
-    rank_standby: bool = Field(True, description="a pre-imported process per rank replaces one that dies")
+    rank_standby: bool | None = Field(None, description="a pre-imported process per rank replaces one "
+                                      "that dies; None: on GPU ranks")
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
     launch_marks: dict[str, float] = Field(default_factory=dict, description="set by the launcher: "
                                            "when its start-up steps ended, wall-clock (/readyz startup)")

@@ -145,7 +145,7 @@ class RayExecutor(GroupExecutor):
 
     def _make_standbys(self, g: Group, started: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
         """One standby per rank process of a ready group: the rank's GPUs and encoder pool."""
-        if not self.spec.standby:
+        if not self.spec.use_standby:
             return
         spec = self.spec
         if spec.encoders_per_rank is None:  # a 0-CPU actor would size its pool from the host

@@ -41,7 +41,8 @@ class EngineSpec:
     pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
     setup_timeout_s: float = 900.0
     encoders_per_rank: int | None = None  # MP4 encoders per rank; None: from its CPUs (engine.encoder)
-    standby: bool = True  # Ray: a pre-imported process per rank waits to replace it (engine.standby)
+    # Ray: a pre-imported process per rank waits to replace it (engine.standby); None: on GPU ranks
+    standby: bool | None = None
 
     def bundles(self) -> list[dict[str, float]]:
         """One bundle per rank process (D x S); a Serve replica with 0 CPUs rides in bundle 0."""
@@ -49,6 +50,12 @@ class EngineSpec:
         if self.gpus_per_rank:
             b["GPU"] = self.gpus_per_rank
         return [dict(b) for _ in range(self.dp_size * self.sp_size)]
+
+    @property
+    def use_standby(self) -> bool:
+        """Standbys by default where recovery time matters and hosts are large (GPU ranks); on
+        CPU (demos, tests on small hosts) each would cost a process's imports for little."""
+        return self.gpus_per_rank > 0 if self.standby is None else self.standby
 
     @property
     def device(self) -> str:

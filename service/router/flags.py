@@ -30,10 +30,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, deadline_base_s: float) -> 
     g.add_argument("--encoders-per-rank", type=int, default=None,
                    help="MP4 encoder processes beside each rank (default: auto, the rank's CPUs "
                         "// x264 threads per encode, at least 1; 0: encode on the rank)")
-    g.add_argument("--rank-standby", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--rank-standby", action=argparse.BooleanOptionalAction, default=None,
                    help="keep one pre-imported process per rank waiting, so a rank that dies is "
                         "replaced without a new interpreter and its imports (host memory: about one "
-                        "process's imports per rank)")
+                        "process's imports per rank); default: on with GPU ranks, off on CPU")
     g.add_argument("--job-retries", type=_count, default=1,
                    help="the request on a rank whose process died runs again, ahead of the queue, up "
                         "to this many times (the group's other requests, which only stood by, "

@@ -45,7 +45,7 @@ def test_host_sized_cpus_per_rank() -> None:
     assert host_cpus_per_rank(0.5, 4)[0] == 1.0
 
 
-def test_rank_standby_is_on_by_default_and_the_flag_turns_it_off() -> None:
+def test_rank_standby_is_on_by_default_with_gpus_and_the_flag_decides() -> None:
     import argparse
 
     from service.api.serve_flags import add_arguments, config_from_args
@@ -54,9 +54,12 @@ def test_rank_standby_is_on_by_default_and_the_flag_turns_it_off() -> None:
     p = argparse.ArgumentParser()
     add_arguments(p)
     flags = ["/m", "--cpus-per-rank", "1"]
-    assert config_from_args(p.parse_args(flags), gpus_per_rank=0.0).engine_spec("/m").standby
-    off = config_from_args(p.parse_args([*flags, "--no-rank-standby"]), gpus_per_rank=0.0)
-    assert not off.rank_standby and not off.engine_spec("/m").standby
+    assert config_from_args(p.parse_args(flags), gpus_per_rank=1.0).engine_spec("/m").use_standby
+    assert not config_from_args(p.parse_args(flags), gpus_per_rank=0.0).engine_spec("/m").use_standby
+    on = config_from_args(p.parse_args([*flags, "--rank-standby"]), gpus_per_rank=0.0)
+    assert on.rank_standby and on.engine_spec("/m").use_standby
+    off = config_from_args(p.parse_args([*flags, "--no-rank-standby"]), gpus_per_rank=1.0)
+    assert off.rank_standby is False and not off.engine_spec("/m").use_standby
     bp = batch.parser()
-    assert bp.parse_args(["--prompts", "p", "--out", "o"]).rank_standby
+    assert bp.parse_args(["--prompts", "p", "--out", "o"]).rank_standby is None
     assert not bp.parse_args(["--prompts", "p", "--out", "o", "--no-rank-standby"]).rank_standby

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.e2e  # kills a real rank actor and waits for the rebuil
 def one_rank(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     # encoders_per_rank None: the rank sizes its pool from its CPUs; the standby must get that size
     spec = EngineSpec(demo_model, dp_size=1, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
-                      pg_timeout_s=60)
+                      pg_timeout_s=60, standby=True)  # on by default on GPU ranks only
     sink = RecordingSink()
     d = build_dispatcher(spec, sink, "ray", deadlines=DeadlinePolicy(base_s=600))
     d.start()
