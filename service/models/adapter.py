@@ -29,6 +29,7 @@ from .meta import empty_weights
 from .request import GenerationRequest, RequestError
 
 StepCallback = Callable[[int, int], None]
+LatentsCallback = Callable[[int, int, torch.Tensor], None]  # (step done, total, latents after it)
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 
 
@@ -170,6 +171,11 @@ class ModelAdapter(ABC):
         """
         return req.forwards()
 
+    def resumable(self, req: GenerationRequest) -> bool:
+        """Whether a rerun of ``req`` can go on from a saved step (models/resume.py); a family
+        that can says so and hands its latents to ``run``'s ``on_latents``."""
+        return False
+
     @abstractmethod
     def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         """Load everything but the transformer: resident on ``device``, or streamed/staged
@@ -222,9 +228,11 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def run(
-        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
+        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
+        on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
-        """Run one request end to end; uint8 frames [T, H, W, 3]."""
+        """Run one request end to end; uint8 frames [T, H, W, 3]. ``on_latents``: after each
+        step but the last, its latents (a resumable family only)."""
 
     def close(self) -> None:
         """Drop the components (and free what their offload handles hold)."""
