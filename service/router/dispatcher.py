@@ -15,6 +15,10 @@ milliseconds.
   rank that raised a device or collective error, fails; the one on a rank whose process
   died reruns up to ``job_retries`` times. The others on the group only stood by; they
   rerun whatever the count, bounded by ``max_queue_wait_s`` (``job_retries`` 0: none does).
+- A resumable request's rank hands its state off after each step (STEP events with a
+  ``state``, engine/state.py); the dispatcher keeps the last one of each request it holds,
+  in memory, while it holds it or has queued it again. A rerun goes on from that step
+  (models/resume.py) and says so: ``resumed_from_step`` in what the sink's ``on_start`` gets.
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
@@ -92,6 +96,7 @@ class Dispatcher:
     _stop: bool = False
     _thread: threading.Thread | None = None
     _held: dict[str, Held] = field(default_factory=dict)
+    _states: dict[str, Any] = field(default_factory=dict)  # job -> its last StepState (held or requeued)
     _tracks: dict[str, Track] = field(default_factory=dict)
     _cancel_list: list[str] = field(default_factory=list)  # running jobs to cancel (loop thread sends)
     _engine_error: str | None = None
@@ -165,6 +170,7 @@ class Dispatcher:
         """'queued' (dropped now), 'running' (stops at its next forward), or 'missing'."""
         with self._cv:
             if self.scheduler.cancel(ticket_id):
+                self._states.pop(ticket_id, None)
                 self._depth()
                 return "queued"
             h = self._held.get(ticket_id)
@@ -279,17 +285,19 @@ class Dispatcher:
     def _give(self, g: GroupInfo, pick: Pick, now: float, wave: int) -> None:
         t = pick.ticket
         deadline = self.deadlines.deadline_s(list(pick.alongside))
+        state = self._states.get(t.id)
         rec = {**pick.info, "wave": wave, "ids": [t.id], "tenant": t.tenant, "group": g.id,
                "rank": g.first_rank + pick.rank, "deadline_s": round(deadline, 1), "started_at": time.time(),
-               "queued_s": round(now - t.enqueued_at, 3)}
+               "queued_s": round(now - t.enqueued_at, 3), "resumed_from_step": state.step if state else 0}
         self.history.append(rec)
         self._held[t.id] = Held(t, g, pick.rank, now, now + deadline, rec)
         metrics()["wave_size"].observe(pick.info["size"], tags={"group": g.id})
         metrics()["assignments"].inc(1, tags={"scheduler": pick.info["scheduler"],
                                               "reason": pick.info["reason"]})
         self.sink.on_start(t, rec)
+        payload = t.payload if state is None else t.payload.resumed(state)  # goes on from its step
         try:
-            self.executor.assign(g.id, pick.rank, t.id, t.payload)
+            self.executor.assign(g.id, pick.rank, t.id, payload)
         except RuntimeError as e:  # the group failed between the check and the call
             why = f"rank group unavailable: {e}"
             h = self._held[t.id]
@@ -319,7 +327,11 @@ class Dispatcher:
         h = self._held.get(ev.job_id)
         if h is None or h.group.id != ev.group:
             return
-        if kind is EventKind.STEP:
+        if kind is EventKind.STEP and ev.state is not None:  # a state: its progress came on its own STEP
+            kept = self._states.get(h.ticket.id)
+            if kept is None or ev.state.step > kept.step:  # a GPU copy may land after the next step's
+                self._states[h.ticket.id] = ev.state
+        elif kind is EventKind.STEP:
             self.sink.on_progress(h.ticket.id, ev.step, ev.total)
         elif kind is EventKind.FORWARDS_DONE:
             h.forwarding = False
@@ -334,6 +346,7 @@ class Dispatcher:
             self._end(h, Outcome(h.group.first_rank + h.rank, error=f"rank refused: {ev.error}"))
 
     def _end(self, h: Held, outcome: Outcome) -> None:
+        self._states.pop(h.ticket.id, None)
         if self._held.pop(h.ticket.id, None) is not None:
             with self._cv:
                 self.scheduler.finished(h.ticket)
@@ -443,6 +456,7 @@ class Dispatcher:
         for t in self.scheduler.queued():
             waited = now - t.enqueued_at
             if waited >= self.max_queue_wait_s and self.scheduler.cancel(t.id):
+                self._states.pop(t.id, None)
                 why = self._availability()[1] or "no rank was free"
                 self.sink.on_finish(t, Outcome(-1, error=f"waited {waited:.0f} s in the queue, the limit "
                                                f"(--max-queue-wait-s); {why}"),
@@ -477,6 +491,7 @@ class Dispatcher:
         tickets = self.scheduler.queued()
         for t in tickets:
             self.scheduler.cancel(t.id)
+            self._states.pop(t.id, None)
             self.sink.on_finish(t, Outcome(-1, error=why), info)
         return len(tickets)
 
