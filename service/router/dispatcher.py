@@ -71,6 +71,7 @@ class Held:
     info: dict[str, Any]
     forwarding: bool = True  # False once its last forward ran (decode/encode remain)
     cancelled: bool = False
+    paused: bool = False  # preempt(): it stops at its next forward and is queued again
 
 
 def request_cost(req: Any) -> float:
@@ -180,6 +181,21 @@ class Dispatcher:
             self._cancel_list.append(ticket_id)
             self._cv.notify_all()
         return "running"
+
+    def preempt(self, ticket_id: str) -> bool:
+        """Pause a running request at its next forward and queue it again, to go on later
+        from its last kept step (the same state a rerun after a rank death uses; not counted
+        as a rerun). False if it is not running, is being cancelled, has run its last
+        forward, or has no state kept (it would lose its work: not resumable, or no step
+        done yet). The policy that calls this (priorities) is not written yet (issue 35)."""
+        with self._cv:
+            h = self._held.get(ticket_id)
+            if h is None or h.cancelled or h.paused or not h.forwarding or ticket_id not in self._states:
+                return False
+            h.paused = True
+            self._cancel_list.append(ticket_id)
+            self._cv.notify_all()
+        return True
 
     @property
     def depth(self) -> int:
@@ -338,6 +354,9 @@ class Dispatcher:
             with self._cv:
                 self._cv.notify_all()
         elif kind is EventKind.FINISHED:
+            if h.paused and ev.cancelled and not h.cancelled:  # stopped by preempt(): it goes on later
+                self._requeue(h, "preempted: paused at a forward boundary", counted=False)  # never refused
+                return
             cancelled = ev.cancelled or h.cancelled
             self._end(h, Outcome(h.group.first_rank + h.rank, None if cancelled else ev.mp4,
                                  "cancelled" if cancelled else ev.error, ev.seconds, cancelled=cancelled,
@@ -419,21 +438,22 @@ class Dispatcher:
 
     def _requeue(self, h: Held, why: str, counted: bool = True) -> bool:
         """Queue a held request again, unless it was cancelled or reruns are off; ``counted``
-        (the suspect of a death): only while it has reruns left, and it uses one."""
+        (the suspect of a death): only while it has reruns left, and it uses one. A paused
+        request (``preempt``) always goes back: it failed nothing."""
         t = h.ticket
-        if (h.cancelled or not self.job_retries or (counted and t.reruns >= self.job_retries)
-                or self._held.pop(t.id, None) is None):
+        if (h.cancelled or (not self.job_retries and not h.paused)
+                or (counted and t.reruns >= self.job_retries) or self._held.pop(t.id, None) is None):
             return False
         t.reruns += counted
-        t.requeues += 1
+        t.requeues += not h.paused
         with self._cv:
             self.scheduler.finished(t)
             self.scheduler.requeue(t)
             self._cv.notify_all()
         h.info.update(ok=False, requeued=True, errors=[*h.info.get("errors", []), why])
-        log.info("%s queued again (%s): %s", t.id,
+        log.info("%s queued again (%s): %s", t.id, "paused" if h.paused else
                  f"rerun {t.reruns} of {self.job_retries}" if counted else "it stood by", why)
-        metrics()["requeued"].inc(1, tags={"reason": failure_kind(why)})
+        metrics()["requeued"].inc(1, tags={"reason": "preempted" if h.paused else failure_kind(why)})
         self.sink.on_requeue(t, why)
         return True
 

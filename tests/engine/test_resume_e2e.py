@@ -6,7 +6,9 @@ model with a flow-matching Euler scheduler, the one a rerun can resume):
   with the bytes of an uninterrupted run (the resident reference, what ``dloserve generate``
   writes);
 - DP2 AllGather: one rank killed mid-request stops both ranks' requests; both (the suspect
-  and the bystander) go on from their own last steps on the rebuilt group, bytes equal.
+  and the bystander) go on from their own last steps on the rebuilt group, bytes equal;
+- DP1, no death: a request paused by ``Dispatcher.preempt`` at a forward boundary goes on
+  from its last step on the same rank, bytes equal.
 """
 
 from __future__ import annotations
@@ -78,3 +80,16 @@ def test_allgather_both_requests_resume_from_their_own_steps(dp2, reference) -> 
     reqs = {f"held{i}": GenerationRequest(prompt=f"held {i}", seed=30 + i, num_inference_steps=40)
             for i in (0, 1)}
     killed_then_resumed(*dp2, reference, reqs, victim=1)
+
+
+def test_dp1_a_paused_request_goes_on_from_its_step(dp1, reference) -> None:  # noqa: ANN001
+    d, sink = dp1
+    req = GenerationRequest(prompt="paused", seed=23, num_inference_steps=40)
+    submit(d, "paused", req)
+    sink.wait_progress("paused", 2)
+    assert d.preempt("paused")
+    out = sink.wait(["paused"], timeout=400)[0]
+    assert out.ok and out.mp4 == reference.generate(req), out
+    assert [i for i, _ in sink.requeued] == ["paused"] and sink.started["paused"]["resumed_from_step"] >= 1
+    (group,) = d.executor._groups.values()
+    assert group.generation == 0  # nothing died

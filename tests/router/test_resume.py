@@ -7,7 +7,9 @@ tests/engine/test_resume_e2e.py).
   from that state, and ``on_start`` says ``resumed_from_step``; one that never handed off
   a state starts from 0;
 - a state is dropped when its request ends (completed, failed, cancelled while queued),
-  and a STEP of a request no longer held (its group failed) keeps nothing.
+  and a STEP of a request no longer held (its group failed) keeps nothing;
+- ``preempt`` pauses a running request that has a state (a cancel to its rank), queues it
+  again uncounted, and it goes on from that state; a user's cancel wins over a pause.
 """
 
 from __future__ import annotations
@@ -84,3 +86,40 @@ def test_a_state_is_dropped_when_its_request_ends_any_way() -> None:
     d2.step(0)
     assert "x" in d2._states  # queued again, its state kept for the rerun
     assert d2.cancel("x") == "queued" and "x" not in d2._states
+
+
+def test_a_preempted_request_pauses_and_goes_on_from_its_last_state() -> None:
+    d, ex, sink, _ = make(sizes=(1,), job_retries=0)  # a pause is no rerun: it needs none left
+    give(d, "long")
+    assert not d.preempt("long")  # no step kept yet: pausing would throw its work away
+    ex.hand_off("long", st(2))
+    d.step(0)
+    assert d.preempt("long") and not d.preempt("long")
+    d.step(0)
+    assert ex.cancels == [("g0", 0, "long")]  # the rank stops it at its next forward
+    ex.finish("long", cancelled=True)
+    d.step(0)
+    assert sink.requeued == [("long", "preempted: paused at a forward boundary")]
+    assert "long" not in sink.finished
+    d.step(0)
+    again = payload(ex, "long")
+    assert again.resume.step == 2 and sink.started["long"]["resumed_from_step"] == 2
+    ex.run("long")
+    d.step(0)
+    assert sink.finished["long"].ok and d._states == {}
+    assert not d.preempt("missing")
+
+
+def test_a_cancel_wins_over_a_pause_and_a_finished_request_is_not_paused() -> None:
+    d, ex, sink, _ = make(sizes=(2,))
+    give(d, "a", "b")
+    ex.hand_off("a", st(1))
+    ex.hand_off("b", st(1))
+    d.step(0)
+    assert d.preempt("a") and d.cancel("a") == "running"
+    assert d.preempt("b")
+    d.step(0)
+    ex.finish("a", cancelled=True)
+    ex.run("b")  # it ended before the pause reached its rank (decode cannot be paused)
+    d.step(0)
+    assert sink.finished["a"].cancelled and sink.finished["b"].ok and not sink.requeued
