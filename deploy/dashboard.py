@@ -56,14 +56,17 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Slow requests: seconds per stage (p95)", "s",
      [("histogram_quantile(0.95, sum by (le, stage) (rate(ray_dloserve_stage_seconds_bucket[5m])))",
        "{{stage}}")]),
-    ("Engine state (1 = in it) and group starts by outcome (1 h)", "short",
+    ("Engine state (1 = in it), group starts by outcome (1 h), results storage (1 = takes writes)", "short",
      [("max by (state) (ray_dloserve_engine_availability)", "{{state}}"),
-      ("sum by (outcome) (increase(ray_dloserve_group_start_attempts_total[1h]))", "starts {{outcome}}")]),
+      ("sum by (outcome) (increase(ray_dloserve_group_start_attempts_total[1h]))", "starts {{outcome}}"),
+      ("min by (group) (ray_dloserve_storage_ready)", "storage takes writes {{group}}")]),
     ("Groups ready, rebuilds, requests run again and replicas lost (1 h)", "short",
      [("sum by (group) (ray_dloserve_group_ready)", "ready {{group}}"),
       ("sum by (reason) (increase(ray_dloserve_requests_requeued_total[1h]))", "run again: {{reason}}"),
       ("sum by (group, reason) (increase(ray_dloserve_group_rebuilds_total[1h]))", "rebuilds {{reason}}"),
       ("sum by (node) (increase(ray_dloserve_dp_groups_lost_total[1h]))", "replica lost on {{node}}")]),
+    ("Webhook delivery failures by reason (1 h; retried until given_up)", "short",
+     [("sum by (reason) (increase(ray_dloserve_webhook_failures_total[1h]))", "{{reason}}")]),
 ]
 
 

@@ -2,7 +2,7 @@
 
 One GPU, the Wan2.1-14B block shapes (``dloserve demo-model --preset wan14b-shape``), a
 rank-``--rank`` adapter (default 64) on every Linear of the transformer written in diffusers'
-PEFT layout by ``service.models.lora_demo``, read and checked by ``service.models.lora`` and
+PEFT layout by ``service.models.demo.lora``, read and checked by ``service.models.lora`` and
 applied as dloserve's side branches (``service.offload.lora``). Per strategy (resident, DLO
 AllGather DP1): the median forward without the adapter, with it, and without it again (the
 hooks are gone and the base weights untouched: the output's SHA-256 equals the first run's),
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if t not in SHAPES:
             p.error(f"--tokens: {t} is not one of {sorted(SHAPES)}")
     from service.models.demo import write_demo_model
-    from service.models.lora_demo import write_demo_lora
+    from service.models.demo.lora import write_demo_lora
 
     t_start = time.perf_counter()
     tmp = Path(tempfile.gettempdir())

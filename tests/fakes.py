@@ -131,6 +131,13 @@ class FakeExecutor(Executor):
                      for s in range(1, steps + 1)),
                    Event(EventKind.FORWARDS_DONE, group=group, rank=rank, job_id=job_id))
 
+    def step(self, job_id: str, step: int, total: int, preview: bytes | None = None) -> None:
+        """One step's end: the progress event, and the preview's when ``preview`` is given."""
+        group, rank = self._where[job_id]
+        self._push(Event(EventKind.STEP, group=group, rank=rank, job_id=job_id, step=step, total=total),
+                   *([Event(EventKind.STEP, group=group, rank=rank, job_id=job_id, step=step, total=total,
+                            preview=preview)] if preview is not None else []))
+
     def finish(self, job_id: str, mp4: bytes | None = None, error: str | None = None,
                cancelled: bool = False) -> None:
         group, rank = self._where[job_id]

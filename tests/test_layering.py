@@ -27,10 +27,20 @@ def imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                out.add(".".join(base + ([node.module] if node.module else [])))
+                source = ".".join(base + ([node.module] if node.module else []))
             elif node.module and node.module.startswith("service"):
-                out.add(node.module)
+                source = node.module
+            else:
+                continue
+            out.add(source)
+            # ``from . import demo`` / ``from service.models import demo`` import a module too
+            out |= {f"{source}.{a.name}" for a in node.names if is_module(f"{source}.{a.name}")}
     return out
+
+
+def is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def layer(module: str) -> str | None:
@@ -91,3 +101,11 @@ def test_the_dispatcher_imports_neither_ray_nor_torch() -> None:
 def test_the_flag_modules_import_no_torch() -> None:
     for module in ("service.models.options", "service.router.flags", "service.api.serve_flags"):
         assert "torch" not in loaded(module), module
+
+
+def test_the_models_package_names_exist() -> None:
+    """``service.models`` resolves its names lazily: each must be where the table says."""
+    import service.models as models
+
+    for name in models.__all__:
+        assert getattr(models, name) is not None, name

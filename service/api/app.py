@@ -30,6 +30,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.api.adapter_io import AdapterIOBusy, AdapterIOTimeout
 from service.api.catalog import ModelCard, ModelList, model_card
 from service.api.http import (
     NO_STORE,
@@ -44,7 +45,10 @@ from service.api.http import (
 from service.api.images import ImageTooLarge, body_cap, create_body
 from service.api.keys import AuthError
 from service.api.openapi import body_rules, instance_openapi
+from service.api.previews import RESPONSES as PREVIEW_RESPONSES
+from service.api.previews import preview_response
 from service.api.records import JobRecord, JobStatus
+from service.api.results import StorageError
 from service.api.schemas import (
     BodyError,
     ErrorResponse,
@@ -58,6 +62,8 @@ from service.api.schemas import (
     parse_body,
 )
 from service.api.service import ServiceConfig, VideoService, video_object
+from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
+from service.api.storage_health import cause_of
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.health import Unavailable
@@ -94,7 +100,8 @@ _CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not arrive
                   422: {**_ERR, "description": "a field is invalid (param names it)"},
                   429: {**_ERR, "description": "this API key's queue is full (quota_exceeded) or the "
                                                "whole queue is (queue_full); see Retry-After"},
-                  503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"}}
+                  503: {**_ERR, "description": "draining, or no rank group can serve; see Retry-After"},
+                  507: {**_ERR, "description": "the results storage refuses writes (full); see Retry-After"}}
 _BY_ID = {**_AUTH, 404: {**_ERR, "description": "no such video (or another key's)"}}
 _MP4 = {200: {"content": {"video/mp4": {}}, "description": "the MP4 (ETag; ranges on local storage)"},
         206: {"content": {"video/mp4": {}}, "description": "the requested range"},
@@ -229,6 +236,10 @@ class VideoIngress:
             metrics()["requests"].inc(1, tags={"status": "throttled"})
             return error(429, str(e), kind="rate_limit_error", code="queue_full",
                          headers={"Retry-After": str(e.retry_after_s)})
+        except StorageError as e:  # (a job-store actor's arrives wrapped: its cause says why)
+            metrics()["requests"].inc(1, tags={"status": "refused_storage"})
+            return error(507, str(cause_of(e)), None, kind="server_error", code="storage_full",
+                         headers={"Retry-After": str(STORAGE_RETRY_S)})
         except Unavailable as e:
             metrics()["requests"].inc(1, tags={"status": "refused_down"})
             return error(503, str(e), kind="server_error", code="engine_down",
@@ -320,6 +331,15 @@ class VideoIngress:
         return video_response(self.svc.storage, video_id, request) or error(
             404, f"video {video_id} has no content (expired or deleted)", "video_id", code="not_found")
 
+    @app.get("/v1/videos/{video_id}/preview", response_class=Response,
+             responses={**PREVIEW_RESPONSES, **_BY_ID})
+    def video_preview(self, request: Request, video_id: str) -> Any:
+        """The running job's latest preview image (a latent projection, once per step at most)."""
+        owner = self._owner(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        return preview_response(self.svc, video_id, owner, request)
+
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=_BY_ID)
     def delete_video(self, request: Request, video_id: str) -> Any:
         """Delete a job; one that is running is cancelled instead (``deleted`` false): it stops
@@ -359,7 +379,10 @@ class VideoIngress:
               "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
               responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
                          409: {**_ERR, "description": "the name is taken"},
-                         422: {**_ERR, "description": "a bad adapter (param names the key)"}})
+                         422: {**_ERR, "description": "a bad adapter (param names the key; source: not a "
+                                                      "regular file)"},
+                         503: {**_ERR, "description": "every adapter-reading thread is busy (Retry-After)"},
+                         504: {**_ERR, "description": "reading the file took over lora_read_timeout_s"}})
     async def create_lora(self, request: Request) -> Any:
         """Register an adapter file under a name; the whole file is checked against the model
         (shapes, keys, layout) before it is accepted."""
@@ -373,7 +396,9 @@ class VideoIngress:
         try:
             raw = await read_capped(request, self.svc.cfg.max_body_bytes, self.svc.cfg.body_timeout_s)
             body = LoraCreate.model_validate(json.loads(raw or b"null"))
-            entry = await asyncio.to_thread(self.svc.add_lora, body.name, body.source, owner)
+            # Its own bounded pool with a timeout: a hung read never holds up POST /v1/videos.
+            entry = await self.svc.adapter_io.run(self.svc.add_lora, body.name, body.source, owner,
+                                                  undo=lambda e: self.svc.delete_lora(e.name, owner))
         except TooLarge as e:
             return error(413, str(e), None, code="body_too_large")
         except BodyTimeout as e:
@@ -389,6 +414,11 @@ class VideoIngress:
             return error(409, str(e.args[0]), "name", code="lora_exists")
         except LoraError as e:
             return error(422, str(e), e.key, code="invalid_lora")
+        except AdapterIOBusy as e:
+            return error(503, str(e), "source", kind="server_error", code="lora_io_busy",
+                         headers={"Retry-After": str(e.retry_after_s)})
+        except AdapterIOTimeout as e:
+            return error(504, str(e), "source", kind="server_error", code="lora_read_timeout")
         return JSONResponse(entry.public(), status_code=201)
 
     @app.get("/v1/loras", responses=_AUTH)

@@ -80,6 +80,37 @@ class ServiceConfig(BaseModel):
                                   "name -> .safetensors path (--lora NAME=PATH); a bad one fails the start")
     lora_dirs: list[str] = Field(default_factory=list, description="folders POST /v1/loras may register "
                                  "files from (--lora-dir); none: run-time registration is off")
+    lora_io_threads: int = Field(4, ge=1, le=64, description="threads that read adapters for POST /v1/loras "
+                                 "(their own: a hung read never holds up job submission); all busy: 503")
+    lora_read_timeout_s: float = Field(60.0, gt=0, description="POST /v1/loras answers 504 when reading "
+                                       "and checking the file takes longer")
+
+    webhook_url: str | None = Field(None, description="POST video.completed/failed/cancelled events of "
+                                    "every job here (Standard Webhooks signatures; --webhook-url)")
+    webhook_secret_file: str | None = Field(None, description="file holding the whsec_ secret that signs "
+                                            "them (read by the replica that starts the job store; "
+                                            "--webhook-secret-file)")
+    key_webhooks: dict[str, dict[str, str]] = Field(
+        default_factory=dict, description="per-key webhooks by key hash: {url, secret} (the key file's "
+        "webhook_url= and webhook_secret=): that key's jobs only")
+
+    @model_validator(mode="after")
+    def _webhook_pairs(self) -> ServiceConfig:
+        if bool(self.webhook_url) != bool(self.webhook_secret_file):
+            raise ValueError("webhook_url and webhook_secret_file go together (--webhook-url, "
+                             "--webhook-secret-file)")
+        return self
+
+    def webhook_targets(self) -> dict[str, Any] | None:
+        """The job store's webhook settings (service.api.webhooks), the secret read from its file;
+        None without any. OSError for a file that cannot be read."""
+        spec: dict[str, Any] = {}
+        if self.webhook_url and self.webhook_secret_file:
+            spec["url"] = self.webhook_url
+            spec["secret"] = Path(self.webhook_secret_file).expanduser().read_text().strip()
+        if self.key_webhooks:
+            spec["keys"] = {owner_id(h): dict(w) for h, w in self.key_webhooks.items()}
+        return spec or None
 
     @model_validator(mode="after")
     def _sp_always_gathers(self) -> ServiceConfig:

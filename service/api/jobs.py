@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage
 from service.api.store import JobTable
+from service.api.webhooks import Webhooks
 
 NAMESPACE = "dloserve"
 ADOPT_WAIT_S = 300.0  # a lost group's job waits this long for another replica to take it
@@ -52,8 +53,11 @@ class JobStore(JobTable):
     replicas at once; the table holds the lock); a test may use one in-process."""
 
     def __init__(self, url: str, storage_options: dict[str, Any], ttl_s: float, max_jobs: int,
-                 group_timeout_s: float) -> None:
+                 group_timeout_s: float, webhooks: dict[str, Any] | None = None) -> None:
         super().__init__(ResultStorage(url, storage_options), ttl_s, max_jobs, exclusive=True)
+        # Every job that ends, here, announced once: on any replica, or failed by the reaper.
+        self.webhooks = Webhooks.from_config(webhooks)
+        self.on_final = self.webhooks.on_final if self.webhooks else None
         self.group_timeout_s = group_timeout_s
         self.started = time.monotonic()
         self._seen: dict[str, tuple[float, str]] = {}  # dp group -> (last heartbeat, node id)
@@ -76,6 +80,8 @@ class JobStore(JobTable):
         """Stop the reaper (an in-process store; the actor's ends with its process)."""
         self._stop.set()
         self._reaper.join(timeout=5)
+        if self.webhooks is not None:
+            self.webhooks.close()
 
     def put(self, rec: JobRecord, request: Any = None) -> None:
         """Record a job; with its ``request``, the job can run again on another replica if its
@@ -150,9 +156,13 @@ class JobStore(JobTable):
                 "unfinished": len(self.unfinished())}
 
     def _reap_loop(self) -> None:
+        swept = time.monotonic()
         while not self._stop.wait(0.5):
             try:
                 self.reap()
+                if time.monotonic() - swept > 60:  # temp files of writers killed since the start
+                    swept = time.monotonic()
+                    self.storage.sweep_tmp()
             except Exception:  # noqa: BLE001 - keep noticing; the next round retries
                 log.exception("reaping lost DP groups failed")
 
@@ -228,14 +238,15 @@ class JobStoreClient:
 
 
 def connect_store(url: str, storage_options: dict[str, Any] | None = None, ttl_s: float = 86400.0,
-                  max_jobs: int = 1000, group_timeout_s: float = 30.0) -> JobStoreClient:
+                  max_jobs: int = 1000, group_timeout_s: float = 30.0,
+                  webhooks: dict[str, Any] | None = None) -> JobStoreClient:
     """The cluster's store for ``url``, started on the head node if it is not running yet
-    (the first caller's retention settings are the ones it keeps)."""
+    (the first caller's retention and webhook settings are the ones it keeps)."""
     actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=32)(JobStore)
     handle = actor.options(
         name=store_name(url), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(url, storage_options or {}, ttl_s, max_jobs, group_timeout_s)
+    ).remote(url, storage_options or {}, ttl_s, max_jobs, group_timeout_s, webhooks)
     client = JobStoreClient(handle)
     client.status()  # fail here, with the store's own error, if it cannot start
     return client

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 QUOTA_OPTIONS = ("max_queued", "max_running")
+WEBHOOK_OPTIONS = ("webhook_url", "webhook_secret")
 
 
 class AuthError(Exception):
@@ -31,25 +32,43 @@ class KeyEntry:
 
     key: str
     quota: dict[str, int] = field(default_factory=dict)
+    webhook: dict[str, str] = field(default_factory=dict)  # {"url", "secret"}: this key's own events
 
 
 def parse_key_lines(lines: Iterable[str], source: str = "key file") -> list[KeyEntry]:
-    """``KEY`` or ``KEY max_queued=8 max_running=2`` per line; blank lines and lines that
-    start with ``#`` are skipped. A key has no whitespace in it."""
+    """``KEY`` or ``KEY max_queued=8 max_running=2`` per line, and ``webhook_url=URL
+    webhook_secret=whsec_...`` for the key's own webhook; blank lines and lines that start
+    with ``#`` are skipped. A key has no whitespace in it."""
     out = []
     for n, line in enumerate(lines, 1):
         words = line.split()
         if not words or words[0].startswith("#"):
             continue
         quota: dict[str, int] = {}
+        webhook: dict[str, str] = {}
         for word in words[1:]:
             name, eq, value = word.partition("=")
+            if eq and name in WEBHOOK_OPTIONS:
+                webhook[name.removeprefix("webhook_")] = value
+                continue
             if not eq or name not in QUOTA_OPTIONS or not value.isdigit() or int(value) < 1:
                 raise KeyFileError(f"{source}:{n}: {word!r} is not one of "
-                                   f"{', '.join(o + '=N' for o in QUOTA_OPTIONS)} (N >= 1)")
+                                   f"{', '.join(o + '=N' for o in QUOTA_OPTIONS)} (N >= 1), "
+                                   "webhook_url=URL, webhook_secret=whsec_...")
             quota[name] = int(value)
-        out.append(KeyEntry(words[0], quota))
+        if webhook:
+            _check_webhook(webhook, f"{source}:{n}")
+        out.append(KeyEntry(words[0], quota, webhook))
     return out
+
+
+def _check_webhook(webhook: dict[str, str], where: str) -> None:
+    from service.api.webhooks import Target, WebhookConfigError
+
+    try:
+        Target.of(webhook, where)
+    except WebhookConfigError as e:
+        raise KeyFileError(str(e)) from None
 
 
 def key_hash(key: str) -> str:

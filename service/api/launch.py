@@ -27,6 +27,7 @@ from service.api.serve_flags import (
     api_key_hashes,
     config_from_args,
     results_url,
+    webhook_settings,
 )
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -114,11 +115,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
     from service.api.keys import KeyFileError
+    from service.api.webhooks import WebhookConfigError
 
     try:
         keys = api_key_hashes(args)
         admin_key_hashes(args)
-    except (OSError, KeyFileError) as e:
+        webhook_settings(args)
+    except (OSError, KeyFileError, WebhookConfigError) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
     if not keys:

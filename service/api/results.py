@@ -5,13 +5,20 @@ A plain path or ``file://`` URL is a local folder (the default); any other fsspe
 replica on every node reads the same bytes. Credentials and endpoints come from
 ``storage_options`` or fsspec's own configuration (e.g. ``FSSPEC_S3_ENDPOINT_URL``).
 
-Layout under the URL: ``<id>.json`` (a job record) and ``<id>.mp4`` (its video).
+Layout under the URL: ``<id>.json`` (a job record) and ``<id>.mp4`` (its video). A local
+write goes to ``.<name>.<hex>.tmp`` first and is moved into place; the temp file is removed on
+every failure, and the job store sweeps those left by a killed process (``sweep_tmp``). A write
+that fails (a full disk, a read-only mount, an object store that refuses) raises
+``StorageError``: the API answers 507 with Retry-After and ``/readyz`` turns not-ready.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +27,22 @@ from typing import Any
 from fsspec.core import url_to_fs
 
 CHUNK = 1 << 20
+TMP = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")  # put_bytes' temp names
+STALE_TMP_S = 600.0  # a temp file this old is no write in progress: a killed writer's
+
+
+class StorageError(OSError):
+    """A write to the results storage failed (``errno`` as the OS said: ENOSPC, EROFS, ...).
+
+    Plain OSError arguments, so it survives pickling (from the job-store actor to a replica).
+    """
+
+
+def storage_error(e: OSError, name: str) -> StorageError:
+    code = e.errno if isinstance(e.errno, int) else errno.EIO
+    why = "the results storage is full" if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else \
+        "the results storage refused a write"
+    return StorageError(code, f"{why} ({os.strerror(code)}) writing {name}")
 
 
 def safe_id(job_id: str) -> bool:
@@ -46,12 +69,51 @@ class ResultStorage:
         return f"{self.root}/{name}"
 
     def put_bytes(self, name: str, data: bytes) -> None:
-        if self.is_local:
-            tmp = self._path(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        """Write ``name`` whole; StorageError when the storage refuses (no temp file left)."""
+        if not self.is_local:
+            try:
+                self.fs.pipe_file(self._path(name), data)
+            except OSError as e:
+                raise storage_error(e, name) from e
+            return
+        tmp = self._path(f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
             self.fs.pipe_file(tmp, data)
             self.fs.mv(tmp, self._path(name))
-        else:
-            self.fs.pipe_file(self._path(name), data)
+        except BaseException as e:
+            try:
+                self.fs.rm_file(tmp)
+            except OSError:
+                pass  # never written, or moved already
+            if isinstance(e, OSError):
+                raise storage_error(e, name) from e
+            raise
+
+    def sweep_tmp(self, older_than_s: float = STALE_TMP_S) -> int:
+        """Remove the temp files of writes that never finished (a killed writer's), older than
+        ``older_than_s`` (younger ones may be another replica's write in progress)."""
+        if self.local_path is None:
+            return 0
+        now, n = time.time(), 0
+        try:
+            entries = list(os.scandir(self.local_path))
+        except OSError:
+            return 0
+        for entry in entries:
+            try:
+                if TMP.match(entry.name) and entry.is_file(follow_symlinks=False) \
+                        and now - entry.stat(follow_symlinks=False).st_mtime > older_than_s:
+                    os.unlink(entry.path)
+                    n += 1
+            except OSError:
+                continue
+        return n
+
+    def probe(self, nbytes: int) -> None:
+        """Write and remove ``nbytes`` (StorageError if that fails): is there room again?"""
+        name = f".probe-{uuid.uuid4().hex[:8]}"
+        self.put_bytes(name, b"\0" * nbytes)
+        self.remove(name)
 
     def get_bytes(self, name: str) -> bytes | None:
         try:

@@ -62,6 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dir", action="append", default=[], metavar="FOLDER",
                    help="POST /v1/loras may register .safetensors files under FOLDER (repeatable; "
                         "none: adapters come only from --lora NAME=PATH at start)")
+    p.add_argument("--webhook-url", default=None,
+                   help="POST signed video.completed / video.failed / video.cancelled events of every "
+                        "job to URL (Standard Webhooks; needs --webhook-secret-file). A key's own: the "
+                        "key file's webhook_url= and webhook_secret=")
+    p.add_argument("--webhook-secret-file", default=None,
+                   help="file holding the whsec_<base64> secret that signs --webhook-url's events")
     p.add_argument("--max-body-bytes", type=int, default=65536,
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
@@ -70,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest input_reference image file; where the model takes images a body may be "
                         "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
     p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
-                   help="largest input_reference image (width x height from its header, before decoding)")
+                   help="largest input_reference image (width x height from its header, before decoding); "
+                        "the service also caps it at its largest video, --max-width x --max-height")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="on SIGTERM: how long running jobs may take to finish")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
@@ -129,8 +136,31 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
         lora_dirs=list(args.lora_dir),
         max_image_bytes=args.max_image_bytes,
         max_image_pixels=args.max_image_pixels,
+        **webhook_settings(args),
         **extra,
     )
+
+
+def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The instance's webhook (the secret file checked here, its path made absolute) and each
+    key's own from the key file, by key hash. WebhookConfigError or OSError names what is wrong."""
+    from service.api.keys import key_hash, parse_key_lines
+    from service.api.webhooks import WebhookConfigError, check_url, parse_secret
+
+    out: dict[str, Any] = {}
+    if bool(args.webhook_url) != bool(args.webhook_secret_file):
+        raise WebhookConfigError("--webhook-url and --webhook-secret-file go together")
+    if args.webhook_url:
+        path = os.path.abspath(os.path.expanduser(args.webhook_secret_file))
+        with open(path) as f:
+            parse_secret(f.read(), f"--webhook-secret-file {path}")
+        out.update(webhook_url=check_url(args.webhook_url, "--webhook-url"), webhook_secret_file=path)
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            hooks = {key_hash(e.key): e.webhook for e in parse_key_lines(f, args.api_key_file) if e.webhook}
+        if hooks:
+            out["key_webhooks"] = hooks
+    return out
 
 
 def results_url(args: argparse.Namespace) -> str:

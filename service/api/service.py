@@ -18,12 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
 from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
-from service.api.results import open_storage
+from service.api.results import StorageError, open_storage
 from service.api.schemas import BodyError, Video, validate_create
+from service.api.storage_health import StorageHealth
 from service.api.store import JobTable
 from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
@@ -31,7 +33,8 @@ from service.engine.metrics import metrics
 from service.engine.spec import Outcome
 from service.models.cache_spec import CacheSpec
 from service.models.checks import check_request
-from service.models.lora import LoraRegistry, Registered, targets_of
+from service.models.lora import LoraError, LoraRegistry, Registered, targets_of
+from service.models.lora_checks import NotRegularFile, check_regular
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -55,11 +58,14 @@ class VideoService:
         self.model_name = cfg.model_name or Path(self.model_dir).name
         self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
         self.limits = Limits(**cfg.limits)
+        # An image larger than any video this instance makes is refused from its header.
+        self.image_pixels = min(cfg.max_image_pixels, self.limits.max_width * self.limits.max_height)
         off = cfg.offload
         self.loras = LoraRegistry(lambda: targets_of(self.adapter, off.dtype, off.quantization),
                                   owners=bool(cfg.api_key_hashes))
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
+        self.adapter_io = AdapterIO(cfg.lora_io_threads, cfg.lora_read_timeout_s)  # POST /v1/loras' reads
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
         self._cache_default = CacheSpec.from_obj(off.cache) if off.cache else None
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
@@ -70,11 +76,13 @@ class VideoService:
 
             node_id = ray.get_runtime_context().get_node_id()
         self.node_id = node_id
+        self.storage_health = StorageHealth(self.storage, self.dp_group)  # a failed write: not ready, 507
         if store is None:
             from service.api.jobs import connect_store
 
             store = connect_store(self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s,
-                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s)
+                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s,
+                                  webhooks=cfg.webhook_targets())
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,
@@ -86,6 +94,7 @@ class VideoService:
         self._draining: str | None = None
         self._closed = threading.Event()
         self._progress: dict[str, int] = {}  # latest per job, sent by the heartbeat thread
+        self._previews: dict[str, tuple[int, bytes]] = {}  # latest image per job, sent the same way
         self._progress_lock = threading.Lock()
         # Storing a video (an upload, with S3) and its final record happen off the dispatcher
         # thread, which must get back to scheduling at once.
@@ -102,8 +111,12 @@ class VideoService:
             try:
                 with self._progress_lock:
                     progress, self._progress = self._progress, {}
+                    previews, self._previews = self._previews, {}
                 if progress:
                     self.store.progress(progress)
+                self.storage_health.probe()
+                if previews:
+                    self.store.put_previews(previews)
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
@@ -128,8 +141,11 @@ class VideoService:
         """Validate fully, record, queue. Raises BodyError (422), QuotaExceeded (429, the
         owner's own queue), QueueFull (429, the whole queue) or Unavailable (503: no rank
         group can serve and none is about to). ``strict``: a JSON body, whose numbers must
-        be numbers (a form's are strings)."""
-        image = take_image(fields, self.cfg.max_image_bytes, self.cfg.max_image_pixels)
+        be numbers (a form's are strings). Admission first: the storage, the owner's quota
+        and the queue's room are checked before the image is decoded (StorageError: 507)."""
+        self.storage_health.refuse()
+        self.dispatcher.admit(owner)
+        image = take_image(fields, self.cfg.max_image_bytes, self.image_pixels)
         body = validate_create(fields, strict=strict)
         if body.model is not None and body.model != self.model_name:
             raise BodyError("model", f"this service serves {self.model_name!r}, not {body.model!r}")
@@ -166,7 +182,11 @@ class VideoService:
             dp_group=self.dp_group,  # the replica whose DP group runs it, and its node
             node_id=self.node_id,
         )
-        self.store.put(rec, req if self.cfg.job_retries else None)  # the request: to run it elsewhere
+        try:
+            self.store.put(rec, req if self.cfg.job_retries else None)  # the request: to run it elsewhere
+        except StorageError as e:
+            self.storage_health.failed(e, len(str(rec.to_json())))
+            raise
         try:
             self.dispatcher.submit(rec.id, req.compat_key(), req, tenant=owner)
         except Exception:
@@ -199,6 +219,12 @@ class VideoService:
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
         if not any(path.is_relative_to(r) for r in roots):
             raise PermissionError(f"source must be a file under {[str(r) for r in roots]} (--lora-dir)")
+        try:
+            check_regular(path)  # a FIFO or a device would block the reader: refused unopened
+        except NotRegularFile as e:
+            raise LoraError(name, "source", str(e)) from None
+        except FileNotFoundError:
+            raise LoraError(name, "source", f"no file {source!r} under --lora-dir") from None
         return self.loras.register(name, str(path), owner)
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:
@@ -260,8 +286,10 @@ class VideoService:
         st = self.dispatcher.status()
         if self._draining:
             st["state"], st["last_error"] = "draining", self._draining
+        storage = self.storage_health.problem()
         return {
-            "ready": st["state"] in ("ready", "degraded"),
+            "ready": st["state"] in ("ready", "degraded") and storage is None,
+            "storage": {"ok": storage is None, **(storage or {})},
             **st,
             "scheduler": self.cfg.scheduler,
             "cpus_per_rank": {"value": self.cfg.cpus_per_rank, "why": self.cfg.cpus_per_rank_why},
@@ -320,23 +348,37 @@ class VideoService:
 
     def close(self) -> None:
         self._closed.set()
+        self.adapter_io.close()
         self.dispatcher.stop()
         self._finisher.shutdown(wait=True)
         self._beat.join(timeout=5)
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        self.store.update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"],
-                          resumed_from_step=info.get("resumed_from_step", 0))
+        self._update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"],
+                     resumed_from_step=info.get("resumed_from_step", 0))
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:
             self._progress[ticket_id] = min(99, int(100 * step / max(1, total)))
 
+    def on_preview(self, ticket_id: str, step: int, total: int, image: bytes) -> None:
+        with self._progress_lock:
+            self._previews[ticket_id] = (step, image)
+
     def on_requeue(self, ticket: Ticket, why: str) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
-        self.store.update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None)
+        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None)
+
+    def _update(self, job_id: str, **fields: Any) -> None:
+        """A status change from the dispatcher thread; a storage that refuses the write must
+        not crash that thread (every held job would fail): the store keeps it in memory."""
+        try:
+            self.store.update(job_id, **fields)
+        except StorageError as e:
+            log.warning("could not write the record of %s: %s", job_id, e)
+            self.storage_health.failed(e, 4096)
 
     def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
         try:
@@ -347,8 +389,10 @@ class VideoService:
     def _finish(self, ticket: Ticket, outcome: Outcome) -> None:
         try:
             self._store_outcome(ticket, outcome)
-        except Exception:  # noqa: BLE001 - the storage failed: the job fails with a reason
+        except Exception as e:  # noqa: BLE001 - the storage failed: the job fails with a reason
             log.exception("could not store the outcome of %s", ticket.id)
+            if isinstance(e, StorageError):
+                self.storage_health.failed(e, len(outcome.mp4 or b""))
             err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
             try:
                 self.store.finish(ticket.id, by=self.dp_group, status=JobStatus.FAILED, error=err)
@@ -358,6 +402,9 @@ class VideoService:
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
+            last = self._previews.pop(ticket.id, None)
+        if last is not None:  # its last step's preview is in the store before its end is
+            self.store.put_previews({ticket.id: last})
         t0 = time.monotonic()
         held = self.store.get(ticket.id)
         if held is not None and (held.dp_group not in (None, self.dp_group)

@@ -16,14 +16,19 @@ A final record is final: a late update from a group that was declared dead canno
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage, safe_id
+
+log = logging.getLogger("dloserve.store")
 
 
 class StoreLocked(RuntimeError):
@@ -63,6 +68,10 @@ class JobTable:
                            if exclusive and storage.local_path is not None else None)
         self._lock = threading.RLock()
         self._jobs: dict[str, JobRecord] = {}
+        if self._lock_file is not None:  # the folder's one owner: a killed writer's temp files go
+            storage.sweep_tmp()
+        self.on_final: Callable[[JobRecord], None] | None = None  # each record that becomes final, once
+        self._previews: dict[str, tuple[int, bytes, str]] = {}  # job -> (step, image, etag): memory only
         for d in storage.read_records():
             try:
                 rec = JobRecord.from_json(d)
@@ -71,9 +80,10 @@ class JobTable:
             self._jobs[rec.id] = rec
 
     def put(self, rec: JobRecord) -> None:
+        """Record a new job; StorageError (and no record) when its write fails."""
         with self._lock:
-            self._jobs[rec.id] = rec
             self.storage.write_record(rec.to_json())
+            self._jobs[rec.id] = rec
             self._prune()
 
     def get(self, job_id: str) -> JobRecord | None:
@@ -96,6 +106,19 @@ class JobTable:
         for job_id, pct in updates.items():
             self.update(job_id, persist=False, progress=pct)
 
+    def put_previews(self, updates: dict[str, tuple[int, bytes]]) -> None:
+        """Several jobs' latest preview images (kept in memory, like progress; a finished job
+        keeps its last one until the job goes)."""
+        with self._lock:
+            for job_id, (step, data) in updates.items():
+                if job_id in self._jobs:
+                    self._previews[job_id] = (step, data, hashlib.sha256(data).hexdigest()[:20])
+
+    def preview(self, job_id: str) -> tuple[int, bytes, str] | None:
+        """(step, image bytes, etag) of the job's latest preview, or None."""
+        with self._lock:
+            return self._previews.get(job_id)
+
     def finish(self, job_id: str, by: str | None = None, **fields: Any) -> JobRecord | None:
         """End a job (its video, if any, is already stored): its final record, or None if it
         is gone, had ended already, or (``by``: the DP group that ran it) is another group's
@@ -113,7 +136,12 @@ class JobTable:
             self._jobs[job_id] = rec
             self.storage.write_record(rec.to_json())
             self._prune()
-            return rec
+        if self.on_final is not None:
+            try:
+                self.on_final(rec)  # webhooks: queued, never blocking
+            except Exception:  # noqa: BLE001 - an announcement never undoes the end
+                log.exception("on_final for %s failed", job_id)
+        return rec
 
     def fail(self, ids: list[str], code: str, message: str) -> int:
         """Fail these jobs if still live; returns how many were."""
@@ -135,6 +163,7 @@ class JobTable:
             return False
         with self._lock:
             found = self._jobs.pop(job_id, None) is not None
+            self._previews.pop(job_id, None)
             self.storage.drop(job_id)
             return found
 
@@ -164,4 +193,5 @@ class JobTable:
         excess = max(0, len(self._jobs) - len(expired) - self.max_jobs)
         for r in expired + [r for r in done if r not in expired][:excess]:
             self._jobs.pop(r.id, None)
+            self._previews.pop(r.id, None)
             self.storage.drop(r.id)

@@ -39,7 +39,7 @@ def tenant_ready(full: dict[str, Any], yours: dict[str, Any]) -> dict[str, Any]:
     groups = [{k: (redact(g.get(k)) if k == "last_error" else g.get(k)) for k in PUBLIC_GROUP}
               for g in full.get("groups", [])]
     keep = ("ready", "state", "availability", "instance", "scheduler", "model", "dp_size", "sp_size",
-            "offload_mode", "generation", "rebuilds", "dp_group")
+            "offload_mode", "generation", "rebuilds", "dp_group", "storage")
     return {**{k: full.get(k) for k in keep}, "last_error": redact(full.get("last_error")),
             "groups": groups, "yours": yours}
 

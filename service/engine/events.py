@@ -50,3 +50,4 @@ class Event:
     timings: dict[str, float] = field(default_factory=dict)  # FINISHED: seconds per stage
     step_s: tuple[float, ...] = ()  # FINISHED: seconds of each denoising step
     state: StepState | None = field(default=None, repr=False)  # STEP of a resumable request: its latents
+    preview: bytes | None = field(default=None, repr=False)  # STEP: the latents as an image (engine.preview)

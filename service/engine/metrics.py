@@ -82,9 +82,17 @@ def metrics() -> dict[str, Any]:
             ("reason",)
         ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
+        "storage_ready": Gauge(
+            "dloserve_storage_ready", "1 while the results storage takes this replica's writes, 0 after one "
+            "was refused (full, read-only) until a probe write succeeds", ("group",)
+        ),
         "groups_lost": Counter(
             "dloserve_dp_groups_lost_total", "Replicas (DP groups) that stopped heartbeating with jobs held",
             ("node",)
+        ),
+        "webhook_failures": Counter(
+            "dloserve_webhook_failures_total", "Webhook delivery attempts that failed (each retry counts), "
+            "events dropped on a full queue and deliveries given up", ("reason", "type")
         ),
     }
 

@@ -59,6 +59,7 @@ from service.models.request import GenerationRequest
 from .encoder import Encoder
 from .events import Event, EventKind
 from .experts import NONE, Tick, agree, needs
+from .preview import Previewer
 from .state import StateTap
 
 
@@ -171,6 +172,8 @@ class RankWorker:
             self._hooks.append(module.register_forward_hook(self._gate_leave, always_call=True))
         if control is not None and not sequence_parallel:
             runner.caches.agree_over(control)  # step-cache decisions: one CPU all-reduce, no device sync
+        self.previewer = Previewer(self._emit_locked, rank) if lead else None
+        runner.adapter.latents_hook = self._on_latents if lead else None
         self._thread = threading.Thread(target=self._pipeline_loop, name=f"rank{rank}-pipeline",
                                         daemon=True)
         self._thread.start()
@@ -288,6 +291,9 @@ class RankWorker:
         for h in self._hooks:
             h.remove()
         self.tap.close()
+        if self.previewer is not None:
+            self.previewer.close()
+            self.runner.adapter.latents_hook = None
         self.encoder.close()
 
     # -- the tick thread ---------------------------------------------------------------
@@ -438,6 +444,8 @@ class RankWorker:
             error = f"{type(e).__name__}: {e}"
             if sticky_error(e):
                 self._failed = error
+        if self.previewer is not None:
+            self.previewer.drain()  # its last preview before its end (TAIL: off the tick path)
         marks = dict(self._marks)
         marks["frames"] = time.monotonic()
         with self._cv:
@@ -465,6 +473,12 @@ class RankWorker:
         self._emit_locked(Event(EventKind.FINISHED, rank=self.rank, job_id=job.id, mp4=mp4, error=error,
                                 cancelled=cancelled, seconds=now - marks["start"], timings=timings,
                                 step_s=tuple(steps)))
+
+    def _on_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """The adapter's latents at a step's end (pipeline thread): the previewer takes them."""
+        job = self._current
+        if job is not None and self.previewer is not None:
+            self.previewer.take(job.id, step, total, latents, job.req.height, job.req.width)
 
     def _emit(self, event: Event) -> None:
         """Append an event; the caller holds ``_cv``."""

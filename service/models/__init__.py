@@ -1,7 +1,7 @@
 """Adapters over diffusers pipelines: requests, model families, demo checkpoints, MP4.
 
-    from service.models import PipelineRunner, OffloadConfig, GenerationRequest
-    runner = PipelineRunner.load(ensure_demo_model(), "cpu", offload=OffloadConfig())
+    from service.models import GenerationRequest, OffloadSettings, PipelineRunner, ensure_demo_model
+    runner = PipelineRunner.load(ensure_demo_model(), "cpu", settings=OffloadSettings())
     mp4 = runner.generate(GenerationRequest("a red fox running through snow", seed=1))
 
 Names are imported on first use: an MP4 encoder process imports ``service.models.video``
@@ -16,10 +16,10 @@ from typing import Any
 _WHERE = {
     "ModelAdapter": "adapter",
     "ModelError": "adapter",
-    "load_adapter": "adapter",
+    "load_adapter": "registry",
     "ensure_demo_model": "demo",
     "write_demo_model": "demo",
-    "OffloadConfig": "pipeline",
+    "OffloadSettings": "options",
     "PipelineRunner": "pipeline",
     "GenerationRequest": "request",
     "RequestError": "request",

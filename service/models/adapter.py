@@ -38,6 +38,11 @@ class ModelError(ValueError):
     """A model directory cannot be served; the message names the path."""
 
 
+class NonFiniteOutput(ArithmeticError):
+    """The decoded frames hold NaN or Inf: the request fails with this reason instead of
+    storing a black video marked completed (the rank and its group are fine)."""
+
+
 class ModelAdapter(ABC):
     """One model family. Subclasses fill the class variables and the abstract methods."""
 
@@ -47,6 +52,8 @@ class ModelAdapter(ABC):
     components: ClassVar[tuple[str, ...]]  # folders that must exist next to model_index.json
     extra_args: ClassVar[frozenset[str]] = frozenset()
     sequence_parallel: int = 1  # ranks one request's tokens are split across (SP group size)
+    # (step, total, latents) at each step's end, before on_step: the rank's preview (engine.preview)
+    latents_hook: Callable[[int, int, Any], None] | None = None
     # text encoders whose block lists can stream (components option "text_encoder")
     text_encoder_blocks: ClassVar[dict[str, tuple[str, ...]]] = {}
     can_probe: ClassVar[bool] = False  # has probe_inputs (--dlo-mode auto, a memory budget on CUDA)
@@ -201,7 +208,9 @@ class ModelAdapter(ABC):
     def step_callback(self, on_step: StepCallback | None, steps: int) -> StepCallback:
         """``on_step`` plus staging: staged modules go to the device after the last step."""
 
-        def callback(done: int, total: int) -> None:
+        def callback(done: int, total: int, latents: Any = None) -> None:
+            if latents is not None and self.latents_hook is not None:
+                self.latents_hook(done, total, latents)  # the preview (engine.preview), before the event
             if done == steps:
                 for s in self.staged.values():
                     s.stage_in()
@@ -267,8 +276,12 @@ def frames_to_uint8(video: torch.Tensor) -> np.ndarray:
 
     The same float32 arithmetic as ``video.to_uint8`` on diffusers' numpy output (clip,
     x255, round half to even), done where the frames are, so a 480p clip crosses to the
-    host as 97 MB of uint8 instead of 388 MB of float32.
+    host as 97 MB of uint8 instead of 388 MB of float32. NonFiniteOutput when a frame holds
+    NaN or Inf (one pass over the frames where they are: clamp would make NaN black).
     """
+    if not bool(torch.isfinite(video).all()):
+        raise NonFiniteOutput("the decoded frames hold NaN or Inf (an adapter or settings that overflow "
+                              "the model's numbers): no video was stored")
     x = (video.float().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
     return x.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 

@@ -84,7 +84,7 @@ class FluxAdapter(ModelAdapter):
         step = self.step_callback(on_step, req.num_inference_steps)
 
         def callback(_pipe: Any, i: int, _t: Any, _kwargs: dict) -> dict:
-            step(i + 1, req.num_inference_steps)
+            step(i + 1, req.num_inference_steps, _kwargs.get("latents"))
             return {}
 
         try:

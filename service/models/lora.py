@@ -16,7 +16,6 @@ family or another model size would then run as a silent no-op.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +29,8 @@ from torch import nn
 from service.offload.lora import AdapterCache, DeviceAdapter, LoraFactors, SideBranches
 from service.offload.quant import Fp8Linear
 
-from .lora_ref import LoraRef, name_problem
+from .lora_checks import factor_problem, file_sha256, scaling_problem, tensor_problem
+from .lora_ref import MAX_SCALE, LoraRef, name_problem
 from .request import RequestError
 
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
@@ -106,14 +106,6 @@ class AdapterFile:
         return {"layout": self.layout, "modules": len(self.layers), "rank": ranks[-1] if ranks else 0,
                 "ranks": ranks, "bytes": self.nbytes,
                 "bias": any(f.bias is not None for f in self.layers.values())}
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_adapter(path: str | os.PathLike, name: str, targets: Targets, sha256: str | None = None
@@ -228,6 +220,10 @@ def _factors(state: dict[str, torch.Tensor], metadata: dict | None, name: str, t
         r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module),
                                          config.lora_alpha)
+        for what, value, whole in (("r", r, True), ("lora_alpha", alpha, False)):
+            why = factor_problem(f"{module}: {what}", value, integer=whole)
+            if why:
+                raise LoraError(name, what, why)
         _check_shape(name, key + ".lora_A.weight", a, (r, target.in_features))
         _check_shape(name, key + ".lora_B.weight", b, (target.out_features, r))
         bias = parts.get(".lora_B.bias")
@@ -236,7 +232,13 @@ def _factors(state: dict[str, torch.Tensor], metadata: dict | None, name: str, t
         for k, t in ((".lora_A.weight", a), (".lora_B.weight", b), (".lora_B.bias", bias)):
             if t is not None and not t.dtype.is_floating_point:
                 raise LoraError(name, key + k, f"is {t.dtype}, not a floating-point tensor")
+            why = None if t is None else tensor_problem(t, target.dtype)
+            if why:
+                raise LoraError(name, key + k, why)
         out[module] = LoraFactors(a, b, bias, alpha=alpha, rank=r, rslora=bool(config.use_rslora))
+        why = scaling_problem(out[module], target.dtype, MAX_SCALE)
+        if why:
+            raise LoraError(name, "lora_alpha", f"{module}: {why}")
     return out
 
 

@@ -210,7 +210,7 @@ class WanAdapter(ModelAdapter):
                 resumed.done = i + 1
             if on_latents is not None and req.start_step < i + 1 < steps:
                 on_latents(i + 1, steps, kwargs["latents"])
-            step(i + 1, steps)
+            step(i + 1, steps, kwargs.get("latents"))
             return {}
 
         if req.image is not None:

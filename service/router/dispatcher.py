@@ -153,6 +153,15 @@ class Dispatcher:
             self._cv.notify_all()
             return t
 
+    def admit(self, tenant: str | None) -> None:
+        """What ``submit`` would refuse (Unavailable, QuotaExceeded, QueueFull), asked before
+        the work of reading a request (its image) is done; ``submit`` asks again."""
+        with self._cv:
+            availability, why = self._availability()
+            if availability is Availability.DOWN:
+                raise Unavailable(why, self._retry_after_down())
+            self.scheduler.admit(tenant)
+
     def adopt(self, ticket_id: str, key: str, payload: Any, tenant: str | None = None) -> bool:
         """Queue a request that a lost group held (another replica's), past the bounds and
         quotas: it was admitted once. This is its rerun (``reruns`` 1). False if this
@@ -343,10 +352,14 @@ class Dispatcher:
         h = self._held.get(ev.job_id)
         if h is None or h.group.id != ev.group:
             return
-        if kind is EventKind.STEP and ev.state is not None:  # a state: its progress came on its own STEP
+        if kind is EventKind.STEP and (ev.state is not None or ev.preview is not None):
+            # a state or a preview: the step's progress came on its own STEP
             kept = self._states.get(h.ticket.id)
-            if kept is None or ev.state.step > kept.step:  # a GPU copy may land after the next step's
-                self._states[h.ticket.id] = ev.state
+            if ev.state is not None and (kept is None or ev.state.step > kept.step):
+                self._states[h.ticket.id] = ev.state  # (a GPU copy may land after the next step's)
+            on_preview = getattr(self.sink, "on_preview", None)  # a sink that shows previews (the API)
+            if ev.preview is not None and on_preview is not None:
+                on_preview(h.ticket.id, ev.step, ev.total, ev.preview)
         elif kind is EventKind.STEP:
             self.sink.on_progress(h.ticket.id, ev.step, ev.total)
         elif kind is EventKind.FORWARDS_DONE:

@@ -64,14 +64,19 @@ class Scheduler(ABC):
         when the whole queue is."""
         if ticket_id in self._tenant_of:
             raise ValueError(f"duplicate ticket id {ticket_id}")
-        if self.fair:
-            self.tenants.admit(tenant, self._queued[tenant], self._latency_s)
-        if self.depth >= self.max_queue:
-            raise QueueFull(self.depth, self.retry_after_s())
+        self.admit(tenant)
         t = self._enqueue(ticket_id, key, payload, cost, now, tenant)
         self._tenant_of[ticket_id] = tenant
         self._queued[tenant] += 1
         return t
+
+    def admit(self, tenant: str | None) -> None:
+        """QuotaExceeded or QueueFull if a request of ``tenant`` would be refused now (asked
+        before a request's image is decoded, and again by ``submit``)."""
+        if self.fair:
+            self.tenants.admit(tenant, self._queued[tenant], self._latency_s)
+        if self.depth >= self.max_queue:
+            raise QueueFull(self.depth, self.retry_after_s())
 
     def cancel(self, ticket_id: str) -> bool:
         if ticket_id not in self._tenant_of or not self._dequeue(ticket_id):

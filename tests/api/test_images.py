@@ -199,3 +199,56 @@ def test_an_image_to_a_text_to_video_model_is_refused_naming_input_reference(dem
     finally:
         svc.close()
         store.close()
+
+
+def test_admission_comes_before_the_image_is_decoded(i2v_model: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key over its quota (or a full queue) is refused before its image is read: an image
+    that decoding would refuse gets the 429's QuotaExceeded, and nothing was decoded."""
+    from service.api import images
+    from service.api.keys import key_hash
+    from service.router.tenants import QuotaExceeded
+
+    decodes: list[int] = []
+    real = images.check_image
+    monkeypatch.setattr(images, "check_image", lambda *a, **k: (decodes.append(1), real(*a, **k))[1])
+    ex = FakeExecutor((1,), {})
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
+    cfg = ServiceConfig(model=i2v_model, results_url=str(tmp_path), max_queued_per_key=1,
+                        api_key_hashes=[key_hash("sk-a-0123456789")])
+    svc = VideoService(cfg, executor=ex, store=store, node_id="node-1")
+    try:
+        a = svc.owner_of("Bearer sk-a-0123456789")
+        body = {"prompt": "a fox", "seed": 1, "num_inference_steps": 2}
+        ex.wait_assigned(svc.create({**body, "input_reference": base64.b64encode(png()).decode()}, a).id)
+        svc.create({**body, "input_reference": base64.b64encode(png()).decode()}, a)  # queued: its quota
+        assert len(decodes) == 2
+        truncated = png()[:200]  # refused (422) if it were decoded
+        with pytest.raises(QuotaExceeded):
+            svc.create({**body, "input_reference": base64.b64encode(truncated).decode()}, a)
+        assert len(decodes) == 2 and svc.dispatcher.depth == 1
+        with pytest.raises(BodyError) as e:  # admitted (another tenant): decoded, and refused for it
+            svc.create({**body, "input_reference": base64.b64encode(truncated).decode()}, None)
+        assert e.value.field == "input_reference"
+    finally:
+        svc.close()
+        store.close()
+    assert len(decodes) == 3
+
+
+def test_the_pixel_cap_is_the_largest_video_this_instance_makes(i2v_model: str, tmp_path: Path) -> None:
+    """Not 16.7 MP: an image over --max-width x --max-height is refused from its header."""
+    ex = FakeExecutor((1,), {})
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
+    cfg = ServiceConfig(model=i2v_model, results_url=str(tmp_path),
+                        limits={"max_width": 64, "max_height": 48, "max_pixels": 64 * 48})
+    svc = VideoService(cfg, executor=ex, store=store, node_id="node-1")
+    try:
+        body = {"prompt": "a fox", "seed": 1, "num_inference_steps": 2, "size": "32x32"}
+        with pytest.raises(BodyError) as e:
+            svc.create({**body, "input_reference": base64.b64encode(png(65, 48)).decode()})
+        assert e.value.field == "input_reference" and f"limit of {64 * 48}" in e.value.message, e.value
+        svc.create({**body, "input_reference": base64.b64encode(png(64, 48)).decode()})
+    finally:
+        svc.close()
+        store.close()

@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from service.api.jobs import JobStore
 from service.api.schemas import BodyError
 from service.api.service import ServiceConfig, VideoService
+from service.models.demo.lora import write_demo_lora
 from service.models.lora import LoraError
-from service.models.lora_demo import write_demo_lora
 from tests.fakes import FakeExecutor
 from tests.test_cli import dloserve
 

@@ -63,9 +63,16 @@ def test_jobs_belong_to_the_key_that_made_them(keyed: str) -> None:
     vid = r.json()["id"]
     assert "owner" not in r.json()
     assert wait_final(keyed, vid, headers=auth(KEY_A))["status"] == "completed"
-    for path in (f"/v1/videos/{vid}", f"/v1/videos/{vid}/content"):
+    for path in (f"/v1/videos/{vid}", f"/v1/videos/{vid}/content", f"/v1/videos/{vid}/preview"):
         assert httpx.get(f"{keyed}{path}", headers=auth(KEY_B)).status_code == 404
         assert httpx.get(f"{keyed}{path}", headers=auth(KEY_A)).status_code == 200
+    # The preview after the end: the last step's, an image with an ETag that a poller gets 304 for.
+    img = httpx.get(f"{keyed}/v1/videos/{vid}/preview", headers=auth(KEY_A))
+    assert img.headers["content-type"] == "image/webp" and img.content[8:12] == b"WEBP"
+    assert img.headers["x-preview-step"] == str(r.json()["num_inference_steps"])
+    again = httpx.get(f"{keyed}/v1/videos/{vid}/preview",
+                      headers={**auth(KEY_A), "if-none-match": img.headers["etag"]})
+    assert again.status_code == 304 and not again.content
     assert vid not in [v["id"] for v in httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_B)).json()["data"]]
     assert vid in [v["id"] for v in httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_A)).json()["data"]]
     assert not httpx.get(f"{keyed}/v1/waves", headers=auth(KEY_B)).json()

@@ -64,7 +64,7 @@ def _serving(results: Path, *extra: str) -> Iterator[tuple[str, Serve]]:
 @pytest.fixture(scope="module")
 def served(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serve]]:
     """With one adapter registered at start (every key may use it)."""
-    from service.models.lora_demo import write_demo_lora
+    from service.models.demo.lora import write_demo_lora
 
     lora = tmp_path_factory.mktemp("ui-loras") / "style.safetensors"
     write_demo_lora(demo_model, lora, rank=4)
@@ -140,8 +140,10 @@ def test_the_instance_limits_are_shown_before_submit(tab: Any) -> None:
 
 def test_submit_watch_play_download_remix_delete(tab: Any, service: str) -> None:
     p = tab(key=KEY_A)
-    p.js("window.__seen = []; "
-         "setInterval(() => window.__seen.push(document.getElementById('job-progress').value), 40)")
+    p.js("window.__seen = []; window.__previews = new Set(); "
+         "setInterval(() => { window.__seen.push(document.getElementById('job-progress').value); "
+         "const img = document.getElementById('job-preview'); "
+         "if (!img.hidden && img.src.startsWith('blob:')) window.__previews.add(img.src); }, 40)")
     vid = p.submit(prompt="a red fox running through snow", negative_prompt="blurry", width=48, height=32,
                    num_frames=9, num_inference_steps=40, guidance_scale=4.5, seed=11)
     # While it runs: the service panel names the rank that holds it (from the video's dp_rank).
@@ -151,6 +153,9 @@ def test_submit_watch_play_download_remix_delete(tab: Any, service: str) -> None
     seen = p.js("window.__seen")
     assert seen[-1] == 100 and seen == sorted(seen), seen
     assert [v for v in seen if 0 < v < 100], "no live progress between 0 and 100"
+    # Its preview showed beside the bar while it ran (the image's URL changes with each new one),
+    # and the player took its place at the end.
+    assert p.js("window.__previews.size") >= 1 and p.js("document.getElementById('job-preview').hidden")
     api = httpx.get(f"{service}/v1/videos/{vid}", headers=auth(KEY_A)).json()
     assert api["status"] == "completed" and str(api["dp_rank"]) == rank
     # Time in queue and on the rank, from the assignment history.

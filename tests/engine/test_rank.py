@@ -99,7 +99,7 @@ def _scenario(rank: int, world: int, model: str) -> dict:
             worker.assign("stopped", STOPPED)
 
             def cancel(e: Event) -> None:
-                if e.kind is EventKind.STEP and e.job_id == "stopped" and e.step == 3:
+                if e.kind is EventKind.STEP and e.preview is None and e.job_id == "stopped" and e.step == 3:
                     assert worker.cancel("stopped")
 
             want, hook = {"stopped"}, cancel

@@ -2,7 +2,7 @@
 
 For Wan2.1 I2V, Wan2.2 A14B T2V and I2V and TI2V-5B (text, and text + image) a tiny
 pipeline is assembled from diffusers/transformers classes and saved by the pipeline's own
-``save_pretrained`` (demo_families); one expert is re-saved sharded with an index, as the
+``save_pretrained`` (service/models/demo/families.py); one expert is re-saved sharded with an index, as the
 14B checkpoints are published. diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline``
 ``from_pretrained`` runs it resident with the same CPU generator, the image loaded by
 diffusers' ``load_image``; dloserve's frames must be bitwise equal: resident, layerwise

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.models.demo import _tokenizer
+from service.models.demo import tokenizer as demo_tokenizer
 from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
@@ -32,7 +32,7 @@ def flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     vocab.update({c: i + 2 for i, c in enumerate(letters)})
     vocab.update({c + "</w>": i + 28 for i, c in enumerate(letters)})
-    t5_tok = _tokenizer()
+    t5_tok = demo_tokenizer()
     out = tmp_path_factory.mktemp("flux") / "pipe"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

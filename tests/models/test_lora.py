@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.models.lora_demo import write_demo_lora
+from service.models.demo.lora import write_demo_lora
 from service.models.lora_ref import LoraRef
 from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
@@ -125,3 +125,23 @@ def test_strategies_and_mixed_dp2_group(demo_model: str, resident: PipelineRunne
             assert got[name] == ([want_a, want_b] if rank == 0 else [want_b, want_a]), (name, rank)
         assert got["allgather2-stats"][0] > 0 and got["ranklocal2-stats"][0] == 0
         assert got["allgather2-stats"][1] == 1  # one adapter read per rank, then cached
+
+
+def test_frames_that_go_non_finite_fail_the_request(demo_model: str, resident: PipelineRunner,
+                                                    tmp_path: Path) -> None:
+    """Factors within float32's range (so registration takes them) whose product overflows in
+    the forward: the frames are NaN, and the request fails naming that, not a black video."""
+    from safetensors.torch import load_file, save_file
+
+    from service.models.adapter import NonFiniteOutput
+    from service.models.lora import read_adapter, targets_of
+    from service.models.registry import load_adapter
+
+    path = write_demo_lora(demo_model, tmp_path / "loud.safetensors", rank=4, blocks_only=True)
+    tensors = {k: v * 1e25 for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    read_adapter(path, "loud", targets_of(load_adapter(demo_model)))  # registration accepts it
+    with pytest.raises(NonFiniteOutput, match="NaN or Inf"):
+        resident.frames(with_lora(GenerationRequest(prompt="x", seed=1, num_inference_steps=2), path))
+    assert resident.loras.sides.attached == 0
+    assert resident.frames(GenerationRequest(prompt="x", seed=1, num_inference_steps=2)).any()  # it goes on

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from service.models.demo.lora import write_demo_lora
 from service.models.lora import LoraError, Targets, read_adapter, targets_of
-from service.models.lora_demo import write_demo_lora
 from service.models.registry import load_adapter
 
 
@@ -129,3 +129,43 @@ def test_changed_file_refused(peft_file: Path, targets: Targets, tmp_path: Path)
     _bad(tmp_path, peft_file, lambda t: t.update({f"{Q}.lora_A.weight": t[f"{Q}.lora_A.weight"] * 2}))
     with pytest.raises(LoraError, match="changed since it was registered"):
         read_adapter(tmp_path / "bad.safetensors", "s", targets, sha256=first.sha256)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_factors_are_refused_naming_the_key(peft_file: Path, targets: Targets, tmp_path: Path,
+                                                       value: float) -> None:
+    """NaN/Inf weights used to register and give all-black videos marked completed."""
+    def edit(t: dict[str, torch.Tensor]) -> None:
+        t[f"{Q}.lora_B.weight"] = t[f"{Q}.lora_B.weight"].clone()
+        t[f"{Q}.lora_B.weight"][0, 0] = value
+
+    with pytest.raises(LoraError, match="NaN|Inf") as e:
+        read_adapter(_bad(tmp_path, peft_file, edit), "nan", targets)
+    assert e.value.key == f"{Q}.lora_B.weight"
+
+
+@pytest.mark.parametrize(("alpha", "message"), [
+    (float("nan"), "finite number > 0"), (float("inf"), "finite number > 0"), (-1e6, "finite number > 0"),
+    (0, "finite number > 0"), ("8", "must be a number"), (1e308, "past torch.float32's range"),
+])
+def test_bad_lora_alpha_in_the_metadata_is_refused(demo_model: str, targets: Targets, tmp_path: Path,
+                                                   alpha: object, message: str) -> None:
+    """The header's ``lora_alpha`` (diffusers' own metadata, as a training script saves it):
+    a NaN, negative, huge or string one is refused at registration, naming it."""
+    path = write_demo_lora(demo_model, tmp_path / "a.safetensors", rank=4, alpha=alpha)  # type: ignore[arg-type]
+    with pytest.raises(LoraError) as e:
+        read_adapter(path, "alpha", targets)
+    assert e.value.key in ("lora_alpha", "metadata") and message in str(e.value), str(e.value)
+
+
+def test_a_fifo_is_refused_at_once(targets: Targets, tmp_path: Path) -> None:
+    """A FIFO (or a device) is never opened for reading: it would block the reader forever."""
+    import os
+
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(LoraError, match="a FIFO: adapters must be regular files") as e:
+        read_adapter(fifo, "pipe", targets)
+    assert e.value.key == "file"
+    with pytest.raises(LoraError, match="a character device"):
+        read_adapter("/dev/zero", "dev", targets)

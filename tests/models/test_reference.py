@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.models.demo import _tokenizer
+from service.models.demo import tokenizer as demo_tokenizer
 from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
@@ -39,7 +39,7 @@ def saved_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import UMT5Config, UMT5EncoderModel
 
     out = tmp_path_factory.mktemp("wan") / "pipe"
-    tok = _tokenizer()
+    tok = demo_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1234)
         pipe = WanPipeline(

@@ -5,9 +5,10 @@ service that asked for it. Plain HTML, CSS and ES modules: nothing to build. The
 finds the API relative to its own URL, so it works under a Serve route prefix too.
 
 Every answer carries a Content-Security-Policy that allows scripts and styles from this
-origin only (no inline code, no ``eval``), media from ``blob:`` (the MP4 is fetched with
-the Bearer header and played from a blob), and nothing framed: a prompt that holds HTML
-would stay inert even if some code path ever put it into markup.
+origin only (no inline code, no ``eval``), media and images from ``blob:`` (the MP4 and the
+running video's preview are fetched with the Bearer header and shown from a blob), and
+nothing framed: a prompt that holds HTML would stay inert even if some code path ever put
+it into markup.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
          ".css": "text/css; charset=utf-8"}
 NAME = re.compile(r"^[a-z0-9_-]+\.(html|js|css)$")
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
        "media-src 'self' blob:; connect-src 'self'; form-action 'none'; base-uri 'none'; "
        "frame-ancestors 'none'")
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",

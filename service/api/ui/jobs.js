@@ -4,6 +4,7 @@
 import {call} from "./api.js";
 import {$, el, clear, setText, fillList, statusClass, when, short} from "./dom.js";
 import {remix} from "./form.js";
+import {clearPreview, refreshPreview} from "./preview.js";
 
 const UNFINISHED = new Set(["queued", "in_progress"]);
 const NEGATIVE = "dloserve.negativePrompts"; // what this tab sent: the video object omits it
@@ -187,6 +188,7 @@ export function show(video, {poll: startPolling = true} = {}) {
   state.current = video;
   if (state.listed.has(video.id)) state.listed.set(video.id, video);
   renderCurrent();
+  refreshPreview(video);
   loadAssignment(video, state.generation);
   const wasDone = sameVideo && previous.status === "completed" && state.blobUrl;
   if (video.status === "completed" && !wasDone) loadVideo(video, state.generation);
@@ -220,6 +222,7 @@ async function removeCurrent() {
 
 function closeCurrent() {
   clearTimeout(state.pollTimer);
+  clearPreview();
   dropVideo();
   state.current = null;
   renderCurrent();

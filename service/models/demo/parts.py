@@ -1,29 +1,11 @@
-"""Offline demo checkpoints: complete diffusers-layout Wan T2V pipelines, random weights.
-
-Nothing is downloaded. The tokenizer is a small Unigram model built with ``tokenizers``
-and wrapped as transformers' T5 tokenizer (what Wan checkpoints name); the text encoder
-is a tiny ``UMT5EncoderModel``; the VAE a narrow ``AutoencoderKLWan`` with Wan's real
-latent layout (16 channels, 8x spatial, 4x temporal); the scheduler Wan's real UniPC
-flow-matching config. ``tiny``/``small`` are saved by ``WanPipeline.save_pretrained``.
-
-``wan14b-shape`` has the real Wan2.1-14B transformer (dim 5120 = 40 x 128, ffn 13824,
-text_dim 4096) with ``layers`` blocks in bf16 (``_keep_in_fp32_modules`` in fp32): 703 MB
-per block, so it is written block by block as a sharded checkpoint with an index, never
-holding more than one block in memory. ``wan14b-umt5xxl`` adds the real UMT5-XXL text
-encoder shapes of Wan2.1 (24 layers, d_model 4096, d_ff 10240, 64 heads, vocabulary
-256,384: 11.4 GB in bf16), written the same way, so the text encoder's device memory can
-be measured beside the transformer.
-
-The other families (Wan2.1 I2V, Wan2.2 A14B T2V/I2V, TI2V-5B) have presets of their own,
-written by ``demo_families.py`` (``preset_names()`` lists every preset).
-"""
+"""The parts every demo preset is built from: Wan2.1 T2V's presets, the tokenizer, the
+small components, seeded weights, and the block-by-block writers of 14B-shaped parts."""
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,30 +28,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 relative_attention_num_buckets=32, relative_attention_max_distance=128,
                 feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True)
-FORMAT_VERSION = 1
 WORDS = ("a the of and in on with red blue green fox cat dog bird running flying snow sea "
          "forest city night sky light slow motion close up camera video of").split()
 SHARD_BYTES = 2**30  # ~one 14B block per shard: peak RAM while writing ~1 GB
 
 
-def preset_names() -> list[str]:
-    """Every preset ``write_demo_model`` takes (Wan2.1 T2V's, then the other families')."""
-    from .demo_families import FAMILY_PRESETS
-
-    return sorted(PRESETS) + sorted(FAMILY_PRESETS)
-
-
-def _preset(name: str) -> dict[str, Any]:
-    from .demo_families import FAMILY_PRESETS
-
-    if name in PRESETS:
-        return PRESETS[name]
-    if name in FAMILY_PRESETS:
-        return FAMILY_PRESETS[name]
-    raise ValueError(f"preset must be one of {preset_names()}, got {name!r}")
-
-
-def _tokenizer() -> Any:
+def tokenizer() -> Any:
     """A small Unigram tokenizer built with ``tokenizers``, wrapped as T5TokenizerFast."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import Unigram
@@ -90,14 +54,14 @@ def _tokenizer() -> Any:
     return T5TokenizerFast(tokenizer_object=tok, extra_ids=0)
 
 
-def _transformer_config(p: dict[str, Any], layers: int) -> dict[str, Any]:
+def transformer_config(p: dict[str, Any], layers: int) -> dict[str, Any]:
     return dict(patch_size=(1, 2, 2), num_attention_heads=p["heads"], attention_head_dim=p["head_dim"],
                 in_channels=16, out_channels=16, text_dim=p["text_dim"], freq_dim=p["freq_dim"],
                 ffn_dim=p["ffn"], num_layers=layers, cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 
 
-def _small_parts(p: dict[str, Any], vocab_size: int) -> dict[str, Any]:
+def small_parts(p: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     """Text encoder, VAE, scheduler (seeded by the caller)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
@@ -114,58 +78,7 @@ def _small_parts(p: dict[str, Any], vocab_size: int) -> dict[str, Any]:
     return {"text_encoder": te, "vae": vae, "scheduler": sched}
 
 
-def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int | None = None,
-                     seed: int = 0, progress: bool = False, init_device: str = "cpu") -> Path:
-    """Write a complete Wan T2V pipeline directory at ``path`` (new or empty folder).
-
-    ``init_device`` draws the streamed (bf16) presets' random weights there ("cuda" for
-    benchmarks: same distribution, other numbers than a CPU draw).
-    """
-    from diffusers import WanPipeline, WanTransformer3DModel
-
-    p = _preset(preset)
-    n_layers = p["layers"] if layers is None else int(layers)
-    if n_layers < 1:
-        raise ValueError(f"layers must be >= 1, got {n_layers}")
-    out = Path(path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: exists and is not an empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    if preset not in PRESETS:
-        from .demo_families import write_family
-
-        write_family(out, preset, n_layers, seed, progress, init_device)
-        return _stamp(out, preset, n_layers, seed)
-    tokenizer = _tokenizer()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        parts = _small_parts(p, len(tokenizer))
-        streamed = p["dtype"] != torch.float32
-        transformer = None
-        if not streamed:
-            transformer = WanTransformer3DModel(**_transformer_config(p, n_layers)).eval()
-        pipe = WanPipeline(tokenizer=tokenizer, transformer=transformer, **parts)
-        pipe.save_pretrained(out)
-    if streamed:
-        _write_streamed_transformer(
-            out / "transformer", _transformer_config(p, n_layers), p["dtype"], seed, progress, init_device
-        )
-        index_file = out / "model_index.json"
-        index = json.loads(index_file.read_text())
-        index["transformer"] = ["diffusers", "WanTransformer3DModel"]
-        index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    if p.get("umt5xxl"):
-        _write_streamed_text_encoder(out / "text_encoder", p["dtype"], seed, progress, init_device)
-    return _stamp(out, preset, n_layers, seed)
-
-
-def _stamp(out: Path, preset: str, layers: int, seed: int) -> Path:
-    (out / "dloserve_demo.json").write_text(json.dumps(
-        {"preset": preset, "layers": layers, "seed": seed, "format": FORMAT_VERSION}, indent=2) + "\n")
-    return out
-
-
-def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
     """Seeded values in a sane range: fan-in scaled weights, unit norms, zero biases."""
     dev = gen.device  # a CUDA generator writes a 14B-shaped model many times faster
     if name.endswith("scale_shift_table"):
@@ -180,7 +93,7 @@ def _init(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Gene
     return torch.ones(shape, dtype=dtype)
 
 
-def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: torch.dtype,
+def write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: torch.dtype,
                                 seed: int, progress: bool = False, init_device: str = "cpu") -> None:
     """Save config + sharded safetensors one block at a time (diffusers' sharded layout)."""
     from diffusers import WanTransformer3DModel
@@ -188,7 +101,7 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
 
     from service.offload.checkpoint import serving_dtype
 
-    from .meta import empty_weights
+    from ..meta import empty_weights
 
     with empty_weights():
         meta = WanTransformer3DModel(**config)
@@ -205,7 +118,8 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
     shards: list[list[str]] = [[]]
     size = 0
     for g in order:
-        nbytes = sum(_numel(s) * serving_dtype(n, torch.float32, dtype, keep).itemsize for n, s in groups[g])
+        nbytes = sum(math.prod(s) * serving_dtype(n, torch.float32, dtype, keep).itemsize
+                     for n, s in groups[g])
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -220,7 +134,7 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
         tensors = {}
         for g in shard:
             for name, shape in groups[g]:
-                tensors[name] = _init(name, shape, serving_dtype(name, torch.float32, dtype, keep), gen)
+                tensors[name] = init_tensor(name, shape, serving_dtype(name, torch.float32, dtype, keep), gen)
                 weight_map[name] = fname
                 total += tensors[name].numel() * tensors[name].element_size()
         save_file(tensors, folder / fname, metadata={"format": "pt"})
@@ -229,14 +143,14 @@ def _write_streamed_transformer(folder: Path, config: dict[str, Any], dtype: tor
     (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_streamed_text_encoder(folder: Path, dtype: torch.dtype, seed: int, progress: bool,
+def write_streamed_text_encoder(folder: Path, dtype: torch.dtype, seed: int, progress: bool,
                                  init_device: str = "cpu") -> None:
     """Replace ``folder`` with a UMT5-XXL-shaped encoder, one block per shard (bf16)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from .meta import empty_weights
+    from ..meta import empty_weights
 
     shutil.rmtree(folder)
     folder.mkdir()
@@ -256,46 +170,10 @@ def _write_streamed_text_encoder(folder: Path, dtype: torch.dtype, seed: int, pr
     names = list(groups)
     for i, g in enumerate(tqdm(names, desc="writing text encoder shards", disable=not progress)):
         fname = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
-        tensors = {n: _init(n, s, dtype, gen) for n, s in groups[g]}
+        tensors = {n: init_tensor(n, s, dtype, gen) for n, s in groups[g]}
         for n, t in tensors.items():
             weight_map[n] = fname
             total += t.numel() * t.element_size()
         save_file(tensors, folder / fname, metadata={"format": "pt"})
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DLOSERVE_CACHE") or Path.home() / ".cache" / "dloserve")
-
-
-def ensure_demo_model(preset: str = "tiny", layers: int | None = None, seed: int = 0) -> Path:
-    """The demo model in the cache folder, written on first use.
-
-    Written into a temporary sibling folder and renamed into place: concurrent processes
-    either win the rename or find the finished folder, never a half-written one.
-    """
-    n_layers = _preset(preset)["layers"] if layers is None else int(layers)
-    root = cache_dir()
-    final = root / f"wan-{preset}-L{n_layers}-s{seed}-v{FORMAT_VERSION}"
-    if (final / "model_index.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
-        write_demo_model(tmp / "model", preset, n_layers, seed)
-        try:
-            os.rename(tmp / "model", final)
-        except OSError:
-            if not (final / "model_index.json").is_file():
-                raise  # not a lost race: a real error
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from . import demo
+from .parts import PRESETS, small_parts, tokenizer, write_streamed_transformer
+from .parts import transformer_config as wan21_transformer_config
 
 WAN14B = dict(heads=40, head_dim=128, ffn=13824, text_dim=4096, freq_dim=256, layers=12, vae_base=16,
               te_layers=1, dtype=torch.bfloat16)
-TINY = dict(demo.PRESETS["tiny"])
+TINY = dict(PRESETS["tiny"])
 TI2V_5B = dict(heads=24, head_dim=128, ffn=14336, text_dim=4096, freq_dim=256, layers=30, vae_base=16,
                te_layers=1, dtype=torch.bfloat16)
 # Wan2.2 VAE latent statistics (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json).
@@ -63,7 +64,7 @@ EXPERT_NAMES = ("transformer", "transformer_2")
 
 def transformer_config(p: dict[str, Any], layers: int) -> dict[str, Any]:
     """The preset's WanTransformer3DModel config (Wan2.1 T2V's, with this family's changes)."""
-    cfg = demo._transformer_config(p, layers)
+    cfg = wan21_transformer_config(p, layers)
     channels = p.get("in_channels", 16)
     cfg.update(in_channels=channels, out_channels=48 if channels == 48 else 16)
     if p.get("clip"):  # Wan2.1 I2V: the image cross-attention's K/V projections
@@ -102,10 +103,10 @@ def write_family(out: Path, preset: str, layers: int, seed: int, progress: bool,
     names = EXPERT_NAMES[: p.get("experts", 1)]
     streamed = p["dtype"] != torch.float32
     config = transformer_config(p, layers)
-    tokenizer = demo._tokenizer()
+    tok = tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        parts = demo._small_parts(p, len(tokenizer))
+        parts = small_parts(p, len(tok))
         if p.get("vae22"):
             parts["vae"] = _vae22(p["vae_base"])
             sched = parts["scheduler"]  # TI2V-5B's published shift
@@ -114,13 +115,12 @@ def write_family(out: Path, preset: str, layers: int, seed: int, progress: bool,
             parts.update(_clip(p["clip"]))
         denoisers = {n: None if streamed else WanTransformer3DModel(**config).eval() for n in names}
         settings = {k: p[k] for k in ("boundary_ratio", "expand_timesteps") if p.get(k)}
-        pipe = getattr(diffusers, p["pipeline"])(tokenizer=tokenizer, **parts, **denoisers, **settings)
+        pipe = getattr(diffusers, p["pipeline"])(tokenizer=tok, **parts, **denoisers, **settings)
         pipe.save_pretrained(out)
     if streamed:
         index_file = out / "model_index.json"
         index = json.loads(index_file.read_text())
         for i, name in enumerate(names):
-            demo._write_streamed_transformer(out / name, config, p["dtype"], seed + 100 * i, progress,
-                                             init_device)
+            write_streamed_transformer(out / name, config, p["dtype"], seed + 100 * i, progress, init_device)
             index[name] = ["diffusers", "WanTransformer3DModel"]
         index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

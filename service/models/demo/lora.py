@@ -44,7 +44,7 @@ LAYOUTS = ("peft", "kohya")
 
 def linear_shapes(model_dir: str | os.PathLike) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of every Linear of the pipeline's transformer (meta build)."""
-    from .registry import load_adapter
+    from ..registry import load_adapter
 
     module = load_adapter(model_dir).build_transformer()
     return {n: (m.in_features, m.out_features) for n, m in module.named_modules()
