@@ -347,10 +347,11 @@ def log_start(g: Group, facts: list[dict[str, Any]], stages: dict[str, float]) -
     slowest = max(facts, key=lambda f: f.get("setup_s", 0.0), default={})
     breakdown = {k: round(v, 3) for k, v in {**stages, **slowest.get("stages", {})}.items()}
     g.started = {"seconds": round(sum(stages.values()), 3), "stages": breakdown,
-                 "encoders": [f.get("encoders") for f in facts]}
+                 "encoders": [f.get("encoders") for f in facts], "compute": slowest.get("compute")}
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in breakdown.items())
-    log.info("group %s gen %d ready in %.2f s (%s); ranks: %s", g.info.id, g.generation, sum(stages.values()),
-             parts, [(f["rank"], f["pid"], f.get("setup_s")) for f in facts])
+    log.info("group %s gen %d ready in %.2f s (%s); ranks: %s; compute: %s", g.info.id, g.generation,
+             sum(stages.values()), parts, [(f["rank"], f["pid"], f.get("setup_s")) for f in facts],
+             slowest.get("compute"))
 
 
 def short(e: BaseException, n: int = 300) -> str:

@@ -95,7 +95,14 @@ def load_facts(worker: RankWorker, t0: float) -> dict[str, Any]:
     return {"rank": worker.rank, "pid": os.getpid(), "setup_s": round(time.monotonic() - t0, 3),
             "stages": getattr(worker, "start_stages", {}), "mode": runner.settings.mode.value,
             "encoders": worker.encoder.workers,
-            "choice": runner.choice}
+            "choice": runner.choice, "compute": compute_facts(runner)}
+
+
+def compute_facts(runner: Any) -> dict[str, Any]:
+    """How the blocks compute (for the start log and /readyz): the SDPA kernel that runs,
+    whether the block class is compiled, whether CFG rows share a forward."""
+    compiled = runner.compiled.describe() if runner.compiled is not None else None
+    return {"attention": runner.attention.get("backend"), "compile": compiled, "cfg_batch": runner.cfg_batch}
 
 
 def probe_mode(spec: EngineSpec, device: torch.device) -> dict[str, Any]:

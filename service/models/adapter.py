@@ -60,6 +60,10 @@ class ModelAdapter(ABC):
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)  # "t2v", "i2v", "t2i": what /v1/models reports
     image_input: ClassVar[str] = "none"  # "none", "optional" (TI2V) or "required" (I2V)
     experts: ClassVar[tuple[str, ...]] = ("transformer",)  # denoiser folders (Wan2.2 A14B: two)
+    # Whether the family's pipeline runs CFG as a cond/uncond pair of calls that models.cfg can
+    # batch (Wan); the server's rule for which requests do (PipelineRunner sets it; None: none).
+    cfg_batchable: ClassVar[bool] = False
+    cfg_rule: Callable[[GenerationRequest], bool] | None = None
 
     @classmethod
     def accepts(cls, index: dict[str, Any]) -> bool:
@@ -170,13 +174,20 @@ class ModelAdapter(ABC):
                 "extra", f"unknown argument(s) {unknown} for {self.family} (allowed: {allowed})"
             )
 
-    def forwards(self, req: GenerationRequest) -> int:
-        """Transformer forwards ``req`` makes: what an idle rank replays.
+    def cfg_batched(self, req: GenerationRequest) -> bool:
+        """Whether ``req``'s CFG rows run in one forward (a function of the request and the
+        server's settings only, so every strategy and rank counts the same forwards)."""
+        return req.cfg and self.cfg_batchable and self.cfg_rule is not None and self.cfg_rule(req)
 
-        Wan runs the transformer twice per step under CFG (``req.forwards()``); a family
-        with distilled guidance (Flux-dev) would run it once and override this.
+    def forwards(self, req: GenerationRequest) -> int:
+        """Transformer forwards ``req`` makes (those of its steps left, when resumed): what an
+        idle rank replays.
+
+        Wan runs the transformer twice per step under CFG (``req.forwards()``), once when the
+        two rows are batched (``cfg_batched``); a family with distilled guidance (Flux-dev)
+        runs it once and overrides this.
         """
-        return req.forwards()
+        return req.num_inference_steps - req.start_step if self.cfg_batched(req) else req.forwards()
 
     def resumable(self, req: GenerationRequest) -> bool:
         """Whether a rerun of ``req`` can go on from a saved step (models/resume.py); a family
@@ -230,8 +241,9 @@ class ModelAdapter(ABC):
         return out
 
     def probe_inputs(self, transformer: nn.Module, height: int, width: int, frames: int,
-                     device: torch.device) -> dict[str, Any]:
-        """Keyword inputs of one transformer forward at this size, for the load-time probe."""
+                     device: torch.device, batch: int = 1) -> dict[str, Any]:
+        """Keyword inputs of one transformer forward at this size (``batch`` rows: 2 for a
+        CFG-batched server), for the load-time probe."""
         raise NotImplementedError(f"{self.family}: no probe inputs (--dlo-mode auto and "
                                   "--dlo-device-memory-gb on CUDA need them)")
 

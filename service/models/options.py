@@ -21,6 +21,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8", "none")  # settings' None: the checkpoint's own (a `dloserve quantize` folder: fp8)
 NEEDS_OFFLOAD = "needs --enable-distributed-layerwise-offload"
 LORA_CACHE_GB = 2.0  # device memory for LoRA adapter weights (docs/lora.md)
+SWITCHES = ("auto", "on", "off")  # --cfg-batch, --compile
 
 
 class Mode(enum.Enum):
@@ -40,7 +41,8 @@ class FlagError(ValueError):
 FLAGS = {"mode": "--dlo-mode", "resident_layers": "--dlo-resident-layers",
          "device_memory_gb": "--dlo-device-memory-gb", "components": "--dlo-components",
          "probe_shape": "--dlo-probe-size", "dtype": "--dtype", "quantization": "--quantization",
-         "lora_cache_gb": "--lora-cache-gb", "cache": "--cache"}
+         "lora_cache_gb": "--lora-cache-gb", "cache": "--cache", "cfg_batch": "--cfg-batch",
+         "compile": "--compile"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,11 @@ class OffloadSettings:
     ``lora_cache_gb``: device memory for LoRA adapter weights (an LRU; 0: no adapters),
     counted by the budget.
     ``cache``: the step cache of requests that name none (a ``--cache`` spec, canonical JSON;
-    None: no cache), see cache_spec.py.
+    None: no cache), see cache_spec.py. ``cfg_batch``: a CFG request's conditional and
+    unconditional rows in one transformer forward of batch 2 (half the forwards, each block
+    filled once per step); auto: on CUDA devices, off on CPU (where frames stay bitwise
+    diffusers'), see ``cfg_batching``. ``compile``: torch.compile of the repeated block class
+    (auto: on CUDA, off on CPU), see ``compiling``.
     """
 
     mode: Mode = Mode.RESIDENT
@@ -69,6 +75,8 @@ class OffloadSettings:
     quantization: str | None = None
     lora_cache_gb: float = LORA_CACHE_GB
     cache: str | None = None
+    cfg_batch: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
@@ -86,6 +94,9 @@ class OffloadSettings:
             raise FlagError(f"--lora-cache-gb must be >= 0, got {self.lora_cache_gb!r}")
         if self.cache is not None:
             object.__setattr__(self, "cache", canonical_cache(self.cache))
+        for key in ("cfg_batch", "compile"):
+            if getattr(self, key) not in SWITCHES:
+                raise FlagError(f"{FLAGS[key]} must be one of {list(SWITCHES)}, got {getattr(self, key)!r}")
         if self.resident_layers is not None and self.resident_layers < 0:
             raise FlagError(f"--dlo-resident-layers must be >= 0, got {self.resident_layers}")
         if self.device_memory_gb is not None:
@@ -117,6 +128,17 @@ class OffloadSettings:
     def probed(self) -> bool:
         """Whether loading runs a probe forward first (auto mode; a budget, on CUDA)."""
         return self.mode is Mode.AUTO or self.device_memory_gb is not None
+
+    def cfg_batching(self, device_type: str) -> bool:
+        """Whether CFG requests run both rows in one forward on this server (a setting of the
+        server, never of the layout: resident and every offload mode agree, so a request's bytes
+        do not depend on the strategy). Auto: on CUDA only; on CPU the default keeps frames
+        bitwise equal to diffusers' pipeline."""
+        return self.cfg_batch == "on" or (self.cfg_batch == "auto" and device_type == "cuda")
+
+    def compiling(self, device_type: str) -> bool:
+        """Whether the repeated transformer block runs under torch.compile (auto: on CUDA)."""
+        return self.compile == "on" or (self.compile == "auto" and device_type == "cuda")
 
     def resolved(self, mode: Mode) -> OffloadSettings:
         """The same settings with auto's choice in place."""
@@ -152,8 +174,8 @@ class OffloadSettings:
         if self.device_memory_gb is not None and device == "cuda" and not adapter.can_probe:
             return (f"--dlo-device-memory-gb needs a load-time probe, which {adapter.family} does not have "
                     "yet (Wan does)")
-        if self.quantization != "fp8" and adapter.stored_quantization():
-            # the folder says it holds fp8: read as fp8 unless the flag says otherwise
+        # a model folder (not a family class) says what it holds: fp8 unless the flag says otherwise
+        if self.quantization != "fp8" and not isinstance(adapter, type) and adapter.stored_quantization():
             if self.quantization == "none":
                 return (f"--quantization none: {adapter.model_dir} holds fp8 weights (written by "
                         "`dloserve quantize`) and cannot be served unquantized; drop the flag (its fp8 "
@@ -243,6 +265,13 @@ def add_offload_arguments(p: argparse.ArgumentParser, offload_default: bool = Fa
                         "quantized at load: half the bytes on the host, over PCIe and in the gathers. "
                         "auto (default): the checkpoint's own (a 'dloserve quantize' folder is read as "
                         "fp8, any other as stored); none: never fp8 (an fp8 folder is refused)")
+    g.add_argument("--cfg-batch", default="auto", choices=SWITCHES,
+                   help="a CFG request's conditional and unconditional rows in one transformer forward "
+                        "(batch 2): each block filled once per step, half the forwards; auto: on CUDA, "
+                        "off on CPU (frames bitwise diffusers'); requests with a step cache run unbatched")
+    g.add_argument("--compile", default="auto", choices=SWITCHES,
+                   help="torch.compile the repeated transformer block (regional; the offload's weight "
+                        "swaps do not recompile): auto: on CUDA, off on CPU; warm-up is a start-up stage")
     g.add_argument("--cache", "--cache-default", dest="cache", default=None, metavar="SPEC",
                    help="step cache of requests that name none (generate: the request's): none (default), "
                         "first_block[:threshold=0.05], mag:threshold=0.06,... or a JSON object; skipped "
@@ -297,6 +326,8 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
         quantization=None if args.quantization in (None, "auto") else args.quantization,
         lora_cache_gb=LORA_CACHE_GB if getattr(args, "lora_cache_gb", None) is None else args.lora_cache_gb,
         cache=getattr(args, "cache", None),
+        cfg_batch=getattr(args, "cfg_batch", "auto"),
+        compile=getattr(args, "compile", "auto"),
     )
     if sp > 1:
         if settings.mode is Mode.RANK_LOCAL:
@@ -312,6 +343,7 @@ def settings_from_args(args: argparse.Namespace) -> OffloadSettings:
             refused.append(FLAGS["quantization"])
         if settings.cache is not None:
             refused.append(FLAGS["cache"])
+        refused += [f"{FLAGS[k]} on" for k in ("cfg_batch", "compile") if getattr(settings, k) == "on"]
         if refused:
             raise FlagError(f"{', '.join(refused)}: not yet with --sequence-parallel-size > 1 (an SP group "
                             "always gathers over its ranks and streams the transformer only)")

@@ -27,6 +27,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,12 @@ from service.offload.auto import ProbeTimings, choose_mode, probe
 from service.offload.checkpoint import Checkpoint
 from service.offload.quant_checkpoint import prequantized_key
 
+from . import attention
 from .adapter import LatentsCallback, ModelAdapter
 from .cache import StepCaches
 from .cache_spec import CacheSpec
 from .checks import check_request
+from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
 from .experts import expert_of, lockstep_expert_cost
 from .lora import RankAdapters
 from .options import Mode, OffloadSettings
@@ -88,6 +91,10 @@ class PipelineRunner:
                                   device, int(settings.lora_cache_gb * 2**30))
         self.caches = StepCaches(transformer, handle, adapter,
                                  CacheSpec.from_obj(settings.cache) if settings.cache else None)
+        self.compiled: CompiledBlocks | None = None  # --compile (load sets it)
+        self.attention: dict[str, Any] = {}  # the SDPA kernel that runs, and why (load sets it)
+        self.cfg_batch = cfg_batch_on(settings, device, adapter)
+        adapter.cfg_rule = self._cfg_rule if self.cfg_batch else None
         self._closed = False
         self.experts = expert_of(transformer)  # the modules that each make one forward
         # Who says which expert comes next: the request's plan (False), or a tick loop that
@@ -177,13 +184,34 @@ class PipelineRunner:
                     handle.close()
                 raise
         marks["transformer"] = time.perf_counter()
+        attn = attention.report(expert_of(module)[0], dev, dtype)
+        log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
+                 attn["why"])
+        compiled = None
+        if compile_on(settings, dev, adapter):
+            compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
+            if adapter.can_probe:  # the compile at start-up, at the probe size (or the smallest on CPU)
+                height, width, frames = settings.probe_shape or warmup_shape(adapter, dev)
+                first = expert_of(module)[0]
+                batch = 2 if cfg_batch_on(settings, dev, adapter) else 1
+                inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
+                with attention.chosen():  # the kernels the requests' forwards will trace
+                    compiled.warm_up(lambda: first(**inputs))
+            marks["compile"] = time.perf_counter()
         adapter.load_components(dev, settings.components)
         marks["components"] = time.perf_counter()
         runner = cls(adapter, module, handle, dev, settings, time.perf_counter() - t0, choice)
+        runner.compiled = compiled
+        runner.attention = attn
         runner.load_stages = _durations(marks)
         return runner
 
     # -- requests ----------------------------------------------------------------------
+
+    def _cfg_rule(self, req: GenerationRequest) -> bool:
+        """Which CFG requests this server batches: those without a step cache (a cache decides
+        per branch, on the branch's own residuals)."""
+        return not self.caches.resolve(req.cache).enabled
 
     def validate(self, req: GenerationRequest) -> None:
         """Raise RequestError naming the bad field, before any compute."""
@@ -208,7 +236,9 @@ class PipelineRunner:
         if self._plan_hooks and not self.tick_driven:
             self._plan = list(self.adapter.expert_plan(req))
         cache = self.caches.resolve(req.cache)
-        with self.loras.applied(req.loras), self.caches.applied(cache, req.num_inference_steps):
+        eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
+        with eager, attention.chosen(), self.loras.applied(req.loras), \
+                self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step,
                                     on_latents if self.resumable(req) else None)
 
@@ -270,6 +300,9 @@ class PipelineRunner:
             "components": list(self.settings.components) if self.settings.enabled else [],
             "dtype": self.settings.dtype,
             "quantization": self.settings.quantization,
+            "cfg_batch": self.cfg_batch,
+            "attention": self.attention,
+            "compile": self.compiled.describe() if self.compiled else None,
             "load_s": round(self.load_s, 3),
             "lora_cache": self.loras.stats(),
         }
@@ -284,6 +317,8 @@ class PipelineRunner:
         self._closed = True
         for h in self._plan_hooks:
             h.remove()
+        if self.compiled is not None:
+            self.compiled.close()
         if self.handle is not None:
             self.handle.close()
         self.adapter.close()
@@ -293,6 +328,16 @@ class PipelineRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def cfg_batch_on(settings: OffloadSettings, device: torch.device, adapter: ModelAdapter) -> bool:
+    """Whether this server batches CFG rows (``--cfg-batch``): the settings and the device,
+    for a family whose pipeline makes cond/uncond pairs; refused with sequence parallelism."""
+    if adapter.sequence_parallel > 1:
+        if settings.cfg_batch == "on":
+            raise ValueError("--cfg-batch on: not yet with --sequence-parallel-size > 1")
+        return False
+    return adapter.cfg_batchable and settings.cfg_batching(device.type)
 
 
 def dtype_of(settings: OffloadSettings) -> torch.dtype | None:
@@ -373,7 +418,8 @@ def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: Offloa
                                  quantization=settings.quantization)
     try:
         height, width, frames = settings.probe_shape or (480, 832, 81)
-        inputs = adapter.probe_inputs(module, height, width, frames, dev)
+        batch = 2 if cfg_batch_on(settings, dev, adapter) else 1  # CFG rows in one forward
+        inputs = adapter.probe_inputs(module, height, width, frames, dev, batch)
         with torch.inference_mode():
             return probe(h, lambda: module(**inputs), group)
     finally:

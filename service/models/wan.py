@@ -15,6 +15,7 @@ Wan2.1 I2V) and what the family accepts.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import cfg
 from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .experts import expert_of, expert_plan
 from .request import GenerationRequest, RequestError
@@ -52,6 +54,7 @@ class WanAdapter(ModelAdapter):
     extra_args = frozenset({"max_sequence_length"})
     text_encoder_blocks = {"text_encoder": ("encoder.block",)}  # UMT5
     can_probe = True
+    cfg_batchable = True
     tasks = ("t2v",)
     text_pipeline: ClassVar[str | None] = "WanPipeline"  # runs a request without an image
     image_pipeline: ClassVar[str | None] = None  # runs a request with one
@@ -121,7 +124,8 @@ class WanAdapter(ModelAdapter):
     def expert_plan(self, req: GenerationRequest) -> tuple[int, ...]:
         if len(self.experts) == 1:
             return super().expert_plan(req)
-        return expert_plan(self._scheduler(req), req.num_inference_steps, self.boundary_ratio, req.cfg)
+        return expert_plan(self._scheduler(req), req.num_inference_steps, self.boundary_ratio,
+                           req.cfg and not self.cfg_batched(req))
 
     def resumable(self, req: GenerationRequest) -> bool:
         """One denoiser, no SP, and a flow-matching Euler scheduler (resume.py says why)."""
@@ -140,23 +144,24 @@ class WanAdapter(ModelAdapter):
                 self._parts[name] = self.load_component(name, device)
 
     def probe_inputs(self, transformer: nn.Module, height: int, width: int, frames: int,
-                     device: torch.device) -> dict[str, Any]:
-        """Transformer inputs of one forward at this size (random: only the shapes matter)."""
+                     device: torch.device, batch: int = 1) -> dict[str, Any]:
+        """Transformer inputs of one forward at this size (random: only the shapes matter);
+        ``batch`` 2: a CFG-batched forward."""
         cfg = self.transformer_config
         dtype = transformer.patch_embedding.weight.dtype
         spatial = self.multiple[0] // int(cfg.get("patch_size", [1, 2, 2])[1])
         g = torch.Generator().manual_seed(0)
-        lat = (1, int(cfg.get("in_channels", 16)), (frames - 1) // self.temporal + 1,
+        lat = (batch, int(cfg.get("in_channels", 16)), (frames - 1) // self.temporal + 1,
                height // spatial, width // spatial)
-        text = (1, DEFAULT_MAX_SEQUENCE_LENGTH, int(cfg.get("text_dim", 4096)))
+        text = (batch, DEFAULT_MAX_SEQUENCE_LENGTH, int(cfg.get("text_dim", 4096)))
         inputs = {
             "hidden_states": torch.randn(lat, generator=g).to(device, dtype),
-            "timestep": torch.tensor([500], device=device),
+            "timestep": torch.tensor([500] * batch, device=device),
             "encoder_hidden_states": torch.randn(text, generator=g).to(device, dtype),
             "return_dict": False,
         }
         if cfg.get("image_dim"):  # Wan2.1 I2V: the CLIP image context too
-            image = (1, CLIP_TOKENS, int(cfg["image_dim"]))
+            image = (batch, CLIP_TOKENS, int(cfg["image_dim"]))
             inputs["encoder_hidden_states_image"] = torch.randn(image, generator=g).to(device, dtype)
         return inputs
 
@@ -174,14 +179,17 @@ class WanAdapter(ModelAdapter):
             overrides["flow_shift" if "flow_shift" in base.config else "shift"] = req.flow_shift
         return type(base).from_config(base.config, **overrides)
 
-    def _pipeline(self, transformer: nn.Module, req: GenerationRequest) -> Any:
-        """The diffusers pipeline object for ``req``: our denoiser(s), the loaded parts and the
-        index's own settings (``boundary_ratio``, ``expand_timesteps``)."""
+    def _pipeline(self, transformer: nn.Module, req: GenerationRequest,
+                  wrap: Callable[[nn.Module], Any] | None = None) -> Any:
+        """The diffusers pipeline object for ``req``: our denoiser(s) (each through ``wrap``
+        if given), the loaded parts and the index's own settings (``boundary_ratio``,
+        ``expand_timesteps``)."""
         import diffusers
 
         name = self.image_pipeline if req.image is not None else self.text_pipeline
         assert name is not None  # validate() refused the request otherwise
-        denoisers = dict(zip(self.experts, expert_of(transformer), strict=True))
+        denoisers = {k: wrap(m) if wrap else m
+                     for k, m in zip(self.experts, expert_of(transformer), strict=True)}
         parts = {k: v for k, v in self._parts.items() if k != "scheduler"}
         config = {k: self.index[k] for k in ("boundary_ratio", "expand_timesteps") if self.index.get(k)}
         pipe = getattr(diffusers, name)(scheduler=self._scheduler(req), **denoisers, **parts, **config)
@@ -197,11 +205,18 @@ class WanAdapter(ModelAdapter):
         pipe = self._pipeline(transformer, req)
         steps = req.num_inference_steps
         step = self.step_callback(on_step, steps)
-        extra: dict[str, Any] = {}
+        msl = req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
+        extra: dict[str, Any] = {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
+        if self.cfg_batched(req):  # both prompts encoded first: the batcher needs the negative one
+            denoiser = expert_of(transformer)[0]
+            cond, negative = cfg.encode(pipe, req.prompt, req.negative_prompt, msl, pipe._execution_device,
+                                        denoiser.dtype)
+            pipe = self._pipeline(transformer, req, lambda m: cfg.CfgBatched(m, negative))
+            extra = {"prompt_embeds": cond, "negative_prompt_embeds": negative}
         resumed = None
         if req.resume is not None:  # a rerun: the saved latents, and no forward before its step
             device = pipe._execution_device  # as the pipeline will see it (before the swap)
-            resumed = Resumed(pipe.transformer, req.resume, device)
+            resumed = Resumed(pipe.transformer, req.resume, device)  # (around the CFG batcher, if any)
             object.__setattr__(pipe, "transformer", resumed)  # not the config: the stand-in is ours
             extra["latents"] = req.resume.tensor(device)
 
@@ -223,8 +238,6 @@ class WanAdapter(ModelAdapter):
         generator = torch.Generator("cpu").manual_seed(req.seed)
         try:
             out = pipe(
-                prompt=req.prompt,
-                negative_prompt=req.negative_prompt,
                 height=req.height,
                 width=req.width,
                 num_frames=req.num_frames,
@@ -233,7 +246,7 @@ class WanAdapter(ModelAdapter):
                 generator=generator,
                 output_type="pt",  # stays on the device: uint8 there, 4x fewer bytes to copy
                 callback_on_step_end=callback,
-                max_sequence_length=req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
+                max_sequence_length=msl,
                 **extra,
             )
             return frames_to_uint8(out.frames[0])  # [T, C, H, W] -> uint8 [T, H, W, 3]

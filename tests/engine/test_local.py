@@ -89,6 +89,11 @@ def test_cancel_in_rank_local_mode(ranklocal, resident, caplog: pytest.LogCaptur
     for stage in ("process_group_s", "load_s", "load.build_s", "load.transformer_s", "load.components_s",
                   "encoders_s"):
         assert stage in lines[0], lines[0]
+    # how the blocks compute, in the log and in the status /readyz shows: the SDPA kernel
+    # torch runs for the model's heads (CPU: its flash kernel), compile and CFG batch (CPU: off)
+    assert "compute: {'attention': 'flash_attention', 'compile': None, 'cfg_batch': False}" in lines[0]
+    started = d.executor.status()["groups"][0]["last_start"]
+    assert started["compute"]["attention"] == "flash_attention"
     cancel_beside(d, sink, resident)
 
 

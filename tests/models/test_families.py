@@ -174,3 +174,25 @@ def test_what_each_family_accepts(models: dict[str, Path]) -> None:
     with pytest.raises(RequestError, match="two-expert model") as e:
         load_adapter(models["wan22-t2v-tiny"]).validate(GenerationRequest(**BASE, loras=(LoraRef("x"),)))
     assert e.value.field == "loras"
+
+
+@pytest.mark.parametrize("case", ["wan-i2v-tiny", "wan22-i2v-tiny", "wan22-ti2v-tiny"])
+def test_cfg_in_one_forward_per_family(case: str) -> None:
+    """``--cfg-batch on`` for the image families too: the image context (CLIP), the image
+    latents beside the noise and TI2V's per-token timesteps are repeated for the second row.
+    One forward per step, frames within 1/255 of the two-call run (as for Wan T2V)."""
+    from service.models.demo import ensure_demo_model
+    from service.models.options import Mode, OffloadSettings
+
+    model = str(ensure_demo_model(case))
+    req = CASES[case][1]
+    frames = {}
+    for batch in ("on", "off"):
+        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(Mode.ALLGATHER, cfg_batch=batch))
+        try:
+            frames[batch] = runner.frames(req).astype(int)
+            per_step = 1 if batch == "on" else 2
+            assert runner.offload_stats()["forwards"] == per_step * req.num_inference_steps
+        finally:
+            runner.close()
+    assert np.abs(frames["on"] - frames["off"]).max() <= 1

@@ -108,3 +108,16 @@ def test_flux_frames_equal_diffusers(
             runner.validate(GenerationRequest(prompt="a", flow_shift=2.0, height=32, width=32, num_frames=1))
     finally:
         runner.close()
+
+
+def test_flux_under_compile(flux_dir: Path, reference: np.ndarray) -> None:
+    """--compile on Flux: both block classes (double- and single-stream) compiled; Flux has no
+    probe inputs, so the compile happens at its first request; frames equal diffusers' (the
+    CPU backend, aot_eager, runs the same kernels)."""
+    runner = PipelineRunner.load(flux_dir, "cpu", settings=OffloadSettings(Mode.ALLGATHER, compile="on"))
+    try:
+        assert runner.compiled is not None
+        assert runner.compiled.describe()["classes"] == ["FluxSingleTransformerBlock", "FluxTransformerBlock"]
+        assert np.array_equal(runner.frames(REQ), reference)
+    finally:
+        runner.close()

@@ -63,6 +63,8 @@ def test_auto_resolves_once_and_is_not_usable_before() -> None:
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     (["--sequence-parallel-size", "2", "--dlo-no-use-allgather"], "gathers each block over the SP group"),
     (["--sequence-parallel-size", "2", "--dlo-resident-layers", "2"], "--dlo-resident-layers: not yet with"),
+    (["--sequence-parallel-size", "2", "--cfg-batch", "on"], "--cfg-batch on: not yet with"),
+    (["--sequence-parallel-size", "2", "--compile", "on"], "--compile on: not yet with"),
 ])
 def test_bad_values_name_the_flag(argv: list[str], message: str) -> None:
     with pytest.raises(FlagError, match=message):
@@ -91,3 +93,23 @@ def test_probe_support_per_family() -> None:
     assert auto.probe_problem(FluxAdapter, "cuda") is None  # auto without a probe: AllGather
     assert budget.probe_problem(FluxAdapter, "cpu") is None  # no probe on CPU
     assert "--dlo-device-memory-gb" in budget.probe_problem(FluxAdapter, "cuda")
+
+
+def test_cfg_batch_and_compile_switches() -> None:
+    """auto: on CUDA, off on CPU (CPU frames stay bitwise diffusers'); on/off whatever the
+    device; a bad value names the flag, from the CLI and from a config mapping alike."""
+    auto = settings_from_args(parse())
+    assert (auto.cfg_batch, auto.compile) == ("auto", "auto")
+    assert auto.cfg_batching("cuda") and not auto.cfg_batching("cpu")
+    assert auto.compiling("cuda") and not auto.compiling("cpu")
+    on = settings_from_args(parse("--cfg-batch", "on", "--compile", "on"))
+    assert on.cfg_batching("cpu") and on.compiling("cpu")
+    off = OffloadSettings.from_dict({"cfg_batch": "off", "compile": "off"})
+    assert not off.cfg_batching("cuda") and not off.compiling("cuda")
+    assert OffloadSettings.from_dict(on.as_dict()) == on
+    with pytest.raises(FlagError, match=r"--cfg-batch must be one of \['auto', 'on', 'off'\], got 'yes'"):
+        OffloadSettings.from_dict({"cfg_batch": "yes"})
+    with pytest.raises(FlagError, match="--compile must be one of"):
+        OffloadSettings(compile=True)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        parse("--cfg-batch", "sometimes")

@@ -6,6 +6,7 @@ forwards of the steps left.
 - the state round-trips any dtype exactly, and pickles;
 - a request resumed from step k gives the frames of an uninterrupted run and makes the
   forwards of its n - k steps only (with CFG: two per step);
+- the same with CFG in one forward (``--cfg-batch on``): one forward per step left;
 - a model whose scheduler keeps history (the demo's UniPC) is not resumable: a resume is
   refused naming ``resume`` and no latents are handed out.
 """
@@ -20,6 +21,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from service.models.options import OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.resume import StepState
@@ -93,3 +95,18 @@ def test_a_scheduler_with_history_is_not_resumable(resident: PipelineRunner, eul
     assert e.value.field == "resume"
     _, _, none = counted(resident, req)
     assert none == []
+
+
+def test_a_resumed_run_with_cfg_in_one_forward_is_bitwise_too(euler_model: str) -> None:
+    runner = PipelineRunner.load(euler_model, "cpu", settings=OffloadSettings(cfg_batch="on"))
+    try:
+        req = GenerationRequest(prompt="a fox", seed=5, num_inference_steps=4)
+        assert runner.adapter.cfg_batched(req) and runner.resumable(req)
+        full, n, states = counted(runner, req)
+        assert n == runner.adapter.forwards(req) == 4
+        again = req.resumed(states[1])
+        frames, n, _ = counted(runner, again)
+        assert n == runner.adapter.forwards(again) == 2
+        assert np.array_equal(frames, full)
+    finally:
+        runner.close()

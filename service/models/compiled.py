@@ -1,0 +1,117 @@
+"""Regional compile under offload: the repeated transformer block under torch.compile.
+
+Like diffusers' ``compile_repeated_blocks``, only the block class is compiled, once per class
+(``torch.compile`` of the class's ``forward``; every block instance passes itself in), so a
+40-block model compiles one graph. Unlike it, the module's call is not compiled, only its
+``forward``: the offload's forward hooks (which point a block's parameters at a device slot
+before its forward and back at placeholders after it) stay eager around the compiled region.
+The parameters are graph inputs (dynamo inlines built-in modules and lifts their tensors), so
+a slot swap changes only the tensors' storage, which no guard reads: no recompile after the
+first forward of a shape (tests/models/test_compiled.py counts them on CPU with aot_eager).
+
+What runs eager instead: a request with LoRA adapters (their side branches are per-request
+forward hooks on the Linears inside the block; ``eager()`` while it runs). Step caches wrap the
+block's ``forward`` from outside (diffusers' hook registry), so they call the compiled one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("dloserve.models")
+
+
+def compile_on(settings: Any, device: torch.device, adapter: Any) -> bool:
+    """Whether the blocks run compiled (``--compile``); refused with sequence parallelism."""
+    if adapter.sequence_parallel > 1:
+        if settings.compile == "on":
+            raise ValueError("--compile on: not yet with --sequence-parallel-size > 1")
+        return False
+    return settings.compiling(device.type)
+
+
+def warmup_shape(adapter: Any, device: torch.device) -> tuple[int, int, int]:
+    """The compile warm-up's (height, width, frames) without --dlo-probe-size: 832x480x81 on
+    CUDA (the probe's), the smallest valid size on CPU (a graph per shape either way)."""
+    if device.type == "cuda":
+        return (480, 832, 81)
+    mh, mw = getattr(adapter, "multiple", (16, 16))
+    return (mh, mw, 1)
+
+
+def backend_for(device: torch.device) -> str:
+    """inductor on CUDA (the speed); aot_eager elsewhere (CPU: the same graphs and guards,
+    no C++ toolchain, for tests of the composition)."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
+class CompiledBlocks:
+    """The blocks of ``transformer``'s block lists, their ``forward`` compiled per class.
+
+    ``backend``: a torch.compile backend (a name or a callable, e.g. a counting one in tests).
+    """
+
+    def __init__(self, transformer: nn.Module, block_attrs: tuple[str, ...] | list[str],
+                 backend: str | Callable[..., Any]) -> None:
+        self.backend = backend
+        self._eager = 0
+        self._compiled: dict[type, Callable[..., Any]] = {}
+        self._blocks: list[nn.Module] = []
+        for attr in block_attrs:
+            for blk in transformer.get_submodule(attr):
+                cls = type(blk)
+                if cls not in self._compiled:
+                    self._compiled[cls] = torch.compile(cls.forward, backend=backend, fullgraph=True)
+                blk.forward = self._dispatch(blk, self._compiled[cls], blk.forward)
+                self._blocks.append(blk)
+        self.classes = sorted(c.__name__ for c in self._compiled)
+        self.warmup_s = 0.0
+
+    def _dispatch(self, blk: nn.Module, compiled: Callable[..., Any], eager: Callable[..., Any]
+                  ) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._eager:
+                return eager(*args, **kwargs)
+            return compiled(blk, *args, **kwargs)
+
+        return forward
+
+    @contextmanager
+    def eager(self, on: bool = True) -> Iterator[None]:
+        """Blocks run uncompiled inside (``on``): a request whose hooks would change the graph."""
+        self._eager += int(on)
+        try:
+            yield
+        finally:
+            self._eager -= int(on)
+
+    def warm_up(self, forward: Callable[[], Any]) -> float:
+        """Run ``forward`` once (the compile happens here, at start-up); its seconds."""
+        t0 = time.perf_counter()
+        with torch.no_grad():  # as diffusers' pipeline runs it: the same grad-mode guard
+            forward()
+        self.warmup_s = time.perf_counter() - t0
+        log.info("compiled %s (%d blocks, backend %s): warm-up %.1f s", ", ".join(self.classes),
+                 len(self._blocks), self.backend_name, self.warmup_s)
+        return self.warmup_s
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend if isinstance(self.backend, str) else "custom"
+
+    def describe(self) -> dict[str, Any]:
+        return {"classes": self.classes, "blocks": len(self._blocks), "backend": self.backend_name,
+                "warmup_s": round(self.warmup_s, 3)}
+
+    def close(self) -> None:
+        """The blocks' own forward back (the class's, looked up again)."""
+        for blk in self._blocks:
+            blk.__dict__.pop("forward", None)
+        self._blocks.clear()

@@ -1,0 +1,122 @@
+"""--compile under offload (models.compiled), on CPU with the aot_eager backend.
+
+The block class is compiled once at start-up (the warm-up, a load stage of its own); then
+requests whose blocks run from the offload's two slots (every forward points each block's
+parameters at another slot view) compile nothing more: dynamo's own counters say how many
+graphs it made. The frames equal the eager server's. It composes with FP8 blocks and step
+caches (compiled) and LoRA adapters (their requests run the blocks eagerly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch._dynamo.utils import counters
+
+from service.models.demo.lora import write_demo_lora
+from service.models.lora_ref import LoraRef
+from service.models.options import Mode, OffloadSettings
+from service.models.pipeline import PipelineRunner
+from service.models.request import GenerationRequest
+
+REQ = GenerationRequest(prompt="a red fox running through snow", seed=7, num_inference_steps=3)
+SHAPE = (REQ.height, REQ.width, REQ.num_frames)  # the warm-up at the requests' size
+
+
+def sha(frames: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest()
+
+
+def graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+def eager_frames(model: str, req: GenerationRequest, **settings: object) -> np.ndarray:
+    runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(**settings))
+    try:
+        assert runner.compiled is None  # auto on CPU: off
+        return runner.frames(req)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("mode", [Mode.ALLGATHER, Mode.RANK_LOCAL], ids=["allgather1", "ranklocal1"])
+def test_slot_swaps_do_not_recompile(demo_model: str, mode: Mode) -> None:
+    before = graphs()
+    runner = PipelineRunner.load(demo_model, "cpu",
+                                 settings=OffloadSettings(mode, compile="on", probe_shape=SHAPE))
+    try:
+        assert runner.compiled is not None and "compile" in runner.load_stages  # warm-up at start-up
+        assert runner.describe()["compile"]["classes"] == ["WanTransformerBlock"]
+        warm = graphs()
+        # One graph for every block of the class (none when an earlier runner in this process
+        # compiled it: dynamo caches per code object, guards match).
+        assert warm - before <= 1 and warm >= 1
+        first = runner.frames(REQ)
+        again = runner.frames(replace(REQ, seed=8))
+        runner.frames(REQ)
+        assert graphs() == warm  # 3 requests x 6 forwards x every block through both slots: none new
+        assert runner.offload_stats()["forwards"] == 1 + 3 * REQ.forwards()
+        assert not np.array_equal(first, again)
+    finally:
+        runner.close()
+    assert np.array_equal(first, eager_frames(demo_model, REQ, mode=mode))
+
+
+def test_composes_with_fp8_and_step_caches(demo_model: str) -> None:
+    settings = OffloadSettings(Mode.ALLGATHER, compile="on", probe_shape=SHAPE, quantization="fp8")
+    cached = replace(REQ, num_inference_steps=4, cache={"method": "first_block", "threshold": 0.05})
+    runner = PipelineRunner.load(demo_model, "cpu", settings=settings)
+    try:
+        warm = graphs()
+        fp8 = runner.frames(REQ)
+        with_cache = runner.frames(cached)
+        assert graphs() == warm
+    finally:
+        runner.close()
+    eager = {"mode": Mode.ALLGATHER, "quantization": "fp8"}
+    assert np.array_equal(fp8, eager_frames(demo_model, REQ, **eager))
+    assert np.array_equal(with_cache, eager_frames(demo_model, cached, **eager))
+
+
+def test_lora_requests_run_the_blocks_eagerly(demo_model: str, tmp_path: Path) -> None:
+    path = write_demo_lora(demo_model, tmp_path / "x.safetensors", layout="peft", rank=4, alpha=8, seed=5)
+    lora = replace(REQ, loras=(LoraRef("x", 0.8, source=str(path)),))
+    runner = PipelineRunner.load(demo_model, "cpu",
+                                 settings=OffloadSettings(Mode.RANK_LOCAL, compile="on", probe_shape=SHAPE))
+    try:
+        warm = graphs()
+        with_lora = runner.frames(lora)
+        plain = runner.frames(REQ)
+        assert graphs() == warm
+    finally:
+        runner.close()
+    assert not np.array_equal(with_lora, plain)
+    assert np.array_equal(with_lora, eager_frames(demo_model, lora, mode=Mode.RANK_LOCAL))
+
+
+def test_two_experts_compile_and_batch_cfg(tmp_path: Path) -> None:
+    """Wan2.2 A14B's two experts share one block class: one graph for both, streamed through
+    one ring, with CFG in one forward too (one forward per step, the expert plan follows)."""
+    from service.models.demo import ensure_demo_model
+
+    model = str(ensure_demo_model("wan22-t2v-tiny"))
+    req = replace(REQ, num_inference_steps=4)
+    frames = {}
+    for name, comp in (("compiled", "on"), ("eager", "off")):
+        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(
+            Mode.ALLGATHER, compile=comp, cfg_batch="on", probe_shape=SHAPE))
+        try:
+            assert runner.adapter.forwards(req) == 4 and len(runner.adapter.expert_plan(req)) == 4
+            warm = graphs()
+            frames[name] = runner.frames(req)
+            if comp == "on":
+                assert graphs() == warm
+                assert runner.offload_stats()["forwards"] == 1 + 4
+        finally:
+            runner.close()
+    assert np.array_equal(frames["compiled"], frames["eager"])
