@@ -146,6 +146,12 @@ class FakeExecutor(Executor):
                          error="cancelled" if cancelled else error, cancelled=cancelled, seconds=1.0,
                          timings={"text_encode_s": 0.1, "denoise_s": 0.5, "decode_s": 0.1, "encode_s": 0.2}))
 
+    def hand_off(self, job_id: str, state: Any) -> None:
+        """The job's rank hands off its state after ``state.step`` (a STEP with the state)."""
+        group, rank = self._where[job_id]
+        self._push(Event(EventKind.STEP, group=group, rank=rank, job_id=job_id, step=state.step,
+                         total=state.total, state=state))
+
     def kill(self, group: str, why: str = "rank 0 died: killed", rank: int = 0) -> None:
         """Rank ``rank`` of ``group`` died (or failed: ``why``): the executor reports the group failed."""
         self._states[group] = GroupState.BROKEN

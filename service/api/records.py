@@ -46,6 +46,7 @@ class JobRecord:
     node_id: str | None = None  # and its Ray node
     wave: int | None = None
     dp_rank: int | None = None
+    resumed_from_step: int = 0  # the run now (or last) going on from this step of an earlier one
     error: dict[str, Any] | None = None  # {"code", "message"}
     completed_at: int | None = None
     expires_at: int | None = None

@@ -361,7 +361,8 @@ class VideoService:
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        self._update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"])
+        self._update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"],
+                     resumed_from_step=info.get("resumed_from_step", 0))
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:

@@ -2,18 +2,23 @@
 
 A rank emits the job events (STARTED .. FINISHED, about one request); an executor adds the
 group events (READY, FAILED, START_FAILED) and stamps every event with its group. Plain
-data (no torch, no Ray): it crosses process boundaries by pickle.
+data (no torch, no Ray: a step's state is bytes in a numpy array): it crosses process
+boundaries by pickle.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from service.models.resume import StepState
 
 
 class EventKind(enum.Enum):
     STARTED = "started"  # a rank took the job (text encoding begins)
-    STEP = "step"  # a denoising step ended (``step`` of ``total``)
+    STEP = "step"  # a denoising step ended (``step`` of ``total``; ``state``: what a rerun goes on from)
     FORWARDS_DONE = "forwards_done"  # its last transformer forward ran: the rank is free again
     FINISHED = "finished"  # MP4 bytes, or an error (``cancelled`` when it was cancelled)
     REFUSED = "refused"  # the rank refused the assignment (its own re-validation)
@@ -44,4 +49,5 @@ class Event:
     seconds: float = 0.0  # FINISHED: from the rank taking the job to its end
     timings: dict[str, float] = field(default_factory=dict)  # FINISHED: seconds per stage
     step_s: tuple[float, ...] = ()  # FINISHED: seconds of each denoising step
+    state: StepState | None = field(default=None, repr=False)  # STEP of a resumable request: its latents
     preview: bytes | None = field(default=None, repr=False)  # STEP: the latents as an image (engine.preview)

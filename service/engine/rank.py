@@ -60,6 +60,7 @@ from .encoder import Encoder
 from .events import Event, EventKind
 from .experts import NONE, Tick, agree, needs
 from .preview import Previewer
+from .state import StateTap
 
 
 class Phase(enum.Enum):
@@ -126,6 +127,7 @@ class RankWorker:
         self.rank, self.world, self.control = rank, world, control
         self.sequence_parallel, self.lead = sequence_parallel, lead
         self.encoder = encoder or Encoder(0)
+        self.tap = StateTap()  # each step's latents of a resumable request, to the driver (engine.state)
         self.head_wait_s = head_wait_s
         # Offload counters are read on the tick thread, between forwards: no fill is being
         # issued then, so reading them races with nothing.
@@ -230,6 +232,8 @@ class RankWorker:
                 "held_ticks": self.held_ticks,
                 "agree_s": self.agree_s,
                 "encoding": self.encoder.inflight,
+                "states": self.tap.taken,
+                "state_s": self.tap.take_s,
                 "failed": self._failed,
             }
 
@@ -286,6 +290,7 @@ class RankWorker:
         self._thread.join(timeout=5)
         for h in self._hooks:
             h.remove()
+        self.tap.close()
         if self.previewer is not None:
             self.previewer.close()
             self.runner.adapter.latents_hook = None
@@ -423,11 +428,16 @@ class RankWorker:
             self._marks["last_step"] = now  # the last one ends denoising (its scheduler step too)
             self._emit_locked(Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=step, total=total))
 
+        def on_latents(step: int, total: int, latents: torch.Tensor) -> None:
+            # A STEP of its own, carrying the state (on a GPU it follows once the copy landed).
+            self.tap.take(step, total, latents, lambda st: self._emit_locked(
+                Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=st.step, total=st.total, state=st)))
+
         frames = None
         error: str | None = None
         cancelled = False
         try:
-            frames = self.runner.frames(job.req, on_step)
+            frames = self.runner.frames(job.req, on_step, on_latents if self.lead else None)
         except JobCancelled:
             error, cancelled = "cancelled", True
         except Exception as e:  # noqa: BLE001 - the request fails with the reason; the rank lives

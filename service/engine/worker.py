@@ -80,7 +80,8 @@ class RankActor:
     def events(self, timeout: float = 1.0) -> list[Event]:
         evs = self.worker.events(timeout)
         for e in evs:
-            if e.kind is EventKind.STEP and e.preview is None:  # (a preview's event: no new step)
+            # a preview's or a state's STEP is no new step
+            if e.kind is EventKind.STEP and e.preview is None and e.state is None:
                 now = time.monotonic()
                 last = self._last_step.get(e.job_id)
                 if last is not None:

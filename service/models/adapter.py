@@ -29,6 +29,7 @@ from .meta import empty_weights
 from .request import GenerationRequest, RequestError
 
 StepCallback = Callable[[int, int], None]
+LatentsCallback = Callable[[int, int, torch.Tensor], None]  # (step done, total, latents after it)
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 
 
@@ -179,13 +180,19 @@ class ModelAdapter(ABC):
         return req.cfg and self.cfg_batchable and self.cfg_rule is not None and self.cfg_rule(req)
 
     def forwards(self, req: GenerationRequest) -> int:
-        """Transformer forwards ``req`` makes: what an idle rank replays.
+        """Transformer forwards ``req`` makes (those of its steps left, when resumed): what an
+        idle rank replays.
 
         Wan runs the transformer twice per step under CFG (``req.forwards()``), once when the
         two rows are batched (``cfg_batched``); a family with distilled guidance (Flux-dev)
         runs it once and overrides this.
         """
-        return req.num_inference_steps if self.cfg_batched(req) else req.forwards()
+        return req.num_inference_steps - req.start_step if self.cfg_batched(req) else req.forwards()
+
+    def resumable(self, req: GenerationRequest) -> bool:
+        """Whether a rerun of ``req`` can go on from a saved step (models/resume.py); a family
+        that can says so and hands its latents to ``run``'s ``on_latents``."""
+        return False
 
     @abstractmethod
     def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
@@ -242,9 +249,11 @@ class ModelAdapter(ABC):
 
     @abstractmethod
     def run(
-        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
+        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
+        on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
-        """Run one request end to end; uint8 frames [T, H, W, 3]."""
+        """Run one request end to end; uint8 frames [T, H, W, 3]. ``on_latents``: after each
+        step but the last, its latents (a resumable family only)."""
 
     def close(self) -> None:
         """Drop the components (and free what their offload handles hold)."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .adapter import ModelAdapter, ModelError, StepCallback, frames_to_uint8
+from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .request import GenerationRequest, RequestError
 
 
@@ -71,7 +71,8 @@ class FluxAdapter(ModelAdapter):
         }
 
     def run(
-        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
+        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
+        on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
         from diffusers import FluxPipeline
 

@@ -42,7 +42,7 @@ from service.offload.checkpoint import Checkpoint
 from service.offload.quant_checkpoint import prequantized_key
 
 from . import attention
-from .adapter import ModelAdapter
+from .adapter import LatentsCallback, ModelAdapter
 from .cache import StepCaches
 from .cache_spec import CacheSpec
 from .checks import check_request
@@ -52,7 +52,7 @@ from .lora import RankAdapters
 from .options import Mode, OffloadSettings
 from .progress import progress_bar
 from .registry import load_adapter
-from .request import GenerationRequest
+from .request import GenerationRequest, RequestError
 from .video import encode_mp4
 
 log = logging.getLogger("dloserve.models")
@@ -216,11 +216,21 @@ class PipelineRunner:
     def validate(self, req: GenerationRequest) -> None:
         """Raise RequestError naming the bad field, before any compute."""
         check_request(self.adapter, req, self.loras.cache.budget, self.caches.default)
+        if req.resume is not None and not self.resumable(req):
+            raise RequestError("resume", "this request cannot go on from a saved step (models/resume.py)")
+
+    def resumable(self, req: GenerationRequest) -> bool:
+        """Whether a rerun of ``req`` can start from its last step's state: the family's
+        rule (one denoiser, a flow-matching Euler scheduler) and no step cache (its residuals
+        are not in the state)."""
+        return self.adapter.resumable(req) and not self.caches.resolve(req.cache).enabled
 
     def frames(
-        self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None
+        self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None,
+        on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
-        """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding)."""
+        """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding). ``on_latents``: each
+        step's latents but the last's, when ``req`` is ``resumable``."""
         self._check_open()
         self.validate(req)
         if self._plan_hooks and not self.tick_driven:
@@ -229,7 +239,8 @@ class PipelineRunner:
         eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
         with eager, attention.chosen(), self.loras.applied(req.loras), \
                 self.caches.applied(cache, req.num_inference_steps):
-            return self.adapter.run(self.transformer, req, on_step)
+            return self.adapter.run(self.transformer, req, on_step,
+                                    on_latents if self.resumable(req) else None)
 
     def generate(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None

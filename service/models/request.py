@@ -8,11 +8,14 @@ for balance, the same shapes. Prompt and seed change neither, so they stay out o
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from .cache_spec import CacheError, CacheSpec
 from .lora_ref import LoraRef, lora_problem
+
+if TYPE_CHECKING:
+    from .resume import StepState
 
 MAX_SIDE = 4096
 MAX_FRAMES = 1025
@@ -47,6 +50,8 @@ class GenerationRequest:
     bytes (PNG, JPEG or WebP, checked by ``service.models.image.check_image``), decoded on
     the rank, so every front end that passes the same file gets the same video.
     ``cache``: the step cache (cache_spec.py); None takes the server's ``--cache`` default.
+    ``resume``: the state a rerun starts from (resume.py; set by the dispatcher, never by a
+    caller): the request's steps before ``resume.step`` make no forward.
     """
 
     prompt: str
@@ -63,6 +68,7 @@ class GenerationRequest:
     loras: tuple[LoraRef, ...] = ()
     image: bytes | None = field(default=None, repr=False)
     cache: CacheSpec | None = None
+    resume: StepState | None = field(default=None, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.cache, dict | str):  # a batch line's object, a CLI spec
@@ -76,9 +82,19 @@ class GenerationRequest:
         """Classifier-free guidance on: the transformer runs twice per step (diffusers: > 1)."""
         return self.guidance_scale > 1.0
 
+    @property
+    def start_step(self) -> int:
+        """The step this run starts from (0, or where a resumed rerun goes on)."""
+        return self.resume.step if self.resume is not None else 0
+
     def forwards(self) -> int:
-        """Transformer forwards this request makes (what an idle DP rank must replay)."""
-        return self.num_inference_steps * (2 if self.cfg else 1)
+        """Transformer forwards this request makes (what an idle DP rank must replay): those
+        of the steps it still has to run."""
+        return (self.num_inference_steps - self.start_step) * (2 if self.cfg else 1)
+
+    def resumed(self, state: StepState | None) -> GenerationRequest:
+        """This request going on from ``state`` (None: from step 0)."""
+        return replace(self, resume=state)
 
     def compat_key(self) -> str:
         """Canonical JSON of every field that changes collective calls, shapes or schedule.
@@ -137,6 +153,10 @@ class GenerationRequest:
                 self.cache.check()
             except CacheError as e:
                 raise RequestError(e.field, e.message) from None
+        st = self.resume
+        if st is not None and not 0 < st.step < st.total == self.num_inference_steps:
+            raise RequestError("resume", f"step {self.resume.step} of {self.resume.total} is not a step "
+                                         f"to go on from for {self.num_inference_steps} steps")
         if not isinstance(self.extra, dict):
             raise RequestError("extra", "must be an object")
         try:

@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 from . import cfg
-from .adapter import ModelAdapter, ModelError, StepCallback, frames_to_uint8
+from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .experts import expert_of, expert_plan
 from .request import GenerationRequest, RequestError
+from .resume import RESUMABLE_SCHEDULERS, Resumed
 from .sequence import SequenceParallelError, check_heads, split_hint
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default: part of the key via ``extra``
@@ -126,6 +127,11 @@ class WanAdapter(ModelAdapter):
         return expert_plan(self._scheduler(req), req.num_inference_steps, self.boundary_ratio,
                            req.cfg and not self.cfg_batched(req))
 
+    def resumable(self, req: GenerationRequest) -> bool:
+        """One denoiser, no SP, and a flow-matching Euler scheduler (resume.py says why)."""
+        name = self.scheduler_config.get("_class_name")
+        return len(self.experts) == 1 and self.sequence_parallel == 1 and name in RESUMABLE_SCHEDULERS
+
     def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         self._parts = {
             "tokenizer": self.load_component("tokenizer"),
@@ -191,18 +197,14 @@ class WanAdapter(ModelAdapter):
         return pipe
 
     def run(
-        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None
+        self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
+        on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
         if not self._parts:
             raise RuntimeError("load_components() was not called")
         pipe = self._pipeline(transformer, req)
         steps = req.num_inference_steps
         step = self.step_callback(on_step, steps)
-
-        def callback(_pipe: Any, i: int, _t: Any, _kwargs: dict) -> dict:
-            step(i + 1, steps, _kwargs.get("latents"))
-            return {}
-
         msl = req.extra.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH)
         extra: dict[str, Any] = {"prompt": req.prompt, "negative_prompt": req.negative_prompt}
         if self.cfg_batched(req):  # both prompts encoded first: the batcher needs the negative one
@@ -211,6 +213,21 @@ class WanAdapter(ModelAdapter):
                                         denoiser.dtype)
             pipe = self._pipeline(transformer, req, lambda m: cfg.CfgBatched(m, negative))
             extra = {"prompt_embeds": cond, "negative_prompt_embeds": negative}
+        resumed = None
+        if req.resume is not None:  # a rerun: the saved latents, and no forward before its step
+            device = pipe._execution_device  # as the pipeline will see it (before the swap)
+            resumed = Resumed(pipe.transformer, req.resume, device)  # (around the CFG batcher, if any)
+            object.__setattr__(pipe, "transformer", resumed)  # not the config: the stand-in is ours
+            extra["latents"] = req.resume.tensor(device)
+
+        def callback(_pipe: Any, i: int, _t: Any, kwargs: dict) -> dict:
+            if resumed is not None:
+                resumed.done = i + 1
+            if on_latents is not None and req.start_step < i + 1 < steps:
+                on_latents(i + 1, steps, kwargs["latents"])
+            step(i + 1, steps, kwargs.get("latents"))
+            return {}
+
         if req.image is not None:
             from .image import decode_image
 

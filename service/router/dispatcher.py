@@ -15,6 +15,10 @@ milliseconds.
   rank that raised a device or collective error, fails; the one on a rank whose process
   died reruns up to ``job_retries`` times. The others on the group only stood by; they
   rerun whatever the count, bounded by ``max_queue_wait_s`` (``job_retries`` 0: none does).
+- A resumable request's rank hands its state off after each step (STEP events with a
+  ``state``, engine/state.py); the dispatcher keeps the last one of each request it holds,
+  in memory, while it holds it or has queued it again. A rerun goes on from that step
+  (models/resume.py) and says so: ``resumed_from_step`` in what the sink's ``on_start`` gets.
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
@@ -67,6 +71,7 @@ class Held:
     info: dict[str, Any]
     forwarding: bool = True  # False once its last forward ran (decode/encode remain)
     cancelled: bool = False
+    paused: bool = False  # preempt(): it stops at its next forward and is queued again
 
 
 def request_cost(req: Any) -> float:
@@ -92,6 +97,7 @@ class Dispatcher:
     _stop: bool = False
     _thread: threading.Thread | None = None
     _held: dict[str, Held] = field(default_factory=dict)
+    _states: dict[str, Any] = field(default_factory=dict)  # job -> its last StepState (held or requeued)
     _tracks: dict[str, Track] = field(default_factory=dict)
     _cancel_list: list[str] = field(default_factory=list)  # running jobs to cancel (loop thread sends)
     _engine_error: str | None = None
@@ -174,6 +180,7 @@ class Dispatcher:
         """'queued' (dropped now), 'running' (stops at its next forward), or 'missing'."""
         with self._cv:
             if self.scheduler.cancel(ticket_id):
+                self._states.pop(ticket_id, None)
                 self._depth()
                 return "queued"
             h = self._held.get(ticket_id)
@@ -183,6 +190,21 @@ class Dispatcher:
             self._cancel_list.append(ticket_id)
             self._cv.notify_all()
         return "running"
+
+    def preempt(self, ticket_id: str) -> bool:
+        """Pause a running request at its next forward and queue it again, to go on later
+        from its last kept step (the same state a rerun after a rank death uses; not counted
+        as a rerun). False if it is not running, is being cancelled, has run its last
+        forward, or has no state kept (it would lose its work: not resumable, or no step
+        done yet). The policy that calls this (priorities) is not written yet (issue 35)."""
+        with self._cv:
+            h = self._held.get(ticket_id)
+            if h is None or h.cancelled or h.paused or not h.forwarding or ticket_id not in self._states:
+                return False
+            h.paused = True
+            self._cancel_list.append(ticket_id)
+            self._cv.notify_all()
+        return True
 
     @property
     def depth(self) -> int:
@@ -288,17 +310,19 @@ class Dispatcher:
     def _give(self, g: GroupInfo, pick: Pick, now: float, wave: int) -> None:
         t = pick.ticket
         deadline = self.deadlines.deadline_s(list(pick.alongside))
+        state = self._states.get(t.id)
         rec = {**pick.info, "wave": wave, "ids": [t.id], "tenant": t.tenant, "group": g.id,
                "rank": g.first_rank + pick.rank, "deadline_s": round(deadline, 1), "started_at": time.time(),
-               "queued_s": round(now - t.enqueued_at, 3)}
+               "queued_s": round(now - t.enqueued_at, 3), "resumed_from_step": state.step if state else 0}
         self.history.append(rec)
         self._held[t.id] = Held(t, g, pick.rank, now, now + deadline, rec)
         metrics()["wave_size"].observe(pick.info["size"], tags={"group": g.id})
         metrics()["assignments"].inc(1, tags={"scheduler": pick.info["scheduler"],
                                               "reason": pick.info["reason"]})
         self.sink.on_start(t, rec)
+        payload = t.payload if state is None else t.payload.resumed(state)  # goes on from its step
         try:
-            self.executor.assign(g.id, pick.rank, t.id, t.payload)
+            self.executor.assign(g.id, pick.rank, t.id, payload)
         except RuntimeError as e:  # the group failed between the check and the call
             why = f"rank group unavailable: {e}"
             h = self._held[t.id]
@@ -328,9 +352,13 @@ class Dispatcher:
         h = self._held.get(ev.job_id)
         if h is None or h.group.id != ev.group:
             return
-        if kind is EventKind.STEP and ev.preview is not None:
+        if kind is EventKind.STEP and (ev.state is not None or ev.preview is not None):
+            # a state or a preview: the step's progress came on its own STEP
+            kept = self._states.get(h.ticket.id)
+            if ev.state is not None and (kept is None or ev.state.step > kept.step):
+                self._states[h.ticket.id] = ev.state  # (a GPU copy may land after the next step's)
             on_preview = getattr(self.sink, "on_preview", None)  # a sink that shows previews (the API)
-            if on_preview is not None:
+            if ev.preview is not None and on_preview is not None:
                 on_preview(h.ticket.id, ev.step, ev.total, ev.preview)
         elif kind is EventKind.STEP:
             self.sink.on_progress(h.ticket.id, ev.step, ev.total)
@@ -339,6 +367,9 @@ class Dispatcher:
             with self._cv:
                 self._cv.notify_all()
         elif kind is EventKind.FINISHED:
+            if h.paused and ev.cancelled and not h.cancelled:  # stopped by preempt(): it goes on later
+                self._requeue(h, "preempted: paused at a forward boundary", counted=False)  # never refused
+                return
             cancelled = ev.cancelled or h.cancelled
             self._end(h, Outcome(h.group.first_rank + h.rank, None if cancelled else ev.mp4,
                                  "cancelled" if cancelled else ev.error, ev.seconds, cancelled=cancelled,
@@ -347,6 +378,7 @@ class Dispatcher:
             self._end(h, Outcome(h.group.first_rank + h.rank, error=f"rank refused: {ev.error}"))
 
     def _end(self, h: Held, outcome: Outcome) -> None:
+        self._states.pop(h.ticket.id, None)
         if self._held.pop(h.ticket.id, None) is not None:
             with self._cv:
                 self.scheduler.finished(h.ticket)
@@ -419,21 +451,22 @@ class Dispatcher:
 
     def _requeue(self, h: Held, why: str, counted: bool = True) -> bool:
         """Queue a held request again, unless it was cancelled or reruns are off; ``counted``
-        (the suspect of a death): only while it has reruns left, and it uses one."""
+        (the suspect of a death): only while it has reruns left, and it uses one. A paused
+        request (``preempt``) always goes back: it failed nothing."""
         t = h.ticket
-        if (h.cancelled or not self.job_retries or (counted and t.reruns >= self.job_retries)
-                or self._held.pop(t.id, None) is None):
+        if (h.cancelled or (not self.job_retries and not h.paused)
+                or (counted and t.reruns >= self.job_retries) or self._held.pop(t.id, None) is None):
             return False
         t.reruns += counted
-        t.requeues += 1
+        t.requeues += not h.paused
         with self._cv:
             self.scheduler.finished(t)
             self.scheduler.requeue(t)
             self._cv.notify_all()
         h.info.update(ok=False, requeued=True, errors=[*h.info.get("errors", []), why])
-        log.info("%s queued again (%s): %s", t.id,
+        log.info("%s queued again (%s): %s", t.id, "paused" if h.paused else
                  f"rerun {t.reruns} of {self.job_retries}" if counted else "it stood by", why)
-        metrics()["requeued"].inc(1, tags={"reason": failure_kind(why)})
+        metrics()["requeued"].inc(1, tags={"reason": "preempted" if h.paused else failure_kind(why)})
         self.sink.on_requeue(t, why)
         return True
 
@@ -456,6 +489,7 @@ class Dispatcher:
         for t in self.scheduler.queued():
             waited = now - t.enqueued_at
             if waited >= self.max_queue_wait_s and self.scheduler.cancel(t.id):
+                self._states.pop(t.id, None)
                 why = self._availability()[1] or "no rank was free"
                 self.sink.on_finish(t, Outcome(-1, error=f"waited {waited:.0f} s in the queue, the limit "
                                                f"(--max-queue-wait-s); {why}"),
@@ -490,6 +524,7 @@ class Dispatcher:
         tickets = self.scheduler.queued()
         for t in tickets:
             self.scheduler.cancel(t.id)
+            self._states.pop(t.id, None)
             self.sink.on_finish(t, Outcome(-1, error=why), info)
         return len(tickets)
 

@@ -274,3 +274,23 @@ def test_a_restart_without_keys_keeps_every_keys_jobs_private(demo_model: str, t
     finally:
         svc.close()
         store.close()
+
+
+def test_a_rerun_that_goes_on_from_a_step_says_so(service) -> None:  # noqa: ANN001
+    import torch
+
+    from service.models.resume import StepState
+
+    svc, ex = service
+    rec = svc.create(dict(BODY))
+    ex.wait_assigned(rec.id)
+    until(lambda: status(svc, rec.id) is JobStatus.IN_PROGRESS)
+    assert video_object(svc.store.get(rec.id))["resumed_from_step"] == 0
+    ex.hand_off(rec.id, StepState.of(1, 2, torch.zeros(1, 16, 2, 4, 4)))
+    ex.kill("g0")  # its rank died: it runs again, from step 1
+    until(lambda: sum(a[2] == rec.id for a in ex.assigned) == 2)
+    assert [a[3] for a in ex.assigned][-1].resume.step == 1
+    until(lambda: status(svc, rec.id) is JobStatus.IN_PROGRESS)
+    ex.run(rec.id)
+    until(lambda: status(svc, rec.id) is JobStatus.COMPLETED)
+    assert video_object(svc.store.get(rec.id))["resumed_from_step"] == 1
