@@ -79,7 +79,7 @@ def test_batch_job_runs_two_dp_groups_on_two_nodes(cluster: dict, demo_model: st
            "service.jobs.batch", "--prompts", str(prompts), "--out", str(out), "--model", demo_model,
            "--num-groups", "2", "--cpus-per-rank", "1", "--encoders-per-rank", "0"]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    end = time.monotonic() + 120
+    end = time.monotonic() + 300
     while True:  # the dashboard's job agent may not be up yet: Ray says so and asks to try again
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         if "No available agent to submit job" not in done.stdout + done.stderr or time.monotonic() > end:
