@@ -10,6 +10,7 @@ intervals (1 s).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -42,9 +43,14 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
     assert prometheus, "prometheus missing: make setup installs Debian's prometheus package"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    # A webhook receiver that is not there (a free port nobody listens on): its delivery
+    # failures are the webhook panel's data.
+    secret = tmp_path / "webhook.secret"
+    secret.write_text("whsec_" + base64.b64encode(os.urandom(32)).decode())
     s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
               "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather",  # auto: rank-local here
               "--cpus-per-rank", "0.5", "--queue-size", "2",
+              "--webhook-url", f"http://127.0.0.1:{free_port()}/hook", "--webhook-secret-file", str(secret),
               "--results-dir", str(tmp_path / "results"), "--group-timeout-s", "3",
               env={"RAY_metrics_report_interval_ms": "1000"})
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
