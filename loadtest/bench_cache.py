@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.models.cache_spec import CacheSpec  # noqa: E402
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
+from service.config.cache import CacheSpec  # noqa: E402
 
 SYNTHETIC_RATIO = 0.97  # without --mag-ratios: a stand-in schedule (1.0, then 0.97 per step)
 BYTES = ("h2d_bytes", "gathered_bytes", "fill_bytes", "fills", "forwards", "skips", "skip_decisions",
@@ -100,16 +101,15 @@ def request_of(args: argparse.Namespace) -> Any:
 
 
 def settings_of(args: argparse.Namespace) -> Any:
-    from service.models.options import Mode, OffloadSettings
 
-    return OffloadSettings(Mode.ALLGATHER, dtype=args.dtype)
+    return EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER), model=ModelConfig(dtype=args.dtype))
 
 
 def dp1(args: argparse.Namespace) -> dict[str, Any]:
     from service.models.pipeline import PipelineRunner
 
     dev = torch.device(args.device)
-    runner = PipelineRunner.load(args.model, dev, settings=settings_of(args))
+    runner = PipelineRunner.load(args.model, dev, config=settings_of(args))
     req = request_of(args)
     try:
         run_request(runner, req, dev)  # warm-up: kernels, allocator, page cache
@@ -131,7 +131,7 @@ def _dp2_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     from service.models.pipeline import PipelineRunner
 
     dev = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
-    runner = PipelineRunner.load(args.model, dev, settings=settings_of(args), group=dist.group.WORLD)
+    runner = PipelineRunner.load(args.model, dev, config=settings_of(args), group=dist.group.WORLD)
     control = dist.new_group(backend="gloo")  # what the rank worker agrees over
     runner.caches.agree_over(control)
     req = request_of(args)

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -244,7 +246,6 @@ def part_model40(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.devic
 
 def part_dlo(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     """The service's runner: seconds per step and requests/s, DLO DP1 and resident."""
-    from service.models.options import Mode, OffloadSettings
     from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
@@ -253,10 +254,11 @@ def part_dlo(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     for run in args.dlo_runs:
         mode, cfgb, comp, tokens = run.split(":")
         h, w, f = sizes[int(tokens)]
-        settings = OffloadSettings(Mode(mode), cfg_batch=cfgb, compile=comp, probe_shape=(h, w, f)
-                                   if mode != "resident" else None)
+        settings = EngineConfig(offload=OffloadConfig(OffloadMode(mode), probe_shape=(h, w, f)
+                                   if mode != "resident" else None), model=ModelConfig(cfg_batch=cfgb,
+                                                                                       compile=comp))
         t0 = time.perf_counter()
-        runner = PipelineRunner.load(args.model, dev, settings=settings)
+        runner = PipelineRunner.load(args.model, dev, config=settings)
         load_s = time.perf_counter() - t0
         try:
             req = GenerationRequest(prompt="a red fox running through snow", seed=1, height=h, width=w,
@@ -298,12 +300,11 @@ def part_defaults(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]
     before and after requests of one size through both slots (none new expected)."""
     from torch._dynamo.utils import counters
 
-    from service.models.options import Mode, OffloadSettings
     from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
-    settings = OffloadSettings(Mode.ALLGATHER, probe_shape=(1024, 1024, 1))
-    runner = PipelineRunner.load(args.model, dev, settings=settings)
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, probe_shape=(1024, 1024, 1)))
+    runner = PipelineRunner.load(args.model, dev, config=settings)
     try:
         warm = int(counters["stats"]["unique_graphs"])
         for seed in range(3):

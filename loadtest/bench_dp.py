@@ -32,6 +32,7 @@ from offload_strategies import _meta_transformer  # noqa: E402
 
 from service.offload import enable_layerwise_offload  # noqa: E402
 from service.offload.comm import all_gather  # noqa: E402
+from service.offload.mode import OffloadMode  # noqa: E402
 from service.offload.spawn import run_ranks  # noqa: E402
 
 
@@ -49,7 +50,8 @@ def _rank(rank: int, world: int, model: str, tokens: list[int], forwards: int, a
     module = _meta_transformer(folder)
     group = dist.group.WORLD if world > 1 else None
     t0 = time.perf_counter()
-    h = enable_layerwise_offload(module, folder, device=dev, group=group, use_allgather=allgather,
+    h = enable_layerwise_offload(module, folder, device=dev, group=group,
+                                 mode=OffloadMode.ALLGATHER if allgather else OffloadMode.RANK_LOCAL,
                                  block_attrs=["blocks"])
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "workloads": {}}
     for n in tokens:

@@ -57,9 +57,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "loadtest"))
 
 from bench_offload import Timer, _machine, host_memory  # noqa: E402
+from service.models.options import parse_probe_size  # noqa: E402
 
 from service.models.experts import NONE, choose  # noqa: E402
-from service.models.options import parse_probe_size  # noqa: E402
 from service.models.registry import load_adapter  # noqa: E402
 from service.models.request import GenerationRequest  # noqa: E402
 from service.offload import enable_layerwise_offload, load_resident  # noqa: E402
@@ -129,7 +129,7 @@ def _load(model: str, dev: torch.device, mode: str, world: int) -> tuple[Any, An
         return adapter, module, None
     group = dist.group.WORLD if world > 1 else None
     handle = enable_layerwise_offload(module, ckpt, device=dev, group=group,
-                                      use_allgather=mode == "allgather",
+                                      mode=mode,
                                       block_attrs=list(adapter.offload_block_attrs),
                                       keep_fp32=adapter.keep_fp32, experts=adapter.experts)
     return adapter, module, handle

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from service.engine.spec import Outcome  # noqa: E402
+from service.engine.outcome import Outcome  # noqa: E402
 from service.models.request import GenerationRequest  # noqa: E402
 from service.router.dispatcher import Dispatcher  # noqa: E402
 from service.router.policy import DeadlinePolicy  # noqa: E402

@@ -45,6 +45,7 @@ TARGETS = {4096: 1.15, 32760: 1.0}  # FP8 DLO over bf16 resident (issue 23)
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Load one run's transformer, time every compute x workload, save the first outputs."""
+
     from service.offload import enable_layerwise_offload, load_resident
     from service.offload.quant import set_compute
 
@@ -66,7 +67,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                       block_attrs=["blocks"])
     else:
         handle = enable_layerwise_offload(module, folder, device=dev, block_attrs=["blocks"], dtype=dtype,
-                                          use_allgather=not run.endswith("ranklocal"), keep_fp32=keep,
+                                          mode="rank-local" if run.endswith("ranklocal") else "allgather",
+                                          keep_fp32=keep,
                                           quantization=q)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

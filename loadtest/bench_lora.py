@@ -59,7 +59,7 @@ def _timed(module: torch.nn.Module, x: dict[str, Any], dev: torch.device, warmup
 def run_strategy(args: argparse.Namespace, strategy: str, lora_path: Path) -> dict[str, Any]:
     from service.models.lora import RankAdapters
     from service.models.lora_ref import LoraRef
-    from service.offload import enable_layerwise_offload, load_resident
+    from service.offload import OffloadMode, enable_layerwise_offload, load_resident
 
     dev = torch.device(args.device)
     folder = Path(args.model) / "transformer"
@@ -71,7 +71,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, lora_path: Path) -> di
         load_resident(module, folder, dev, dtype=dtype, keep_fp32=keep, block_attrs=["blocks"])
     else:
         handle = enable_layerwise_offload(module, folder, device=dev, block_attrs=["blocks"], dtype=dtype,
-                                          use_allgather=True, keep_fp32=keep)
+                                          mode=OffloadMode.ALLGATHER, keep_fp32=keep)
     res: dict[str, Any] = {"load_s": time.perf_counter() - t0, "tokens": {}}
     adapters = RankAdapters(module, "wan-t2v", "WanPipeline", dev, int(args.cache_gb * 2**30))
     ref = (LoraRef("bench", 1.0, source=str(lora_path)),)

@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offload import Timer, _machine, h2d_probe, host_memory, inputs  # noqa: E402
 from offload_strategies import _keep_fp32, _meta_transformer  # noqa: E402
-
 from service.models.options import parse_probe_size  # noqa: E402
+
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.offload import Placement, enable_layerwise_offload  # noqa: E402
 from service.offload.auto import choose_mode, probe  # noqa: E402
 from service.offload.spawn import run_ranks  # noqa: E402
@@ -155,7 +156,8 @@ def _ranklocal_worker(rank: int, world: int, model: str, kind: str, mode: str, t
     group = dist.group.WORLD if world > 1 else None
     module = _meta_transformer(folder)
     t0 = time.perf_counter()
-    h = enable_layerwise_offload(module, folder, device=dev, group=group, use_allgather=mode == "allgather",
+    h = enable_layerwise_offload(module, folder, device=dev, group=group,
+                                 mode="allgather" if mode == "allgather" else "rank-local",
                                  block_attrs=["blocks"], keep_fp32=_keep_fp32(),
                                  placement=Placement(pagecache=None if mode == "pagecache" else False))
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "workloads": {}}
@@ -246,14 +248,13 @@ def part_ranklocal(args: argparse.Namespace) -> dict:
 
 def _pipeline_worker(rank: int, world: int, model: str, kind: str, components: list[str],
                      sizes: list[list[int]]) -> dict:
-    from service.models.options import Mode, OffloadSettings
     from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
     dev = _dev(kind)
     t0 = time.perf_counter()
-    settings = OffloadSettings(Mode.ALLGATHER, components=tuple(components))
-    runner = PipelineRunner.load(model, dev, settings=settings)
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, components=tuple(components)))
+    runner = PipelineRunner.load(model, dev, config=settings)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "requests": {}}
     warm = GenerationRequest("warm-up", seed=1, height=256, width=256, num_frames=5, num_inference_steps=1)
     runner.frames(warm)  # kernels, allocator and page cache warm before the measured requests

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offload import _machine, host_memory, inputs  # noqa: E402
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.offload.spawn import run_ranks  # noqa: E402
 
 RUNS = {"dp1-dlo": (1, True), "sp2-dlo": (2, True), "sp2-resident": (2, False)}
@@ -72,14 +73,13 @@ def _comm_ms(module: torch.nn.Module, x: dict[str, torch.Tensor]) -> dict[str, f
 
 def _rank(rank: int, world: int, model: str, offload: bool, device_kind: str, tokens: list[int],
           reps: int, gen: list[int] | None, scratch: str, run: str) -> dict[str, Any]:
-    from service.models.options import Mode, OffloadSettings
     from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
     dev = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
     t0 = time.perf_counter()
-    settings = OffloadSettings(Mode.ALLGATHER if offload else Mode.RESIDENT)
-    runner = PipelineRunner.load(model, dev, settings=settings,
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER if offload else OffloadMode.RESIDENT))
+    runner = PipelineRunner.load(model, dev, config=settings,
                                  group=dist.group.WORLD if world > 1 else None, sequence_parallel=world)
     out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "workloads": {},
                            "pss_after_load_bytes": host_memory()["pss_bytes"]}

@@ -24,24 +24,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.config import (
+    EngineConfig,
+    OffloadConfig,
+    OffloadMode,
+    ParallelConfig,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def run_one(model: str, device: str, standby: bool, steps: int) -> dict[str, Any]:
     from service.engine.executor import GroupState
-    from service.engine.spec import EngineSpec
-    from service.models.options import Mode, OffloadSettings
     from service.models.request import GenerationRequest
     from service.router.build import build_dispatcher
     from service.router.policy import DeadlinePolicy
     from tests.fakes import RecordingSink
 
     gpus = 1.0 if device == "cuda" else 0.0
-    spec = EngineSpec(model, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5 if not gpus else 1.0,
-                      gpus_per_rank=gpus, standby=standby)
+    parallel = ParallelConfig(cpus_per_rank=0.5 if not gpus else 1.0, gpus_per_rank=gpus, standby=standby)
+    spec = EngineConfig(model, parallel=parallel, offload=OffloadConfig(OffloadMode.ALLGATHER))
     sink = RecordingSink()
-    d = build_dispatcher(spec, sink, "ray", deadlines=DeadlinePolicy(base_s=1800))
+    d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=1800))
     t0 = time.monotonic()
     d.start()
     out: dict[str, Any] = {"standby": standby}

@@ -26,19 +26,19 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode  # noqa: E402
 from service.engine.events import EventKind  # noqa: E402
 from service.engine.rank import RankWorker  # noqa: E402
 from service.engine.start import control_group  # noqa: E402
 from service.models.demo import ensure_demo_model  # noqa: E402
-from service.models.options import Mode, OffloadSettings  # noqa: E402
 from service.models.pipeline import PipelineRunner  # noqa: E402
 from service.models.request import GenerationRequest  # noqa: E402
 from service.offload.spawn import run_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, model: str, steps: int, calls: int) -> dict:
-    settings = OffloadSettings(Mode.ALLGATHER)
-    runner = PipelineRunner.load(model, "cpu", settings=settings, group=dist.group.WORLD)
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER))
+    runner = PipelineRunner.load(model, "cpu", config=settings, group=dist.group.WORLD)
     worker = RankWorker(runner, rank, world, control_group(world))
     done = threading.Event()
     if rank == 0:

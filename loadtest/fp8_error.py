@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_offload import _machine  # noqa: E402
 from offload_strategies import _keep_fp32, _meta_transformer  # noqa: E402
-
-from service.models.demo import ensure_demo_model, write_demo_model  # noqa: E402
 from service.models.options import parse_probe_size  # noqa: E402
+
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
+from service.models.demo import ensure_demo_model, write_demo_model  # noqa: E402
 from service.offload import enable_layerwise_offload, load_resident  # noqa: E402
 from service.offload.quant import set_compute  # noqa: E402
 
@@ -103,7 +104,7 @@ def block_bytes(model: str) -> dict[str, Any]:
     res = {}
     for name, q in (("bf16", None), ("fp8", "fp8")):
         h = enable_layerwise_offload(_meta_transformer(folder), folder, device=CPU, block_attrs=["blocks"],
-                                     use_allgather=False, quantization=q)
+                                     mode=OffloadMode.RANK_LOCAL, quantization=q)
         lay = h.layouts[0]
         res[name] = {"block_bytes": lay.total_bytes, "40_blocks_gb": 40 * lay.total_bytes / 1e9,
                      "by_dtype": {str(k): v for k, v in lay.dtype_bytes.items()},
@@ -115,7 +116,6 @@ def block_bytes(model: str) -> dict[str, Any]:
 
 def frames_psnr(preset: str, size: list[int], steps: int) -> dict[str, Any]:
     """One request through the demo pipeline: FP8 vs unquantized, fp32 and bf16 serving."""
-    from service.models.options import Mode, OffloadSettings
     from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
@@ -131,9 +131,11 @@ def frames_psnr(preset: str, size: list[int], steps: int) -> dict[str, Any]:
         if dtype == torch.bfloat16:  # scaled_mm runs for bf16 inputs only (fp32 ones take upcast)
             runs.append(("scaled_mm", "fp8", "scaled_mm", False))
         for label, q, compute, offload in runs:
-            settings = OffloadSettings(Mode.ALLGATHER if offload else Mode.RESIDENT, quantization=q,
-                                       dtype=str(dtype).removeprefix("torch.") if dtype else None)
-            runner = PipelineRunner.load(model, "cpu", settings=settings)
+            mode = OffloadMode.ALLGATHER if offload else OffloadMode.RESIDENT
+            dtype_name = str(dtype).removeprefix("torch.") if dtype else None
+            settings = EngineConfig(offload=OffloadConfig(mode),
+                                    model=ModelConfig(quantization=q, dtype=dtype_name))
+            runner = PipelineRunner.load(model, "cpu", config=settings)
             if compute:
                 set_compute(runner.transformer, compute, CPU)
             try:

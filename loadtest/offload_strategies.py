@@ -35,14 +35,16 @@ def _keep_fp32() -> tuple[str, ...]:
 
 def load(strategy: str, folder: Path, device: torch.device) -> tuple[nn.Module, Any]:
     """The transformer in ``folder`` (diffusers layout), ready to run on ``device``."""
-    from service.offload import enable_layerwise_offload, load_resident
+
+    from service.offload import OffloadMode, enable_layerwise_offload, load_resident
 
     if strategy == "resident":
         return load_resident(_meta_transformer(folder), folder, device), None
     if strategy in ("dlo", "dlo-ranklocal"):
         module = _meta_transformer(folder)
         handle = enable_layerwise_offload(
-            module, folder, device=device, use_allgather=strategy == "dlo", block_attrs=["blocks"]
+            module, folder, device=device, block_attrs=["blocks"],
+            mode=OffloadMode.ALLGATHER if strategy == "dlo" else OffloadMode.RANK_LOCAL,
         )
         return module, handle
     if strategy == "diffusers-group":

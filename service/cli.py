@@ -33,7 +33,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from service.models.options import add_offload_arguments
+    from service.config.args import GENERATE, EngineArgs
     from service.models.request import GenerationRequest
 
     d = GenerationRequest(prompt="x")
@@ -56,7 +56,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "as diffusers' pipeline does; docs/models.md)")
     p.add_argument("--flow-shift", type=float, default=None, help="override the scheduler's shift")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    add_offload_arguments(p)
+    EngineArgs.add_cli_args(p, GENERATE)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -91,13 +91,13 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_loras(args: argparse.Namespace, adapter: object, settings: object, req: object) -> object:
+def _with_loras(args: argparse.Namespace, adapter: object, config: object, req: object) -> object:
     """``req`` with the ``--lora`` adapters (registered and checked here, before any rank starts)."""
     from dataclasses import replace
 
+    from service.config import FlagError
     from service.models.lora import LoraRegistry, targets_of
     from service.models.lora_ref import lora_flags
-    from service.models.options import FlagError
 
     regs, uses = lora_flags(args, uses_allowed=True)
     if not regs:
@@ -105,7 +105,7 @@ def _with_loras(args: argparse.Namespace, adapter: object, settings: object, req
             raise FlagError(f"--lora {uses[0].name}: no adapter is registered under that name "
                             "(give NAME=PATH)")
         return req
-    registry = LoraRegistry(targets_of(adapter, settings.dtype, settings.quantization))
+    registry = LoraRegistry(targets_of(adapter, config.model.dtype, config.model.quantization))
     for name, source in regs:
         registry.register(name, os.path.expanduser(source))
     refs, _ = registry.resolve(tuple(uses))
@@ -113,12 +113,17 @@ def _with_loras(args: argparse.Namespace, adapter: object, settings: object, req
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from service.models.options import FlagError, settings_from_args
-    from service.models.registry import load_adapter, resolve_model
-    from service.models.request import GenerationRequest, RequestError
+    from dataclasses import replace
 
-    try:
-        settings = settings_from_args(args)
+    from service.config import FlagError
+    from service.config.args import EngineArgs
+    from service.models.request import GenerationRequest, RequestError
+    from service.models.startup import check_start
+
+    try:  # every flag checked, in one order, before the request or the model
+        gpus = 1.0 if args.device == "cuda" else 0.0
+        config = EngineArgs.from_namespace(args).to_config(gpus_per_rank=gpus)
+        config = replace(config, parallel=replace(config.parallel, executor="local"))
     except FlagError as e:
         return _fail(str(e))
     sp, dp = args.sequence_parallel_size, args.data_parallel_size
@@ -159,8 +164,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.device == "cuda" and torch.cuda.device_count() < max(dp, sp):
         return _fail(f"--device cuda: {max(dp, sp)} rank(s) need as many CUDA devices, "
                      f"found {torch.cuda.device_count()}")
-    model = resolve_model(args.model)
-    adapter = load_adapter(model, sequence_parallel=sp)
+    config, adapter = check_start(config, args.model, args.device)  # ModelError: exit 2, naming it
     try:
         adapter.validate(req)  # bad input: refused before any process starts
     except RequestError as e:
@@ -169,22 +173,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise
         raise RequestError(flag, e.message) from None
     try:
-        req = _with_loras(args, adapter, settings, req)
+        req = _with_loras(args, adapter, config, req)
     except (FlagError, ValueError) as e:  # LoraError, RequestError: they name adapter and key
         return _fail(str(e))
-    problem = settings.probe_problem(adapter, args.device)
-    if problem:
-        return _fail(problem)
-    if settings.enabled and settings.probe_shape is None:
-        from dataclasses import replace
-
-        settings = replace(settings, probe_shape=(req.height, req.width, req.num_frames))
+    if config.offload.enabled and config.offload.probe_shape is None:  # generate probes its own size
+        config = replace(config, offload=replace(config.offload, probe_shape=(req.height, req.width,
+                                                                              req.num_frames)))
     from service.jobs.generate import generate
 
     t0 = time.perf_counter()
     try:
-        mode = generate(model, req, args.out, dp_size=dp, sp_size=sp, settings=settings, device=args.device,
-                        progress=not args.quiet)
+        mode = generate(config, req, args.out, progress=not args.quiet)
     except RuntimeError as e:
         return _fail(str(e))
     size = os.path.getsize(args.out)

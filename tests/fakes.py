@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.config import EngineConfig
 from service.engine.events import Event, EventKind
 from service.engine.executor import Executor, GroupInfo, GroupState
 
@@ -50,6 +51,7 @@ class FakeExecutor(Executor):
     _events: deque[Event] = field(default_factory=deque)
     _where: dict[str, tuple[str, int]] = field(default_factory=dict)  # job -> (group, rank)
     _cv: threading.Condition = field(default_factory=threading.Condition)  # a dispatcher thread may poll
+    config: EngineConfig = field(default_factory=EngineConfig)  # what it runs (Executor.config)
 
     def __post_init__(self) -> None:
         first = 0

@@ -533,7 +533,7 @@ class VideoIngress:
 def build_app(args: dict[str, Any]) -> Any:
     """Serve application builder: placement-group bundles come from the config."""
     cfg = ServiceConfig(**args)
-    bundles = cfg.engine_spec("-").bundles()
+    bundles = cfg.engine_config().parallel.bundles()
     return VideoIngress.options(
         num_replicas=cfg.num_replicas,
         placement_group_bundles=bundles,

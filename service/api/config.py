@@ -7,38 +7,49 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.api.keys import owner_id
-from service.engine.spec import CPUS_PER_RANK, EngineSpec
+from service.config import EngineConfig, FlagError, ParallelConfig, SchedulerConfig
+from service.config.engine import from_offload_mapping, offload_mapping
+from service.config.offload import STREAMED_DEFAULT
 from service.models.image import MAX_IMAGE_PIXELS
-from service.models.options import Mode, OffloadSettings
 from service.router.tenants import Quota, Tenants
+
+P, S = ParallelConfig, SchedulerConfig  # the engine half's defaults: written there, once
 
 
 class ServiceConfig(BaseModel):
-    """Everything `dloserve serve` flags and the Serve config file's ``args`` can set."""
+    """Everything `dloserve serve` flags and the Serve config file's ``args`` can set.
+
+    The engine half (ranks, placement, offload, scheduler) is the Serve config's flat form of
+    one ``EngineConfig``: ``from_engine`` flattens the one the flags made, ``engine_config``
+    makes it again in the replica (every default is the config dataclasses' own).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(None, description="diffusers pipeline dir; None = demo model")
     model_name: str | None = None
-    dp_size: int = Field(1, ge=1)
-    sp_size: int = Field(1, ge=1, description="sequence-parallel ranks per request (D SP groups)")
-    offload: OffloadSettings = Field(default_factory=lambda: OffloadSettings(Mode.AUTO),
-                                     description="where the weights live: mode (resident, allgather, "
-                                                 "rank-local, auto), resident_layers, device_memory_gb, "
-                                                 "components, probe_shape, dtype (service.models.options)")
-    cpus_per_rank: float = CPUS_PER_RANK
+    dp_size: int = Field(P.dp_size, ge=1)
+    sp_size: int = Field(P.sp_size, ge=1, description="sequence-parallel ranks per request (D SP groups)")
+    offload: dict[str, Any] = Field(default_factory=dict,
+                                    description="where the weights live, one flat mapping: mode (resident, "
+                                                "allgather, rank-local, auto: the default), resident_layers, "
+                                                "device_memory_gb, components, probe_shape, dtype, "
+                                                "quantization, cfg_batch, compile, lora_cache_gb, cache "
+                                                "(service.config.engine.OFFLOAD_KEYS)")
+    cpus_per_rank: float = P.cpus_per_rank
     cpus_per_rank_why: str = Field("set", description="where cpus_per_rank came from (/readyz)")
-    gpus_per_rank: float = 0.0
-    strategy: str = "STRICT_PACK"
+    gpus_per_rank: float = P.gpus_per_rank
+    strategy: str = P.strategy
     num_replicas: int = 1
-    max_wait_ms: float = 50.0
-    queue_size: int = 64
-    max_queue_wait_s: float = Field(1800.0, gt=0, description="a queued job waits at most this long "
-                                    "for a rank (e.g. while its group is rebuilt)")
-    job_retries: int = Field(1, ge=0, description="times the request on a rank whose process died "
+    max_wait_ms: float = S.max_wait_ms
+    queue_size: int = S.queue_size
+    max_queue_wait_s: float = Field(S.max_queue_wait_s, gt=0, description="a queued job waits at most this "
+                                    "long for a rank (e.g. while its group is rebuilt)")
+    job_retries: int = Field(S.job_retries, ge=0, description="times the request on a rank whose process "
+                             "died "
                              "runs again, ahead of the queue (the others on its group always do; "
                              "a lost replica's jobs once); 0: no request runs again")
     results_url: str = Field(str(Path.home() / ".cache" / "dloserve" / "results"),
@@ -49,11 +60,11 @@ class ServiceConfig(BaseModel):
                                    "its jobs fail")
     retention_s: float = 86400.0
     max_jobs: int = 1000
-    pg_timeout_s: float = 3600.0  # last resort: request deadlines tear a group down first
-    scheduler: Literal["continuous", "waves"] = "continuous"
-    starve_s: float = Field(30.0, gt=0)
-    encoders_per_rank: int | None = Field(None, ge=0, description="None: from the rank's CPUs")
-    rank_standby: bool | None = Field(None, description="a pre-imported process per rank replaces one "
+    pg_timeout_s: float = P.pg_timeout_s  # last resort: request deadlines tear a group down first
+    scheduler: Literal["continuous", "waves"] = S.scheduler
+    starve_s: float = Field(S.starve_s, gt=0)
+    encoders_per_rank: int | None = Field(P.encoders_per_rank, ge=0, description="None: from the rank's CPUs")
+    rank_standby: bool | None = Field(P.standby, description="a pre-imported process per rank replaces one "
                                       "that dies; None: on GPU ranks")
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
     launch_marks: dict[str, float] = Field(default_factory=dict, description="set by the launcher: "
@@ -128,19 +139,46 @@ class ServiceConfig(BaseModel):
             spec["keys"] = {owner_id(h): dict(w) for h, w in self.key_webhooks.items()}
         return spec or None
 
+    @field_validator("offload")
+    @classmethod
+    def _offload(cls, mapping: dict[str, Any]) -> dict[str, Any]:
+        """The mapping checked as strictly as the flags, and written out whole (every key)."""
+        try:
+            return offload_mapping(EngineConfig(**from_offload_mapping(mapping, STREAMED_DEFAULT)))
+        except FlagError as e:
+            raise ValueError(str(e)) from None
+
     @model_validator(mode="after")
-    def _sp_always_gathers(self) -> ServiceConfig:
-        """An SP group gathers over its ranks: auto has one mode to choose from."""
-        if self.sp_size > 1 and self.offload.mode is Mode.AUTO:
-            self.offload = self.offload.resolved(Mode.ALLGATHER)
+    def _engine_checks(self) -> ServiceConfig:
+        """What needs more than one field (sequence parallelism against the offload mapping)."""
+        try:
+            self.engine_config()
+        except FlagError as e:
+            raise ValueError(str(e)) from None
         return self
 
-    def engine_spec(self, model_dir: str) -> EngineSpec:
-        return EngineSpec(model_dir=model_dir, dp_size=self.dp_size, sp_size=self.sp_size,
-                          settings=self.offload, cpus_per_rank=self.cpus_per_rank,
-                          gpus_per_rank=self.gpus_per_rank, strategy=self.strategy,
-                          pg_timeout_s=self.pg_timeout_s, encoders_per_rank=self.encoders_per_rank,
-                          standby=self.rank_standby)
+    def engine_config(self, model_dir: str = "") -> EngineConfig:
+        """The one EngineConfig of this Serve config (FlagError naming a bad field)."""
+        parallel = ParallelConfig(dp_size=self.dp_size, sp_size=self.sp_size,
+                                  cpus_per_rank=self.cpus_per_rank, gpus_per_rank=self.gpus_per_rank,
+                                  strategy=self.strategy, pg_timeout_s=self.pg_timeout_s,
+                                  encoders_per_rank=self.encoders_per_rank, standby=self.rank_standby)
+        scheduler = SchedulerConfig(scheduler=self.scheduler, queue_size=self.queue_size,
+                                    starve_s=self.starve_s, max_wait_ms=self.max_wait_ms,
+                                    max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries)
+        return EngineConfig(model_dir=model_dir, parallel=parallel, scheduler=scheduler,
+                            **from_offload_mapping(self.offload, STREAMED_DEFAULT))
+
+    @staticmethod
+    def from_engine(config: EngineConfig) -> dict[str, Any]:
+        """The Serve config fields of ``config`` (the flags' EngineConfig, flattened)."""
+        p, s = config.parallel, config.scheduler
+        return {"dp_size": p.dp_size, "sp_size": p.sp_size, "offload": offload_mapping(config),
+                "cpus_per_rank": p.cpus_per_rank, "gpus_per_rank": p.gpus_per_rank, "strategy": p.strategy,
+                "pg_timeout_s": p.pg_timeout_s, "encoders_per_rank": p.encoders_per_rank,
+                "rank_standby": p.standby, "scheduler": s.scheduler, "queue_size": s.queue_size,
+                "starve_s": s.starve_s, "max_wait_ms": s.max_wait_ms, "max_queue_wait_s": s.max_queue_wait_s,
+                "job_retries": s.job_retries}
 
     def tenants(self) -> Tenants:
         """Each API key's quota (its owner id's), the defaults where the key file sets none;

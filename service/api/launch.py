@@ -72,10 +72,11 @@ def _install_handlers() -> None:
 def run(args: argparse.Namespace) -> int:
     """Deploy and block until SIGINT/SIGTERM; exit code 2 on bad flags, a busy port, a model
     that cannot load or a cluster that cannot be joined."""
-    from service.models.options import FlagError, settings_from_args
+    from service.config import FlagError
+    from service.config.args import EngineArgs
 
-    try:
-        settings_from_args(args)  # every flag checked, in one order, before anything starts
+    try:  # every flag checked, in one order, before anything starts
+        args.engine_config = EngineArgs.from_namespace(args).to_config()
     except FlagError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
@@ -98,20 +99,16 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from service.api.hostproc import port_free, port_holder
     from service.models.adapter import ModelError
-    from service.models.options import settings_from_args
-    from service.models.registry import load_adapter, resolve_model
+    from service.models.startup import check_start
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     t0 = time.monotonic()
     marks = {"command": time.time()}  # /readyz's startup breakdown (service.api.startup)
     try:
-        args.model = resolve_model(args.model)  # the demo is written once, here
-        adapter = load_adapter(args.model, args.sequence_parallel_size)
         device = "cpu" if args.gpus_per_rank == 0 else "cuda"
-        problem = settings_from_args(args).probe_problem(adapter, device)
-        if problem:
-            raise ModelError(problem)
+        args.engine_config, _ = check_start(args.engine_config, args.model, device)  # the demo: written here
+        args.model = args.engine_config.model_dir
     except ModelError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
@@ -184,11 +181,11 @@ def _run(args: argparse.Namespace) -> int:
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     _size_ranks(args)
-    cfg = config_from_args(args, gpus)
+    cfg = config_from_args(args, gpus, args.engine_config)
     marks["ray_up"] = time.time()
     cfg = cfg.model_copy(update={"launch_marks": marks})
     _store_url["url"] = cfg.results_url
-    mode = cfg.offload.mode.value
+    mode = cfg.offload["mode"]
     print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "
           f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
           f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
@@ -211,7 +208,7 @@ def _size_ranks(args: argparse.Namespace) -> None:
     our ranks on it), else the old default of 1 (a joined cluster's nodes are shared)."""
     import ray
 
-    from service.engine.spec import CPUS_PER_RANK, host_cpus_per_rank
+    from service.config.parallel import CPUS_PER_RANK, host_cpus_per_rank
 
     if args.cpus_per_rank is not None:
         args.cpus_per_rank_why = "--cpus-per-rank"

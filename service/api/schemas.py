@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from service.api.errors import BodyError
-from service.models.cache_spec import MAX_RATIOS, METHODS, CacheError, CacheSpec
+from service.config.cache import MAX_RATIOS, METHODS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
 

@@ -11,24 +11,15 @@ from typing import Any
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from service.models.options import add_offload_arguments
-    from service.router.flags import add_engine_arguments
+    from service.config.args import SERVE, EngineArgs
 
     p.add_argument("model", nargs="?", default=None, help="diffusers pipeline dir (default: demo)")
-    add_offload_arguments(p)
-    add_engine_arguments(p, deadline_base_s=60.0)
+    EngineArgs.add_cli_args(p, SERVE)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
                    help="Ray cluster to join (default: start a local one)")
     p.add_argument("--num-replicas", type=int, default=1, help="DP groups (one per replica)")
-    p.add_argument("--max-wait-ms", type=float, default=50.0,
-                   help="how long a partial wave waits for more compatible requests")
-    p.add_argument("--queue-size", type=int, default=64, help="queued requests before 429")
-    p.add_argument("--max-queue-wait-s", type=float, default=1800.0,
-                   help="a queued job waits at most this long for a rank (e.g. through a rebuild)")
-    p.add_argument("--starve-s", type=float, default=30.0,
-                   help="continuous: a request queued this long goes next, whatever its cost")
     p.add_argument("--max-width", type=int, default=1280)
     p.add_argument("--max-height", type=int, default=1280)
     p.add_argument("--max-pixels", type=int, default=1280 * 720)
@@ -92,35 +83,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --address: give up joining the cluster after this long")
 
 
-def config_from_args(args: argparse.Namespace, gpus_per_rank: float) -> Any:
-    """The ServiceConfig of the flags (FlagError naming a bad one)."""
-    from service.api.service import ServiceConfig
-    from service.engine.spec import CPUS_PER_RANK
-    from service.models.lora_ref import lora_flags
-    from service.models.options import settings_from_args
+def config_from_args(args: argparse.Namespace, gpus_per_rank: float, engine: Any = None) -> Any:
+    """The ServiceConfig of the flags (FlagError naming a bad one): ``engine``, the EngineConfig
+    ``launch`` checked at start (else made here from the flags), with the GPUs and CPUs per rank
+    resolved since (the cluster's, the host's) in place."""
+    from dataclasses import replace
 
+    from service.api.service import ServiceConfig
+    from service.config.args import EngineArgs
+    from service.models.lora_ref import lora_flags
+
+    engine = engine or EngineArgs.from_namespace(args).to_config()
+    engine = replace(engine, parallel=replace(engine.parallel, gpus_per_rank=gpus_per_rank,
+                                              **({} if args.cpus_per_rank is None
+                                                 else {"cpus_per_rank": args.cpus_per_rank})))
     extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
                              "storage_options": args.storage_options}
     quotas = api_keys(args)
     return ServiceConfig(
+        **ServiceConfig.from_engine(engine),
         model=args.model,
-        dp_size=args.data_parallel_size,
-        sp_size=args.sequence_parallel_size,
-        offload=settings_from_args(args),
-        cpus_per_rank=CPUS_PER_RANK if args.cpus_per_rank is None else args.cpus_per_rank,
         cpus_per_rank_why=getattr(args, "cpus_per_rank_why", None) or (
             "the default" if args.cpus_per_rank is None else "--cpus-per-rank"),
-        gpus_per_rank=gpus_per_rank,
-        strategy=args.placement_strategy,
         num_replicas=args.num_replicas,
-        max_wait_ms=args.max_wait_ms,
-        queue_size=args.queue_size,
-        max_queue_wait_s=args.max_queue_wait_s,
-        job_retries=args.job_retries,
-        scheduler=args.scheduler,
-        starve_s=args.starve_s,
-        encoders_per_rank=args.encoders_per_rank,
-        rank_standby=args.rank_standby,
         retention_s=args.retention_s,
         max_jobs=args.max_jobs,
         limits={

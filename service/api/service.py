@@ -31,8 +31,7 @@ from service.api.store import JobTable
 from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
-from service.engine.spec import Outcome
-from service.models.cache_spec import CacheSpec
+from service.engine.outcome import Outcome
 from service.models.checks import check_request
 from service.models.lora import LoraError, LoraRegistry, Registered, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
@@ -62,14 +61,15 @@ class VideoService:
         self.limits = Limits(**cfg.limits)
         # An image larger than any video this instance makes is refused from its header.
         self.image_pixels = min(cfg.max_image_pixels, self.limits.max_width * self.limits.max_height)
-        off = cfg.offload
-        self.loras = LoraRegistry(lambda: targets_of(self.adapter, off.dtype, off.quantization),
+        self.engine = cfg.engine_config(self.model_dir)  # the one EngineConfig of this replica
+        model = self.engine.model
+        self.loras = LoraRegistry(lambda: targets_of(self.adapter, model.dtype, model.quantization),
                                   owners=bool(cfg.api_key_hashes))
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
         self.adapter_io = AdapterIO(cfg.lora_io_threads, cfg.lora_read_timeout_s)  # POST /v1/loras' reads
         self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
-        self._cache_default = CacheSpec.from_obj(off.cache) if off.cache else None
+        self._cache_default = self.engine.step_cache
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
@@ -87,10 +87,8 @@ class VideoService:
                                   webhooks=cfg.webhook_targets())
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
-            cfg.engine_spec(self.model_dir), self, "ray", placement=placement_group, executor=executor,
-            scheduler=cfg.scheduler, queue_size=cfg.queue_size, starve_s=cfg.starve_s,
-            max_wait_s=cfg.max_wait_ms / 1000.0, deadlines=DeadlinePolicy(**cfg.deadline),
-            max_queue_wait_s=cfg.max_queue_wait_s, job_retries=cfg.job_retries, tenants=cfg.tenants(),
+            self.engine, self, placement=placement_group, executor=executor,
+            deadlines=DeadlinePolicy(**cfg.deadline), tenants=cfg.tenants(),
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -160,7 +158,7 @@ class VideoService:
             self.limits.check(req)
             req = self._resolve_loras(req, owner)
             # the rank's own checks, here: what the edge accepts no rank refuses
-            check_request(self.adapter, req, int(self.cfg.offload.lora_cache_gb * 2**30), self._cache_default)
+            check_request(self.adapter, req, self.engine.lora.cache_bytes, self._cache_default)
         except RequestError as e:
             field = {"image": "input_reference"}.get(e.field, e.field.removeprefix("extra."))
             raise BodyError(field, e.message) from None
@@ -203,7 +201,7 @@ class VideoService:
         from dataclasses import replace
 
         refs, need = self.loras.resolve(req.loras, owner)
-        budget = int(self.cfg.offload.lora_cache_gb * 2**30)
+        budget = self.engine.lora.cache_bytes
         if need > budget:
             raise RequestError("loras", f"the adapters need {need / 2**20:.1f} MiB of device memory, "
                                         f"over the LoRA cache of {budget / 2**20:.1f} MiB (--lora-cache-gb)")

@@ -30,11 +30,13 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from service.config import EngineConfig, ModeChoice, OffloadMode
+
 from .events import Event, EventKind
-from .spec import EngineSpec
 
 log = logging.getLogger("dloserve.engine")
 
@@ -63,7 +65,9 @@ class Executor(ABC):
     """Runs the rank groups behind one queue. Every call but ``status`` comes from the
     dispatcher's thread; ``status`` may come from any."""
 
-    mode_choice: dict[str, Any] | None = None  # --dlo-mode auto: what the probe chose and why
+    # What it runs. ``start`` resolves --dlo-mode auto once; from then on ``config.choice`` says
+    # what the probe chose and why (None: the flags set the mode).
+    config: EngineConfig
 
     @abstractmethod
     def start(self) -> None:
@@ -143,8 +147,8 @@ class Reply:
 class GroupExecutor(Executor):
     """The shared part of the real executors; a transport fills in the five hooks."""
 
-    def __init__(self, spec: EngineSpec) -> None:
-        self.spec = spec
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self._lock = threading.RLock()
         self._groups: dict[str, Group] = {}
         self._pending: queue.SimpleQueue[Event] = queue.SimpleQueue()  # from start/rebuild threads
@@ -176,15 +180,29 @@ class GroupExecutor(Executor):
     def _names(self, g: Group) -> list[str]:
         """Names of ``g``'s processes (for status and operators)."""
 
+    # -- auto -------------------------------------------------------------------------
+    def _resolve_auto(self, run_probe: Callable[[], ModeChoice]) -> None:
+        """``--dlo-mode auto``, once for the engine, before the groups are laid out: the
+        transport runs ``start.probe_mode`` where a rank would (``run_probe``); the config
+        carries the choice from then on (one AllGather group of N, or N rank-local ranks)."""
+        if self.config.offload.mode is not OffloadMode.AUTO:
+            return
+        try:
+            choice = run_probe()
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
+        log.info("--dlo-mode auto chose %s: %s", choice.mode.value, choice.reason)
+        self.config = self.config.resolved(choice)
+
     # -- layout -----------------------------------------------------------------------
     def _lay_out(self) -> None:
-        """Groups for the spec's (resolved) mode."""
+        """Groups for the config's (resolved) mode."""
         with self._lock:
             self._groups = {}
-            for first, size in self.spec.group_layout():
+            for first, size in self.config.group_layout():
                 gid = uuid.uuid4().hex[:8]
-                info = GroupInfo(gid, size, first, self.spec.collective)
-                self._groups[gid] = Group(info, self.spec.sp_size)
+                info = GroupInfo(gid, size, first, self.config.collective)
+                self._groups[gid] = Group(info, self.config.parallel.sp_size)
 
     def _start_all(self) -> None:
         for g in list(self._groups.values()):
@@ -246,10 +264,10 @@ class GroupExecutor(Executor):
         with self._lock:
             groups = [g.status(self._names(g)) for g in self._groups.values()]
             startup = {**self.startup, "groups_ready_at": dict(self._first_ready)}
-        return {"groups": groups, "dp_size": self.spec.dp_size, "sp_size": self.spec.sp_size,
+        par = self.config.parallel
+        return {"groups": groups, "dp_size": par.dp_size, "sp_size": par.sp_size,
                 "startup": startup,
-                "offload_mode": self.mode_choice or {"mode": self.spec.settings.mode.value,
-                                                     "reason": "set by flags"}}
+                "offload_mode": self.config.mode_report()}
 
     def close(self) -> None:
         with self._lock:

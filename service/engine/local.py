@@ -18,17 +18,15 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from service.models.options import Mode
+from service.config import EngineConfig
 
 from .events import Event, EventKind
 from .executor import Group, GroupExecutor, GroupState, Reply, log_start, short
 from .rank import RankWorker
-from .spec import EngineSpec
 from .start import RankPlace, load_facts, probe_mode, start_rank, stop_rank
 
 log = logging.getLogger("dloserve.engine")
@@ -42,22 +40,15 @@ def rank_device(device: str, process: int) -> torch.device:
 class LocalExecutor(GroupExecutor):
     """Rank groups as threads (one process) or spawned processes (several) of this host."""
 
-    def __init__(self, spec: EngineSpec, progress: bool = False) -> None:
-        super().__init__(spec)
+    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        super().__init__(config)
         self.progress = progress  # a loading bar from the first rank (generate)
         self._q: queue.SimpleQueue[tuple[Group, int, int, Reply]] = queue.SimpleQueue()
 
     def start(self) -> None:
-        if self.spec.settings.mode is Mode.AUTO and self.mode_choice is None:
-            device = rank_device(self.spec.device, 0)
-            try:
-                choice = probe_mode(self.spec, device) if self.spec.dp_size * self.spec.sp_size == 1 \
-                    else _in_child(probe_mode, self.spec, device)
-            except Exception as e:  # noqa: BLE001
-                raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
-            log.info("--dlo-mode auto chose %s: %s", choice["mode"], choice["reason"])
-            self.mode_choice = choice
-            self.spec = replace(self.spec, settings=self.spec.settings.resolved(Mode(choice["mode"])))
+        device = rank_device(self.config.parallel.device, 0)
+        self._resolve_auto(lambda: probe_mode(self.config, device) if self.config.parallel.processes == 1
+                           else _in_child(probe_mode, self.config, device))
         self._lay_out()
         self._start_all()
 
@@ -65,7 +56,7 @@ class LocalExecutor(GroupExecutor):
     def _open(self, g: Group) -> None:
         places = [RankPlace(g.info.id, p, g.world, g.info.first_rank) for p in range(g.world)]
         generation = g.generation
-        if self.spec.dp_size * self.spec.sp_size == 1:  # the whole engine is one rank: in here
+        if self.config.parallel.processes == 1:  # the whole engine is one rank: in here
             handles: list[Any] = [_InProcess(self, g, generation, places[0])]
         else:
             from service.offload.spawn import free_port
@@ -75,7 +66,7 @@ class LocalExecutor(GroupExecutor):
         with self._lock:
             g.handles = handles
         t0 = time.monotonic()
-        facts = [h.wait_ready(self.spec.setup_timeout_s) for h in handles]
+        facts = [h.wait_ready(self.config.parallel.setup_timeout_s) for h in handles]
         log_start(g, facts, {"setup_s": time.monotonic() - t0})
 
     def _kill(self, g: Group) -> None:
@@ -113,8 +104,8 @@ class _InProcess:
 
     def wait_ready(self, timeout: float) -> dict[str, Any]:
         t0 = time.monotonic()
-        device = rank_device(self.ex.spec.device, self.place.first + self.place.rank)
-        self.worker = start_rank(self.ex.spec, self.place, None, device, progress=self.ex.progress)
+        device = rank_device(self.ex.config.parallel.device, self.place.first + self.place.rank)
+        self.worker = start_rank(self.ex.config, self.place, None, device, progress=self.ex.progress)
         threading.Thread(target=self._pump, name=f"{self.name}-events", daemon=True).start()
         return load_facts(self.worker, t0)
 
@@ -161,10 +152,10 @@ class _Child:
         self.name = f"local-{g.info.id}-gen{generation}-rank{place.rank}"
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        device = rank_device(ex.spec.device, place.first + place.rank)
+        device = rank_device(ex.config.parallel.device, place.first + place.rank)
         progress = ex.progress and place.first + place.rank == 0
         self.proc = ctx.Process(target=_child_main, name=self.name, daemon=True,
-                                args=(child, ex.spec, place, init, str(device), progress))
+                                args=(child, ex.config, place, init, str(device), progress))
         self.proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -219,13 +210,13 @@ class _Child:
         self.conn.close()
 
 
-def _child_main(conn: Any, spec: EngineSpec, place: RankPlace, init: str, device: str,
+def _child_main(conn: Any, config: EngineConfig, place: RankPlace, init: str, device: str,
                 progress: bool) -> None:
     """A rank process: start the rank, then do what the pipe says until it closes."""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.world))  # ranks share the host's cores
     t0 = time.monotonic()
     try:
-        worker = start_rank(spec, place, init, torch.device(device), progress=progress)
+        worker = start_rank(config, place, init, torch.device(device), progress=progress)
     except BaseException:  # noqa: BLE001 - reported to the executor, which fails the start
         conn.send(("setup_failed", traceback.format_exc(limit=3).strip().splitlines()[-1]))
         return

@@ -27,10 +27,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from service.models.options import Mode
+from service.config import EngineConfig, ModeChoice, OffloadMode
 
 from .executor import Group, GroupExecutor, Reply, log_start, short
-from .spec import EngineSpec
 from .standby import StandbyRankRemote, WarmRankActorRemote
 from .start import RankPlace, probe_mode
 
@@ -39,11 +38,12 @@ NAMESPACE = "dloserve"
 POLL_S = 1.0  # how long one events long poll waits on the rank
 
 
-def _probe(spec: EngineSpec) -> dict[str, Any]:
+def _probe(config: EngineConfig) -> ModeChoice:
     import torch
 
     # Ray sets CUDA_VISIBLE_DEVICES to this bundle's GPU: it is device 0 here.
-    return probe_mode(spec, torch.device("cuda", 0) if spec.device == "cuda" else torch.device("cpu"))
+    cuda = config.parallel.device == "cuda"
+    return probe_mode(config, torch.device("cuda", 0) if cuda else torch.device("cpu"))
 
 
 ProbeTask = ray.remote(max_retries=0)(_probe)
@@ -53,8 +53,8 @@ class RayExecutor(GroupExecutor):
     """Rank groups as Ray actors; ``placement`` is the Serve replica's placement group when
     it has our bundles (else one is made and removed on close)."""
 
-    def __init__(self, spec: EngineSpec, placement: PlacementGroup | None = None) -> None:
-        super().__init__(spec)
+    def __init__(self, config: EngineConfig, placement: PlacementGroup | None = None) -> None:
+        super().__init__(config)
         self.placement = placement
         self._own_placement = False
         # ref -> (group, generation, process, op, job id)
@@ -73,11 +73,8 @@ class RayExecutor(GroupExecutor):
             raise RuntimeError(f"placement failed: {short(e)}") from e
         t_placed = time.monotonic()
         self.startup["placement_s"] = round(t_placed - t0, 3)
-        if self.spec.settings.mode is Mode.AUTO and self.mode_choice is None:
-            try:
-                self._resolve_auto()
-            except Exception as e:  # noqa: BLE001
-                raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
+        if self.config.offload.mode is OffloadMode.AUTO:
+            self._resolve_auto(self._probe_on_bundle)
             self.startup["auto_probe_s"] = round(time.monotonic() - t_placed, 3)
         self._lay_out()
         self._start_all()
@@ -85,23 +82,21 @@ class RayExecutor(GroupExecutor):
     def _place(self) -> None:
         if self.placement is None:
             current = ray.util.get_current_placement_group()
-            if current is not None and len(current.bundle_specs) >= len(self.spec.bundles()):
+            if current is not None and len(current.bundle_specs) >= len(self.config.parallel.bundles()):
                 self.placement = current
             else:
-                self.placement = placement_group(self.spec.bundles(), strategy=self.spec.strategy)
+                par = self.config.parallel
+                self.placement = placement_group(par.bundles(), strategy=par.strategy)
                 self._own_placement = True
-                ray.get(self.placement.ready(), timeout=self.spec.setup_timeout_s)
+                ray.get(self.placement.ready(), timeout=self.config.parallel.setup_timeout_s)
 
-    def _resolve_auto(self) -> None:
-        """Probe on bundle 0, then lay the groups out for the chosen mode (one AllGather group
-        of N, or N rank-local ranks that each serve their own queue)."""
+    def _probe_on_bundle(self) -> ModeChoice:
+        """``probe_mode`` on bundle 0 (a Ray task with a rank's resources)."""
         strategy = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=0)
-        ref = ProbeTask.options(num_cpus=self.spec.cpus_per_rank, num_gpus=self.spec.gpus_per_rank,
-                                scheduling_strategy=strategy).remote(self.spec)
-        choice = ray.get(ref, timeout=self.spec.setup_timeout_s)
-        log.info("--dlo-mode auto chose %s: %s", choice["mode"], choice["reason"])
-        self.mode_choice = choice
-        self.spec = replace(self.spec, settings=self.spec.settings.resolved(Mode(choice["mode"])))
+        par = self.config.parallel
+        ref = ProbeTask.options(num_cpus=par.cpus_per_rank, num_gpus=par.gpus_per_rank,
+                                scheduling_strategy=strategy).remote(self.config)
+        return ray.get(ref, timeout=self.config.parallel.setup_timeout_s)
 
     # -- the transport ----------------------------------------------------------------
     def _open(self, g: Group) -> None:
@@ -131,7 +126,7 @@ class RayExecutor(GroupExecutor):
                 self._poll(g, p)
 
     def _actor(self, g: Group, process: int, name: str, standby: bool = False,
-               visible_devices: str | None = None, spec: EngineSpec | None = None) -> Any:
+               visible_devices: str | None = None, config: EngineConfig | None = None) -> Any:
         """Rank process ``process`` of ``g`` in its bundle; a standby holds no resources
         (the rank it will replace holds the bundle's)."""
         strategy = PlacementGroupSchedulingStrategy(
@@ -139,24 +134,26 @@ class RayExecutor(GroupExecutor):
         place = RankPlace(g.info.id, process, g.world, g.info.first_rank)
         remote = StandbyRankRemote if standby else WarmRankActorRemote
         return remote.options(
-            name=name, namespace=NAMESPACE, num_cpus=0 if standby else self.spec.cpus_per_rank,
-            num_gpus=0 if standby else self.spec.gpus_per_rank, scheduling_strategy=strategy, max_restarts=0,
-        ).remote(spec or self.spec, place, standby, visible_devices)
+            name=name, namespace=NAMESPACE, num_cpus=0 if standby else self.config.parallel.cpus_per_rank,
+            num_gpus=0 if standby else self.config.parallel.gpus_per_rank, scheduling_strategy=strategy,
+            max_restarts=0,
+        ).remote(config or self.config, place, standby, visible_devices)
 
     def _make_standbys(self, g: Group, started: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
         """One standby per rank process of a ready group: the rank's GPUs and encoder pool."""
-        if not self.spec.use_standby:
+        if not self.config.parallel.use_standby:
             return
-        spec = self.spec
-        if spec.encoders_per_rank is None:  # a 0-CPU actor would size its pool from the host
-            spec = replace(spec, encoders_per_rank=max(int(f.get("encoders") or 0) for f in facts))
+        config = self.config
+        if config.parallel.encoders_per_rank is None:  # a 0-CPU actor would size its pool from the host
+            encoders = max(int(f.get("encoders") or 0) for f in facts)
+            config = replace(config, parallel=replace(config.parallel, encoders_per_rank=encoders))
         with self._lock:
             if self._closed:
                 return
             self._kill_standbys(g.info.id)
             names = [f"{self._name(g, p)}-standby" for p in range(g.world)]
             self._standbys[g.info.id] = [
-                (self._actor(g, p, names[p], True, started[p]["visible_devices"], spec), names[p])
+                (self._actor(g, p, names[p], True, started[p]["visible_devices"], config), names[p])
                 for p in range(g.world)]
 
     def _take_standbys(self, g: Group) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
@@ -189,7 +186,7 @@ class RayExecutor(GroupExecutor):
 
     def _get(self, refs: Any) -> Any:
         """ray.get within the set-up timeout, giving up at once when the executor closes."""
-        end = time.monotonic() + self.spec.setup_timeout_s
+        end = time.monotonic() + self.config.parallel.setup_timeout_s
         while True:
             try:
                 return ray.get(refs, timeout=0.5)
@@ -197,7 +194,8 @@ class RayExecutor(GroupExecutor):
                 if self._closed:
                     raise RuntimeError("executor closed during set-up") from None
                 if time.monotonic() > end:
-                    raise RuntimeError(f"set-up took longer than {self.spec.setup_timeout_s:.0f} s") from None
+                    timeout = self.config.parallel.setup_timeout_s
+                    raise RuntimeError(f"set-up took longer than {timeout:.0f} s") from None
 
     def _kill(self, g: Group) -> None:
         self._kill_all(g.handles)

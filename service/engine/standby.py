@@ -11,7 +11,7 @@ and waits. When a rank dies, the rebuilt group is made of the standbys: no new i
 and no imports, only the process group and the load. Ray gives a zero-GPU actor
 ``CUDA_VISIBLE_DEVICES=""`` and one thread, so a standby is told what the rank it replaces
 had (its GPU ids, before anything initialises CUDA; its CPU share for torch's threads; the
-encoder pool's size, in its spec). Its encoder processes start while it waits, too.
+encoder pool's size, in its config). Its encoder processes start while it waits, too.
 """
 
 from __future__ import annotations
@@ -24,18 +24,19 @@ from typing import Any
 
 import ray
 
-from .spec import EngineSpec
+from service.config import EngineConfig
+
 from .start import RankPlace, rank_encoder
 from .worker import RankActor
 
 
-def warm_imports(spec: EngineSpec) -> float:
+def warm_imports(config: EngineConfig) -> float:
     """Import what ``PipelineRunner.load`` imports lazily (diffusers, transformers, the
     model's classes): build the transformer on the meta device and drop it. Seconds taken."""
     from service.models.registry import load_adapter
 
     t0 = time.monotonic()
-    adapter = load_adapter(spec.model_dir, sequence_parallel=spec.sp_size)
+    adapter = load_adapter(config.model_dir, sequence_parallel=config.parallel.sp_size)
     adapter.build_transformer()
     for name, entry in adapter.index.items():
         if not name.startswith("_") and isinstance(entry, list) and entry[0]:
@@ -50,26 +51,26 @@ class WarmRankActor(RankActor):
     """A ``RankActor`` that has imported by the time it answers ``started``; ``standby``:
     started ahead, in a bundle whose resources the rank it will replace holds."""
 
-    def __init__(self, spec: EngineSpec, place: RankPlace, standby: bool = False,
+    def __init__(self, config: EngineConfig, place: RankPlace, standby: bool = False,
                  visible_devices: str | None = None) -> None:
         if visible_devices is not None:  # before anything initialises CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-        super().__init__(spec, place)
+        super().__init__(config, place)
         self.standby = standby
         if standby:
             import torch
 
             # What Ray gives a rank of cpus_per_rank CPUs (OMP_NUM_THREADS), not a 0-CPU actor's 1.
-            threads = max(1, math.floor(spec.cpus_per_rank))
+            threads = max(1, math.floor(config.parallel.cpus_per_rank))
             os.environ["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
             # A standby reports no gauges: its group/rank tags are the live rank's.
             self._stop.set()
             self._gauge_thread.join(timeout=5)
         self.created = time.time()
-        self.import_s = warm_imports(spec)
+        self.import_s = warm_imports(config)
         # A standby's encoder processes start now too (a new rank's start while it loads).
-        self._encoder = rank_encoder(spec, place) if standby else None
+        self._encoder = rank_encoder(config, place) if standby else None
 
     def started(self) -> dict[str, Any]:
         """Answers once the constructor (process start and imports) is done."""
@@ -89,8 +90,8 @@ class WarmRankActor(RankActor):
         from .start import load_facts, start_rank
 
         t0 = time.monotonic()
-        device = torch.device("cuda", 0) if self.spec.device == "cuda" else torch.device("cpu")
-        self.worker = start_rank(self.spec, self.place, init_method, device, on_report=self._report_offload,
+        device = torch.device("cuda", 0) if self.config.parallel.device == "cuda" else torch.device("cpu")
+        self.worker = start_rank(self.config, self.place, init_method, device, on_report=self._report_offload,
                                  encoder=encoder)
         self._report_memory()
         return load_facts(self.worker, t0)

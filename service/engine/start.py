@@ -7,18 +7,18 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from service.config import EngineConfig, ModeChoice
 from service.models.pipeline import PipelineRunner
 
 from .encoder import Encoder
 from .rank import RankWorker
-from .spec import EngineSpec
 
 
 @dataclass(frozen=True)
@@ -42,25 +42,25 @@ class RankPlace:
         return str(self.first + self.rank)
 
 
-def rank_encoder(spec: EngineSpec, place: RankPlace) -> Encoder:
+def rank_encoder(config: EngineConfig, place: RankPlace) -> Encoder:
     """The rank's MP4 encoder pool (its processes start now): only the lead of an SP group
     encodes."""
-    return Encoder(spec.encoders_per_rank if spec.sp_size == 1 or place.lead else 0)
+    return Encoder(config.parallel.encoders_per_rank if config.parallel.sp_size == 1 or place.lead else 0)
 
 
-def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, device: torch.device,
+def start_rank(config: EngineConfig, place: RankPlace, init_method: str | None, device: torch.device,
                on_report: Callable[[], None] | None = None, progress: bool = False,
                encoder: Encoder | None = None) -> RankWorker:
     """Rank ``place`` of a group, loaded and looping; ``init_method`` is the TCP rendezvous of
     a group of several processes (None for one). Every process of the group calls it at once.
     ``encoder``: a pool started ahead (a standby's); else one starts here."""
-    sp = spec.sp_size > 1
+    sp = config.parallel.sp_size > 1
     t0 = time.monotonic()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if place.world > 1:
         assert init_method is not None, "a group of several processes needs a rendezvous"
-        timeout = timedelta(seconds=spec.pg_timeout_s)
+        timeout = timedelta(seconds=config.parallel.pg_timeout_s)
         store = rendezvous_store(init_method, place.rank, place.world, timeout)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
                                 rank=place.rank, world_size=place.world, timeout=timeout)
@@ -68,11 +68,11 @@ def start_rank(spec: EngineSpec, place: RankPlace, init_method: str | None, devi
     t_group = time.monotonic()
     lead = not sp or place.lead
     if encoder is None:
-        encoder = rank_encoder(spec, place)  # its processes start while we load
-    gather = dist.group.WORLD if spec.settings.enabled and place.world > 1 else None
+        encoder = rank_encoder(config, place)  # its processes start while we load
+    gather = dist.group.WORLD if config.offload.enabled and place.world > 1 else None
     try:
-        runner = PipelineRunner.load(spec.model_dir, device, settings=spec.settings, group=gather,
-                                     sequence_parallel=spec.sp_size, progress=progress)
+        runner = PipelineRunner.load(config.model_dir, device, config=config, group=gather,
+                                     sequence_parallel=config.parallel.sp_size, progress=progress)
     except BaseException:
         encoder.close()
         raise
@@ -130,9 +130,10 @@ def load_facts(worker: RankWorker, t0: float) -> dict[str, Any]:
     """What a rank reports once it is ready (logged by the executor)."""
     runner = worker.runner
     return {"rank": worker.rank, "pid": os.getpid(), "setup_s": round(time.monotonic() - t0, 3),
-            "stages": getattr(worker, "start_stages", {}), "mode": runner.settings.mode.value,
+            "stages": getattr(worker, "start_stages", {}), "mode": runner.config.offload.mode.value,
             "encoders": worker.encoder.workers,
-            "choice": runner.choice, "compute": compute_facts(runner)}
+            "choice": runner.config.choice.as_dict() if runner.config.choice else None,
+            "compute": compute_facts(runner)}
 
 
 def compute_facts(runner: Any) -> dict[str, Any]:
@@ -142,7 +143,7 @@ def compute_facts(runner: Any) -> dict[str, Any]:
     return {"attention": runner.attention.get("backend"), "compile": compiled, "cfg_batch": runner.cfg_batch}
 
 
-def probe_mode(spec: EngineSpec, device: torch.device) -> dict[str, Any]:
+def probe_mode(config: EngineConfig, device: torch.device) -> ModeChoice:
     """``--dlo-mode auto`` before the groups form: probe on one rank's device, choose for N.
 
     One rank cannot time an AllGather, so the choice counts the gather as free (it runs
@@ -153,7 +154,8 @@ def probe_mode(spec: EngineSpec, device: torch.device) -> dict[str, Any]:
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    choice, timings = decide_auto(load_adapter(spec.model_dir), device, spec.settings, None, spec.dp_size)
-    if timings is not None and spec.dp_size > 1:
-        choice["reason"] += "; AllGather time not measured before the group forms (taken as free)"
+    choice = decide_auto(load_adapter(config.model_dir), device, config, None, config.parallel.dp_size)
+    if choice.timings is not None and config.parallel.dp_size > 1:
+        return replace(choice, reason=choice.reason + "; AllGather time not measured before the group forms "
+                                                      "(taken as free)")
     return choice

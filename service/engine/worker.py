@@ -13,18 +13,18 @@ from typing import Any
 
 import ray
 
+from service.config import EngineConfig
 from service.engine.metrics import metrics, pss_bytes
 
 from .events import Event, EventKind
-from .spec import EngineSpec
 from .start import RankPlace
 
 
 class RankActor:
     """Process ``place.rank`` of a group; see engine.ray_executor for the lifecycle."""
 
-    def __init__(self, spec: EngineSpec, place: RankPlace) -> None:
-        self.spec, self.place = spec, place
+    def __init__(self, config: EngineConfig, place: RankPlace) -> None:
+        self.config, self.place = config, place
         self.worker: Any = None
         self._seen: dict[str, float] = {}
         self._tags = {"group": place.group_id, "rank": place.label}
@@ -52,8 +52,8 @@ class RankActor:
 
         t0 = time.monotonic()
         # Ray sets CUDA_VISIBLE_DEVICES to this rank's GPU: it is device 0 here.
-        device = torch.device("cuda", 0) if self.spec.device == "cuda" else torch.device("cpu")
-        self.worker = start_rank(self.spec, self.place, init_method, device, on_report=self._report_offload)
+        device = torch.device("cuda", 0) if self.config.parallel.device == "cuda" else torch.device("cpu")
+        self.worker = start_rank(self.config, self.place, init_method, device, on_report=self._report_offload)
         self._report_memory()
         return load_facts(self.worker, t0)
 

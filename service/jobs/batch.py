@@ -233,8 +233,7 @@ class GroupSink:
 
 
 def parser() -> argparse.ArgumentParser:
-    from service.models.options import add_offload_arguments
-    from service.router.flags import add_engine_arguments
+    from service.config.args import BATCH, EngineArgs
 
     p = argparse.ArgumentParser(prog="python -m service.jobs.batch", description=__doc__.split("\n")[0])
     p.add_argument("--prompts", required=True, type=Path)
@@ -246,8 +245,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--image-root", default=None,
                    help="folder (or URL prefix, s3://bucket/images) that lines' images must be under "
                         "(default: the prompts file's folder)")
-    add_offload_arguments(p, offload_default=True)
-    add_engine_arguments(p, deadline_base_s=600.0)
+    EngineArgs.add_cli_args(p, BATCH, defaults={"offload": True, "wave_deadline_base_s": 600.0})
     return p
 
 
@@ -255,7 +253,7 @@ def feed(groups: list[Any], todo: list[tuple[str, GenerationRequest]], done: thr
          ahead: int) -> None:
     """Hand items to whichever group has room (``ahead`` queued beyond what it runs), so a
     faster or less loaded group takes more; with one group everything is queued at once."""
-    from service.engine.spec import Outcome
+    from service.engine.outcome import Outcome
     from service.router.health import Unavailable
     from service.router.waves import Ticket
 
@@ -294,22 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    from service.config.args import EngineArgs
     from service.models.adapter import ModelError
-    from service.models.options import settings_from_args
-    from service.models.registry import load_adapter, resolve_model
+    from service.models.startup import check_start
 
     try:
         items = read_prompts(args.prompts, args.image_root)
-        settings = settings_from_args(args)
+        config = EngineArgs.from_namespace(args).to_config()
         if args.lora:  # shared flag; lines naming adapters are the next step (docs/lora.md)
             raise ValueError("--lora: the batch job takes no adapters yet (use dloserve generate or serve)")
         if args.num_groups < 1:
             raise ValueError(f"--num-groups must be >= 1, got {args.num_groups}")
-        model = resolve_model(args.model)
-        adapter = load_adapter(model, args.sequence_parallel_size)
-        problem = settings.probe_problem(adapter, "cuda" if args.gpus_per_rank != 0 else "cpu")
-        if problem:
-            raise ValueError(problem)
+        config, adapter = check_start(config, args.model, "cuda" if args.gpus_per_rank != 0 else "cpu")
         for item_id, req in items:
             try:
                 adapter.validate(req)
@@ -325,27 +319,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(todo)} to run", flush=True)
     if not todo:
         return 0
-    return _run(args, model, settings, todo)
+    return _run(args, config, todo)
 
 
-def _run(args: argparse.Namespace, model: str, settings: Any,
-         todo: list[tuple[str, GenerationRequest]]) -> int:
+def _run(args: argparse.Namespace, config: Any, todo: list[tuple[str, GenerationRequest]]) -> int:
+    from dataclasses import replace
+
     import ray
     from tqdm import tqdm
 
-    from service.engine.spec import CPUS_PER_RANK, EngineSpec
     from service.router.build import build_dispatcher
     from service.router.policy import DeadlinePolicy
 
     ray.init(address=args.address, log_to_driver=False)
-    gpus = args.gpus_per_rank
-    if gpus is None:
+    if args.gpus_per_rank is None:  # the cluster's: a GPU per rank where it has GPUs
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    cpus = CPUS_PER_RANK if args.cpus_per_rank is None else args.cpus_per_rank  # a shared cluster: not sized
-    spec = EngineSpec(model_dir=model, dp_size=args.data_parallel_size, sp_size=args.sequence_parallel_size,
-                      settings=settings, cpus_per_rank=cpus, gpus_per_rank=gpus,
-                      strategy=args.placement_strategy, encoders_per_rank=args.encoders_per_rank,
-                      standby=args.rank_standby)
+        config = replace(config, parallel=replace(config.parallel, gpus_per_rank=gpus))
+    # every item queued at once (waves: full waves form), none waits for a partial wave
+    config = replace(config, scheduler=replace(config.scheduler, queue_size=len(todo), max_wait_ms=0.0))
     t0 = time.monotonic()
     bar = tqdm(total=len(todo), desc="videos", unit="video", file=sys.stderr)
     sink = ManifestSink(args.out, len(todo), bar)
@@ -353,9 +344,7 @@ def _run(args: argparse.Namespace, model: str, settings: Any,
     deadlines = DeadlinePolicy(args.wave_deadline_base_s, args.wave_deadline_per_forward_s)
     for i in range(args.num_groups):
         gsink = GroupSink(sink, i)
-        gsink.dispatcher = build_dispatcher(spec, gsink, "ray", scheduler=args.scheduler,
-                                            queue_size=len(todo), max_wait_s=0.0, deadlines=deadlines,
-                                            max_attempts=3, job_retries=args.job_retries)
+        gsink.dispatcher = build_dispatcher(config, gsink, deadlines=deadlines, max_attempts=3)
         groups.append(gsink.dispatcher)
     stop = threading.Event()  # SIGTERM (``ray job stop``) or SIGINT: cancel, record, leave
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -373,9 +362,8 @@ def _run(args: argparse.Namespace, model: str, settings: Any,
         for d in groups:
             d.stop()
     for d in groups:
-        choice = d.executor.mode_choice
-        if choice:
-            print(f"batch: --dlo-mode auto chose {choice['mode']}: {choice['reason']}", flush=True)
+        if d.choice:
+            print(f"batch: --dlo-mode auto chose {d.choice.mode.value}: {d.choice.reason}", flush=True)
     print(f"batch: {len(todo) - sink.failed} completed, {sink.failed} failed in "
           f"{time.monotonic() - t0:.1f} s; manifest {args.out / 'manifest.jsonl'}", flush=True)
     return 1 if sink.failed else 0

@@ -5,28 +5,25 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from typing import Any
 
-from service.engine.spec import EngineSpec
-from service.models.options import Mode, OffloadSettings
+from service.config import EngineConfig
 from service.router.build import build_dispatcher
 from service.router.policy import DeadlinePolicy
 
 
-def generate(model_dir: str, req: Any, out: str, *, dp_size: int = 1, sp_size: int = 1,
-             settings: Any = None, device: str = "cpu", progress: bool = False) -> str:
+def generate(config: EngineConfig, req: Any, out: str, *, progress: bool = False) -> str:
     """``dloserve generate``: one request through the same dispatcher the service uses, on
-    local ranks, its MP4 written to ``out`` atomically; RuntimeError with the reason if it
-    fails. With DP N the request runs on one rank (in an AllGather group the others replay
-    its gathers); with SP S one SP group of S processes runs it. Returns the mode it ran in
-    (auto's choice and why, when auto chose)."""
-    spec = EngineSpec(model_dir=str(model_dir), dp_size=dp_size, sp_size=sp_size,
-                      settings=settings or OffloadSettings(Mode.RESIDENT),
-                      gpus_per_rank=1.0 if device == "cuda" else 0.0, encoders_per_rank=0,
-                      pg_timeout_s=600.0)
+    local ranks (``config.parallel.executor`` local), its MP4 written to ``out`` atomically;
+    RuntimeError with the reason if it fails. With DP N the request runs on one rank (in an
+    AllGather group the others replay its gathers); with SP S one SP group of S processes runs
+    it. Returns the mode it ran in (auto's choice and why, when auto chose)."""
+    config = replace(config, parallel=replace(config.parallel, executor="local", encoders_per_rank=0,
+                                              pg_timeout_s=600.0),
+                     scheduler=replace(config.scheduler, max_queue_wait_s=float("inf")))
     sink = _OneFile(req.num_inference_steps if progress else 0)
-    dispatcher = build_dispatcher(spec, sink, "local", max_attempts=1, progress=progress,
-                                  deadlines=_no_deadline(), max_queue_wait_s=float("inf"))
+    dispatcher = build_dispatcher(config, sink, max_attempts=1, progress=progress, deadlines=_no_deadline())
     dispatcher.start()
     try:
         dispatcher.submit("request", req.compat_key(), req)
@@ -36,8 +33,8 @@ def generate(model_dir: str, req: Any, out: str, *, dp_size: int = 1, sp_size: i
     if not outcome.ok:
         raise RuntimeError(outcome.error or "generation failed")
     _write(out, outcome.mp4)
-    choice = dispatcher.executor.mode_choice
-    return f"auto: {choice['mode']} ({choice['reason']})" if choice else spec.settings.mode.value
+    choice = dispatcher.choice
+    return f"auto: {choice.mode.value} ({choice.reason})" if choice else config.offload.mode.value
 
 
 def _no_deadline() -> DeadlinePolicy:

@@ -1,7 +1,8 @@
 """Adapters over diffusers pipelines: requests, model families, demo checkpoints, MP4.
 
-    from service.models import GenerationRequest, OffloadSettings, PipelineRunner, ensure_demo_model
-    runner = PipelineRunner.load(ensure_demo_model(), "cpu", settings=OffloadSettings())
+    from service.config import EngineConfig
+    from service.models import GenerationRequest, PipelineRunner, ensure_demo_model
+    runner = PipelineRunner.load(ensure_demo_model(), "cpu", config=EngineConfig())
     mp4 = runner.generate(GenerationRequest("a red fox running through snow", seed=1))
 
 Names are imported on first use: an MP4 encoder process imports ``service.models.video``
@@ -19,7 +20,6 @@ _WHERE = {
     "load_adapter": "registry",
     "ensure_demo_model": "demo",
     "write_demo_model": "demo",
-    "OffloadSettings": "options",
     "PipelineRunner": "pipeline",
     "GenerationRequest": "request",
     "RequestError": "request",

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cache_spec import CacheSpec
+from service.config.cache import CacheSpec
+
 from .checks import cache_unsupported
 
 log = logging.getLogger("dloserve.models")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .cache_spec import CacheSpec
+from service.config.cache import CacheSpec
+
 from .lora_ref import LoraRef
 from .request import GenerationRequest, RequestError
 

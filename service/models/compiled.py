@@ -28,13 +28,13 @@ from torch import nn
 log = logging.getLogger("dloserve.models")
 
 
-def compile_on(settings: Any, device: torch.device, adapter: Any) -> bool:
+def compile_on(model: Any, device: torch.device, adapter: Any) -> bool:
     """Whether the blocks run compiled (``--compile``); refused with sequence parallelism."""
     if adapter.sequence_parallel > 1:
-        if settings.compile == "on":
+        if model.compile == "on":
             raise ValueError("--compile on: not yet with --sequence-parallel-size > 1")
         return False
-    return settings.compiling(device.type)
+    return model.compiling(device.type)
 
 
 def warmup_shape(adapter: Any, device: torch.device) -> tuple[int, int, int]:

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload
+from service.config.offload import COMPONENTS, parse_components
+from service.offload import LayerwiseOffload, OffloadMode, Placement, enable_layerwise_offload
 from service.offload.checkpoint import Checkpoint
 
-from .options import COMPONENTS, parse_components
-
 __all__ = ["COMPONENTS", "from_pretrained_dtype", "load_streamed_text_encoder", "parse_components"]
+
 
 def from_pretrained_dtype(cls: type, config: Any, ckpt: Checkpoint) -> tuple[torch.dtype, tuple[str, ...]]:
     """The main dtype and fp32-kept modules ``cls.from_pretrained(folder)`` would use.
@@ -82,7 +82,7 @@ def load_streamed_text_encoder(
     # Rank-local and group=None: a text encoder runs when its rank's request does, not in
     # lock-step with the other ranks, so its fills must not be collectives.
     handle = enable_layerwise_offload(
-        module, folder, device=device, group=None, use_allgather=False, block_attrs=list(block_attrs),
+        module, folder, device=device, group=None, mode=OffloadMode.RANK_LOCAL, block_attrs=list(block_attrs),
         dtype=dtype, keep_fp32=keep,
         placement=Placement(tied=_tied(module, ckpt), host_modules=host, free_slots=True),
     )

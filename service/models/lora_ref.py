@@ -16,7 +16,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .options import FlagError
+from service.config.errors import FlagError
 
 EXPERTS = ("both", "high", "low")  # Wan2.2 A14B: high-noise (transformer), low-noise (transformer_2)
 MAX_LORAS = 8  # adapters in one request

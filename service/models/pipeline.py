@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from service.config import EngineConfig, ModeChoice, OffloadMode
+from service.config.offload import PROBE_SHAPE
 from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload, load_resident
 from service.offload.auto import ProbeTimings, choose_mode, probe
 from service.offload.checkpoint import Checkpoint
@@ -44,12 +46,10 @@ from service.offload.quant_checkpoint import prequantized_key
 from . import attention
 from .adapter import LatentsCallback, ModelAdapter
 from .cache import StepCaches
-from .cache_spec import CacheSpec
 from .checks import check_request
 from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
 from .experts import expert_of, lockstep_expert_cost
 from .lora import RankAdapters
-from .options import Mode, OffloadSettings
 from .progress import progress_bar
 from .registry import load_adapter
 from .request import GenerationRequest, RequestError
@@ -65,7 +65,7 @@ BUDGET_HEADROOM = 256 * 2**20
 class PipelineRunner:
     """A model directory loaded for serving: the adapter's components plus the transformer.
 
-    ``settings`` are the ones it was loaded with, auto's choice resolved (``choice`` says
+    ``config`` is the one it was loaded with, auto's choice resolved (``config.choice`` says
     what the probe measured and why).
     """
 
@@ -75,25 +75,22 @@ class PipelineRunner:
         transformer: torch.nn.Module,
         handle: LayerwiseOffload | None,
         device: torch.device,
-        settings: OffloadSettings,
+        config: EngineConfig,
         load_s: float,
-        choice: dict[str, Any] | None = None,
     ) -> None:
-        self.choice = choice
         self.adapter = adapter
         self.transformer = transformer
         self.handle = handle
         self.device = device
-        self.settings = settings
+        self.config = config
         self.load_s = load_s
         self.load_stages: dict[str, float] = {}  # seconds per loading stage (cold-start report)
         self.loras = RankAdapters(transformer, adapter.family, str(adapter.index.get("_class_name", "")),
-                                  device, int(settings.lora_cache_gb * 2**30))
-        self.caches = StepCaches(transformer, handle, adapter,
-                                 CacheSpec.from_obj(settings.cache) if settings.cache else None)
+                                  device, config.lora.cache_bytes)
+        self.caches = StepCaches(transformer, handle, adapter, config.step_cache)
         self.compiled: CompiledBlocks | None = None  # --compile (load sets it)
         self.attention: dict[str, Any] = {}  # the SDPA kernel that runs, and why (load sets it)
-        self.cfg_batch = cfg_batch_on(settings, device, adapter)
+        self.cfg_batch = cfg_batch_on(config, device, adapter)
         adapter.cfg_rule = self._cfg_rule if self.cfg_batch else None
         self._closed = False
         self.experts = expert_of(transformer)  # the modules that each make one forward
@@ -110,12 +107,14 @@ class PipelineRunner:
         model_dir: str | Path,
         device: str | torch.device = "cpu",
         *,
-        settings: OffloadSettings | None = None,
+        config: EngineConfig | None = None,
         group: dist.ProcessGroup | None = None,
         progress: bool = False,
         sequence_parallel: int = 1,
     ) -> PipelineRunner:
-        """Load ``model_dir``; ``settings`` None (or mode resident): a fully resident transformer.
+        """Load ``model_dir``; ``config`` None (or offload mode resident): a fully resident transformer.
+        ``config`` with ``--dlo-mode auto`` is resolved here (``decide_auto``) unless an executor
+        resolved it already.
 
         With offload enabled every rank of ``group`` must call this (it shards the blocks).
         ``sequence_parallel`` S > 1: the torch.distributed world is one SP group of S ranks
@@ -124,47 +123,49 @@ class PipelineRunner:
         t0 = time.perf_counter()
         marks = {"start": t0}
         dev = torch.device(device)
-        settings = settings or OffloadSettings()
-        dtype = dtype_of(settings)
+        config = config or EngineConfig()
+        dtype = dtype_of(config)
         adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
         ckpt = adapter.transformer_checkpoint()
-        settings = with_checkpoint_quantization(settings, ckpt)
+        config = with_checkpoint_quantization(config, ckpt)
         marks["build"] = time.perf_counter()
-        handle, choice = None, None
-        if settings.enabled and sequence_parallel > 1 and group is not None:
+        handle = None
+        off = config.offload
+        if off.enabled and sequence_parallel > 1 and group is not None:
             # The block gathers get a communicator of their own: NCCL runs one communicator's
             # work in issue order on one stream, so sharing the attention all-to-alls' (the
             # mesh reuses the world's) would queue them behind the next block's prefetch.
             group = dist.new_group(ranks=dist.get_process_group_ranks(group))
-        if settings.enabled:
+        if off.enabled:
             activation, timings = 0, None
-            if settings.mode is Mode.AUTO:
-                choice, timings = decide_auto(adapter, dev, settings, group)
-                settings = settings.resolved(Mode(choice["mode"]))
-                log.info("offload mode auto: %s (%s)", choice["mode"], choice["reason"])
-            if timings is None and settings.device_memory_gb is not None and dev.type == "cuda":
-                timings = probe_transformer(adapter, dev, settings, group)
+            if off.mode is OffloadMode.AUTO:
+                choice = decide_auto(adapter, dev, config, group)
+                config, timings = config.resolved(choice), choice.timings
+                off = config.offload
+                log.info("offload mode auto: %s (%s)", choice.mode.value, choice.reason)
+            if timings is None and off.device_memory_gb is not None and dev.type == "cuda":
+                timings = probe_transformer(adapter, dev, config, group)
             if timings is not None and timings.activation_bytes:
                 activation = timings.activation_bytes + BUDGET_HEADROOM
-            if settings.device_memory_gb is not None:  # the adapter LRU is on the device too
-                activation += int(settings.lora_cache_gb * 2**30)
+            if off.device_memory_gb is not None:  # the adapter LRU is on the device too
+                activation += config.lora.cache_bytes
             marks["probe"] = time.perf_counter()
-            budget = None if settings.device_memory_gb is None else int(settings.device_memory_gb * 2**30)
+            budget = None if off.device_memory_gb is None else int(off.device_memory_gb * 2**30)
             try:
                 handle = enable_layerwise_offload(
                     module,
                     ckpt,
                     device=dev,
                     group=group,
-                    use_allgather=settings.use_allgather,
+                    mode=off.mode,
                     block_attrs=list(adapter.offload_block_attrs),
                     dtype=dtype,
                     keep_fp32=adapter.keep_fp32,
                     progress=progress_bar("sharding blocks", "block") if progress else None,
-                    placement=Placement(resident_blocks=settings.resident_layers, device_memory_budget=budget,
+                    placement=Placement(resident_blocks=off.resident_layers, device_memory_budget=budget,
                                         activation_bytes=activation),
-                    quantization=settings.quantization,
+                    quantization=config.model.quantization,
                     experts=adapter.experts if len(adapter.experts) > 1 else None,
                 )
             except ValueError as e:
@@ -173,7 +174,8 @@ class PipelineRunner:
                 raise
         else:
             load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32,
-                          quantization=settings.quantization, block_attrs=list(adapter.offload_block_attrs))
+                          quantization=config.model.quantization,
+                          block_attrs=list(adapter.offload_block_attrs))
         if sequence_parallel > 1:
             from .sequence import enable_sequence_parallel
 
@@ -188,19 +190,19 @@ class PipelineRunner:
         log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
                  attn["why"])
         compiled = None
-        if compile_on(settings, dev, adapter):
+        if compile_on(config.model, dev, adapter):
             compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
             if adapter.can_probe:  # the compile at start-up, at the probe size (or the smallest on CPU)
-                height, width, frames = settings.probe_shape or warmup_shape(adapter, dev)
+                height, width, frames = off.probe_shape or warmup_shape(adapter, dev)
                 first = expert_of(module)[0]
-                batch = 2 if cfg_batch_on(settings, dev, adapter) else 1
+                batch = 2 if cfg_batch_on(config, dev, adapter) else 1
                 inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
                 with attention.chosen():  # the kernels the requests' forwards will trace
                     compiled.warm_up(lambda: first(**inputs))
             marks["compile"] = time.perf_counter()
-        adapter.load_components(dev, settings.components)
+        adapter.load_components(dev, off.components)
         marks["components"] = time.perf_counter()
-        runner = cls(adapter, module, handle, dev, settings, time.perf_counter() - t0, choice)
+        runner = cls(adapter, module, handle, dev, config, time.perf_counter() - t0)
         runner.compiled = compiled
         runner.attention = attn
         runner.load_stages = _durations(marks)
@@ -294,12 +296,12 @@ class PipelineRunner:
             "card": self.adapter.card(),
             "model_dir": str(self.adapter.model_dir),
             "device": str(self.device),
-            "strategy": self.settings.mode.value,
+            "strategy": self.config.offload.mode.value,
             "sequence_parallel": self.adapter.sequence_parallel,
-            "mode_choice": self.choice,
-            "components": list(self.settings.components) if self.settings.enabled else [],
-            "dtype": self.settings.dtype,
-            "quantization": self.settings.quantization,
+            "mode_choice": self.config.choice.as_dict() if self.config.choice else None,
+            "components": list(self.config.offload.components) if self.config.offload.enabled else [],
+            "dtype": self.config.model.dtype,
+            "quantization": self.config.model.quantization,
             "cfg_batch": self.cfg_batch,
             "attention": self.attention,
             "compile": self.compiled.describe() if self.compiled else None,
@@ -330,19 +332,19 @@ class PipelineRunner:
             torch.cuda.empty_cache()
 
 
-def cfg_batch_on(settings: OffloadSettings, device: torch.device, adapter: ModelAdapter) -> bool:
+def cfg_batch_on(config: EngineConfig, device: torch.device, adapter: ModelAdapter) -> bool:
     """Whether this server batches CFG rows (``--cfg-batch``): the settings and the device,
     for a family whose pipeline makes cond/uncond pairs; refused with sequence parallelism."""
     if adapter.sequence_parallel > 1:
-        if settings.cfg_batch == "on":
+        if config.model.cfg_batch == "on":
             raise ValueError("--cfg-batch on: not yet with --sequence-parallel-size > 1")
         return False
-    return adapter.cfg_batchable and settings.cfg_batching(device.type)
+    return adapter.cfg_batchable and config.model.cfg_batching(device.type)
 
 
-def dtype_of(settings: OffloadSettings) -> torch.dtype | None:
-    """The torch dtype the settings name (None: keep the checkpoint's)."""
-    return getattr(torch, settings.dtype) if settings.dtype else None
+def dtype_of(config: EngineConfig) -> torch.dtype | None:
+    """The torch dtype the config names (None: keep the checkpoint's)."""
+    return getattr(torch, config.model.dtype) if config.model.dtype else None
 
 
 def _durations(marks: dict[str, float]) -> dict[str, float]:
@@ -351,25 +353,25 @@ def _durations(marks: dict[str, float]) -> dict[str, float]:
     return {b: round(marks[b] - marks[a], 3) for a, b in zip(names, names[1:], strict=False)}
 
 
-def decide_auto(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,
-                group: dist.ProcessGroup | None, world: int | None = None,
-                ) -> tuple[dict[str, Any], ProbeTimings | None]:
-    """``--dlo-mode auto``: the mode and why (a dict: mode, reason, and the probe's figures when
-    it ran), and the probe's timings. ``world`` overrides the group's size (a probe on one rank
-    for N). Without a probe to run, the choice says so: a family with no probe inputs gets
+def decide_auto(adapter: ModelAdapter, dev: torch.device, config: EngineConfig,
+                group: dist.ProcessGroup | None, world: int | None = None) -> ModeChoice:
+    """``--dlo-mode auto``, resolved: the one place the choice is made (the executors run it
+    once through ``service.engine.start.probe_mode``; ``PipelineRunner.load`` runs it for a
+    config no executor resolved). ``world`` overrides the group's size (a probe on one rank for
+    N). Without a probe to run, the choice says so: a family with no probe inputs gets
     AllGather; CPU ranks without ``--dlo-probe-size`` get rank-local (no PCIe link to share:
     a rank-local fill is a read of the page cache, and compute on the CPU covers it)."""
     if not adapter.can_probe:
-        return {"mode": Mode.ALLGATHER.value,
-                "reason": f"{adapter.family} has no load-time probe: AllGather, the default"}, None
-    if dev.type == "cpu" and settings.probe_shape is None:
-        return {"mode": Mode.RANK_LOCAL.value,
-                "reason": "CPU ranks: a rank-local fill reads the shared page cache and compute covers it "
-                          "(no probe; give --dlo-probe-size to measure)"}, None
-    timings = probe_transformer(adapter, dev, settings, group)
+        return ModeChoice(OffloadMode.ALLGATHER,
+                          f"{adapter.family} has no load-time probe: AllGather, the default")
+    if dev.type == "cpu" and config.offload.probe_shape is None:
+        return ModeChoice(OffloadMode.RANK_LOCAL,
+                          "CPU ranks: a rank-local fill reads the shared page cache and compute covers it "
+                          "(no probe; give --dlo-probe-size to measure)")
+    timings = probe_transformer(adapter, dev, config, group)
     if world is not None:
         timings = replace(timings, world=world)
-    return choose_mode(timings, expert_mix=expert_mix(adapter, settings, timings.world)).as_dict(), timings
+    return choose_mode(timings, expert_mix=expert_mix(adapter, config, timings.world))
 
 
 # The step counts auto mode's expert estimate mixes (requests of one size, steps as users vary
@@ -377,48 +379,48 @@ def decide_auto(adapter: ModelAdapter, dev: torch.device, settings: OffloadSetti
 MIX_STEPS = (20, 50, 30, 40) * 10
 
 
-def expert_mix(adapter: ModelAdapter, settings: OffloadSettings, world: int) -> float:
+def expert_mix(adapter: ModelAdapter, config: EngineConfig, world: int) -> float:
     """What two experts cost an AllGather group of ``world`` ranks, for auto mode: the extra
     ticks of the group's rule (``lockstep_expert_cost``) over requests at the probe size with
     ``MIX_STEPS`` step counts (0 with one expert or one rank)."""
     if len(adapter.experts) == 1 or world <= 1:
         return 0.0
-    height, width, frames = settings.probe_shape or (480, 832, 81)
+    height, width, frames = config.offload.probe_shape or PROBE_SHAPE
     plans = [adapter.expert_plan(GenerationRequest(prompt="probe", height=height, width=width,
                                                    num_frames=frames, num_inference_steps=steps))
              for steps in MIX_STEPS]
     return lockstep_expert_cost(plans, world)
 
 
-def with_checkpoint_quantization(settings: OffloadSettings, ckpt: Any) -> OffloadSettings:
+def with_checkpoint_quantization(config: EngineConfig, ckpt: Any) -> EngineConfig:
     """``quantization`` None (the flag's auto) made the checkpoint's own: "fp8" for a folder
     ``dloserve quantize`` wrote (the folder says what it holds), else left as it is.
     ``"none"`` with such a folder is refused at load, naming the flag."""
-    if settings.quantization is not None:
-        return settings
+    if config.model.quantization is not None:
+        return config
     for path in ckpt.values() if isinstance(ckpt, dict) else (ckpt,):
         opened = Checkpoint(path)
         try:
             if prequantized_key(opened) is not None:
-                return replace(settings, quantization="fp8")
+                return replace(config, model=replace(config.model, quantization="fp8"))
         finally:
             opened.close()
-    return settings
+    return config
 
 
-def probe_transformer(adapter: ModelAdapter, dev: torch.device, settings: OffloadSettings,
+def probe_transformer(adapter: ModelAdapter, dev: torch.device, config: EngineConfig,
                       group: dist.ProcessGroup | None) -> ProbeTimings:
-    """Timings of the transformer at ``settings.probe_shape`` through a throw-away rank-local
+    """Timings of the transformer at the config's probe shape through a throw-away rank-local
     handle (mmap only, nothing sharded). Every rank of ``group`` calls it (it agrees)."""
     only = adapter.experts[0]  # experts have one block shape: probing the first is enough
     module = adapter.build_transformer(only)
     h = enable_layerwise_offload(module, adapter.transformer_checkpoint(only), device=dev,
-                                 use_allgather=False, block_attrs=list(adapter.block_attrs),
-                                 dtype=dtype_of(settings), keep_fp32=adapter.keep_fp32,
-                                 quantization=settings.quantization)
+                                 mode=OffloadMode.RANK_LOCAL, block_attrs=list(adapter.block_attrs),
+                                 dtype=dtype_of(config), keep_fp32=adapter.keep_fp32,
+                                 quantization=config.model.quantization)
     try:
-        height, width, frames = settings.probe_shape or (480, 832, 81)
-        batch = 2 if cfg_batch_on(settings, dev, adapter) else 1  # CFG rows in one forward
+        height, width, frames = config.offload.probe_shape or PROBE_SHAPE
+        batch = 2 if cfg_batch_on(config, dev, adapter) else 1  # CFG rows in one forward
         inputs = adapter.probe_inputs(module, height, width, frames, dev, batch)
         with torch.inference_mode():
             return probe(h, lambda: module(**inputs), group)

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from .cache_spec import CacheError, CacheSpec
+from service.config.cache import CacheError, CacheSpec
+
 from .lora_ref import LoraRef, lora_problem
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class GenerationRequest:
     Wan2.2 A14B: ``guidance_scale_2``). ``image``: the conditioning image as its file's
     bytes (PNG, JPEG or WebP, checked by ``service.models.image.check_image``), decoded on
     the rank, so every front end that passes the same file gets the same video.
-    ``cache``: the step cache (cache_spec.py); None takes the server's ``--cache`` default.
+    ``cache``: the step cache (service/config/cache.py); None takes the server's ``--cache`` default.
     ``resume``: the state a rerun starts from (resume.py; set by the dispatcher, never by a
     caller): the request's steps before ``resume.step`` make no forward.
     """

@@ -1,34 +1,41 @@
 """Distributed layerwise offload: pure torch + safetensors, usable on its own.
 
-    from service.offload import enable_layerwise_offload
-    handle = enable_layerwise_offload(module, "model.safetensors", device="cuda", group=pg)
+    from service.offload import OffloadMode, enable_layerwise_offload
+    handle = enable_layerwise_offload(module, "model.safetensors", device="cuda", group=pg,
+                                      mode=OffloadMode.ALLGATHER)
+
+Names resolve on first use (``mode`` is plain data: the flag parsers import it without torch).
 """
 
-from .checkpoint import Checkpoint, CheckpointError
-from .layerwise import (
-    LayerwiseOffload,
-    OffloadStats,
-    Placement,
-    enable_layerwise_offload,
-    find_blocks,
-    load_resident,
-)
-from .layout import ALIGN, BlockLayout, TensorEntry, plan_block
-from .quant import Fp8, Fp8Compute
+from __future__ import annotations
 
-__all__ = [
-    "ALIGN",
-    "BlockLayout",
-    "Checkpoint",
-    "CheckpointError",
-    "Fp8",
-    "Fp8Compute",
-    "LayerwiseOffload",
-    "OffloadStats",
-    "Placement",
-    "TensorEntry",
-    "enable_layerwise_offload",
-    "find_blocks",
-    "load_resident",
-    "plan_block",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "ALIGN": "layout",
+    "BlockLayout": "layout",
+    "Checkpoint": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "Fp8": "quant",
+    "Fp8Compute": "quant",
+    "LayerwiseOffload": "layerwise",
+    "ModeChoice": "mode",
+    "OffloadMode": "mode",
+    "OffloadStats": "options",
+    "Placement": "options",
+    "ProbeTimings": "mode",
+    "TensorEntry": "layout",
+    "enable_layerwise_offload": "layerwise",
+    "find_blocks": "modules",
+    "load_resident": "modules",
+    "plan_block": "layout",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'service.offload' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

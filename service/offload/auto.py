@@ -28,13 +28,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from .comm import all_gather
 from .layerwise import LayerwiseOffload
+from .mode import ModeChoice, OffloadMode, ProbeTimings
+
+__all__ = ["ModeChoice", "ProbeTimings", "choose_mode", "probe"]
 
 LOCKSTEP_MARGIN = 0.03
 SAME_LINK = 0.05  # at N=1, fills this close are one PCIe link measured twice
@@ -55,32 +57,6 @@ def lockstep_cost(world: int, spread: float = SHAPE_SPREAD) -> float:
     mean = (1.0 + low) / 2
     slowest = low + (1.0 - low) * world / (world + 1)  # E[max of world uniforms on [low, 1]]
     return slowest / mean - 1.0
-
-
-@dataclass(frozen=True)
-class ProbeTimings:
-    """What the probe measured on one rank (or the worst over the group). Seconds, bytes/s."""
-
-    world: int
-    block_bytes: int  # bytes of one streamed block (the largest)
-    compute_s: float  # one block's forward at the probe workload
-    h2d_bps: float  # pinned host -> device (what a shard fill runs at)
-    ranklocal_bps: float  # rank-local source -> device (page cache DMA, or pack + H2D)
-    gather_bps: float | None  # AllGather output bytes/s; None: not measured (taken as free)
-    ranklocal_source: str = "pack"
-    activation_bytes: int = 0  # device peak of the probe forward beyond weights (CUDA)
-
-
-@dataclass(frozen=True)
-class ModeChoice:
-    mode: str  # "allgather" or "rank-local"
-    reason: str
-    allgather_s: float  # predicted time per block
-    ranklocal_s: float
-    timings: ProbeTimings
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "timings": asdict(self.timings)}
 
 
 def allgather_fill_s(t: ProbeTimings) -> float:
@@ -120,10 +96,10 @@ def choose_mode(t: ProbeTimings, lockstep_margin: float = LOCKSTEP_MARGIN,
         why = ("compute covers the rank-local fill: no lock-step, no gathers"
                if rl_fill <= t.compute_s else
                "rank-local fills as fast as AllGather here and pins no private copy")
-        return ModeChoice("rank-local", f"{why}; {facts}", ag, rl, t)
+        return ModeChoice(OffloadMode.RANK_LOCAL, f"{why}; {facts}", ag, rl, t)
     why = (f"rank-local would be transfer-bound ({rl * ms:.2f} ms/block against "
            f"{ag * ms:.2f} ms with AllGather)")
-    return ModeChoice("allgather", f"{why}; {facts}", ag, rl, t)
+    return ModeChoice(OffloadMode.ALLGATHER, f"{why}; {facts}", ag, rl, t)
 
 
 def agree(t: ProbeTimings, group: dist.ProcessGroup | None, device: torch.device) -> ProbeTimings:

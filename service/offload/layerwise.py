@@ -20,6 +20,7 @@ from torch import nn
 from .checkpoint import Checkpoint, CheckpointPath, serving_dtype
 from .comm import Device, Group
 from .layout import BlockLayout, plan_block
+from .mode import OffloadMode, streamed_mode
 from .modules import _back_to, _expected, _place_non_persistent, _to_host, find_blocks, load_resident
 from .options import OffloadStats, Placement
 from .plan import plan_resident
@@ -49,7 +50,7 @@ class LayerwiseOffload:
         checkpoint: CheckpointPath,
         device: str | torch.device,
         group: dist.ProcessGroup | None,
-        use_allgather: bool,
+        mode: OffloadMode | str,
         block_attrs: Sequence[str] | None,
         dtype: torch.dtype | None,
         keep_fp32: Iterable[str],
@@ -62,6 +63,7 @@ class LayerwiseOffload:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         opts = options or Placement()
+        mode = streamed_mode(mode)
         self.module = module
         self.group = Group.of(group)
         self.device = Device(dev, self.group)
@@ -69,14 +71,14 @@ class LayerwiseOffload:
         blocks = find_blocks(module, block_attrs)
         self.quant = quantize_module(module, blocks, self.ckpt, quantization, dev)
         keep = tuple(keep_fp32) + (self.quant.keep_fp32 if self.quant else ())
-        self._plan(blocks, dtype, keep, opts, use_allgather)
+        self._plan(blocks, dtype, keep, opts, mode)
         resident = self._place(dev, opts)
         self._streamed = [i for i in range(len(self.layouts)) if i not in self.plan.resident]
         self.experts = tuple(experts or ())
         self._segments = self._segment(blocks)
         if opts.free_slots and self.experts:
             raise ValueError("free_slots is for a module run once per request, not for experts")
-        if opts.free_slots and use_allgather and self.group.world > 1 and self._streamed:
+        if opts.free_slots and mode.gathers and self.group.world > 1 and self._streamed:
             raise ValueError("free_slots needs a module whose fills are not collectives")
         self.host = HostBlocks(
             self.ckpt,
@@ -84,11 +86,11 @@ class LayerwiseOffload:
             [self._block_keys[i] for i in self._streamed],
             self.group,
             self.device,
-            use_allgather,
+            mode,
             progress,
             pagecache=opts.pagecache,
         )
-        world = self.group.world if use_allgather else 1
+        world = self.group.world if mode.gathers else 1
         slot_bytes = max((self.layouts[i].padded_bytes(world) for i in self._streamed), default=0)
         self._slot_bytes, self._free_slots = slot_bytes, opts.free_slots
         try:
@@ -107,7 +109,7 @@ class LayerwiseOffload:
             for dt, n in lay.dtype_bytes.items():
                 by_dtype[str(dt)] = max(by_dtype.get(str(dt), 0), n)
         self._stats = OffloadStats(
-            mode="allgather" if use_allgather else "rank-local",
+            mode=mode.value,
             rank=self.group.rank,
             world_size=self.group.world,
             blocks=len(self.layouts),
@@ -138,7 +140,7 @@ class LayerwiseOffload:
         dtype: torch.dtype | None,
         keep: tuple[str, ...],
         opts: Placement,
-        use_allgather: bool,
+        mode: OffloadMode,
     ) -> None:
         """Validate the checkpoint, lay out every block, choose the resident blocks."""
         module = self.module
@@ -178,7 +180,7 @@ class LayerwiseOffload:
             for k in expected
             if k not in in_block and k not in host_keys and k not in opts.tied
         )
-        world = self.group.world if use_allgather else 1
+        world = self.group.world if mode.gathers else 1
         self.plan = plan_resident(
             [lay.total_bytes for lay in layouts],
             [lay.padded_bytes(world) for lay in layouts],
@@ -393,7 +395,7 @@ class LayerwiseOffload:
         st = self._stats
         st.fills += 1
         st.fill_bytes += lay.total_bytes
-        if self.host.use_allgather:
+        if self.host.gathers:
             h2d = lay.shard_bytes(self.group.world) if self.device.is_cuda else 0
             gathered = lay.padded_bytes(self.group.world) if self.group.world > 1 else 0
         else:
@@ -542,7 +544,7 @@ def enable_layerwise_offload(
     checkpoint: CheckpointPath,
     device: str | torch.device = "cuda",
     group: dist.ProcessGroup | None = None,
-    use_allgather: bool = True,
+    mode: OffloadMode | str = OffloadMode.ALLGATHER,
     block_attrs: Sequence[str] | None = None,
     *,
     dtype: torch.dtype | None = None,
@@ -569,7 +571,7 @@ def enable_layerwise_offload(
     """
     t0 = time.perf_counter()
     handle = LayerwiseOffload(
-        module, checkpoint, device, group, use_allgather, block_attrs, dtype, keep_fp32, progress, placement,
+        module, checkpoint, device, group, mode, block_attrs, dtype, keep_fp32, progress, placement,
         quantization, experts,
     )
     handle.load_s = time.perf_counter() - t0

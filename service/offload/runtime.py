@@ -38,6 +38,7 @@ from torch import nn
 from .checkpoint import Checkpoint
 from .comm import Device, Group, Pending
 from .layout import BlockLayout, overlap
+from .mode import OffloadMode
 
 log = logging.getLogger("dloserve.offload")
 
@@ -61,23 +62,23 @@ class HostBlocks:
         keys: list[dict[str, str]],
         group: Group,
         device: Device,
-        use_allgather: bool,
+        mode: OffloadMode,
         progress: Callable[[int, int], None] | None = None,
         pagecache: bool | None = None,
     ) -> None:
         self.ckpt = ckpt
         self.group = group
         self.device = device
-        self.use_allgather = use_allgather
+        self.gathers = mode.gathers  # 1/N shards rebuilt by AllGathers (else the whole block, rank-local)
         self.blocks = [BlockSource(lay, k) for lay, k in zip(layouts, keys, strict=True)]
         self.pinned: list[torch.Tensor] = []
         self.registered: list[torch.Tensor] = []  # page-cache mappings registered for DMA
         self.staging: list[torch.Tensor] = []
-        self.source = "shards" if use_allgather else "pack"
+        self.source = "shards" if self.gathers else "pack"
         self.source_reason = ""
         if not self.blocks:
             return
-        if use_allgather:
+        if self.gathers:
             self._shard_all(progress)
             return
         if not device.is_cuda:
@@ -137,7 +138,7 @@ class HostBlocks:
     @property
     def collective(self) -> bool:
         """Whether fills are collectives that every rank must make in the same order."""
-        return self.use_allgather and self.group.world > 1 and bool(self.blocks)
+        return self.gathers and self.group.world > 1 and bool(self.blocks)
 
     @property
     def pinned_bytes(self) -> int:
@@ -243,7 +244,7 @@ class Ring:
         slot = self.next_slot
         b = self.host.blocks[block]
         world = self.host.group.world
-        if self.host.use_allgather:
+        if self.host.gathers:
             assert b.shard is not None
             out = self.slots[slot].narrow(0, 0, b.layout.padded_bytes(world))
             p = self.device.gather(block, slot, out, b.shard)

@@ -35,10 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from service.config import ModeChoice
 from service.engine.events import Event, EventKind
 from service.engine.executor import Executor, GroupInfo, GroupState
 from service.engine.metrics import metrics
-from service.engine.spec import Outcome
+from service.engine.outcome import Outcome
 from service.router.health import Availability, Track, Unavailable, backoff_s, failure_kind
 from service.router.policy import DeadlinePolicy
 from service.router.scheduler import Pick, Scheduler
@@ -209,6 +210,11 @@ class Dispatcher:
     @property
     def depth(self) -> int:
         return self.scheduler.depth
+
+    @property
+    def choice(self) -> ModeChoice | None:
+        """What ``--dlo-mode auto`` chose for this engine and why (None: the flags set the mode)."""
+        return self.executor.config.choice
 
     @property
     def held(self) -> int:

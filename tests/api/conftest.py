@@ -32,12 +32,11 @@ def app_url(ray_cluster: dict, demo_model: str, tmp_path_factory: pytest.TempPat
 
     from service.api.app import deploy
     from service.api.service import ServiceConfig
-    from service.models.options import Mode, OffloadSettings
 
     cfg = ServiceConfig(
         model=demo_model,
         dp_size=2,
-        offload=OffloadSettings(Mode.ALLGATHER),  # one group of two ranks that gather (auto: tests/engine)
+        offload={"mode": "allgather"},  # one group of two ranks that gather (auto: tests/engine)
         cpus_per_rank=0.5,
         gpus_per_rank=GPUS_PER_RANK,
         queue_size=QUEUE_SIZE,

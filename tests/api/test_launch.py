@@ -9,7 +9,8 @@ import pytest
 
 from service.api.launch import add_arguments, config_from_args, run
 from service.api.service import ServiceConfig
-from service.models.options import Mode, OffloadSettings
+from service.config import ModelConfig, OffloadConfig, OffloadMode
+from service.config.args import EngineArgs
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -22,20 +23,41 @@ def test_flags_map_onto_the_service_config() -> None:
     args = parse("/m", "--data-parallel-size", "4", "--enable-distributed-layerwise-offload",
                  "--dlo-no-use-allgather", "--max-wait-ms", "20", "--queue-size", "9", "--max-steps", "7",
                  "--job-retries", "0")
-    cfg = config_from_args(args, gpus_per_rank=1.0)
-    assert (cfg.dp_size, cfg.offload, cfg.queue_size) == (4, OffloadSettings(Mode.RANK_LOCAL), 9)
+    with pytest.warns(FutureWarning, match="--dlo-no-use-allgather is deprecated: use --dlo-mode rank-local"):
+        cfg = config_from_args(args, gpus_per_rank=1.0)
+    engine = cfg.engine_config("/m")
+    assert (cfg.dp_size, engine.offload, cfg.queue_size) == (4, OffloadConfig(OffloadMode.RANK_LOCAL), 9)
     assert cfg.job_retries == 0 and config_from_args(parse("/m"), 0.0).job_retries == 1
     assert cfg.limits["max_steps"] == 7 and cfg.max_wait_ms == 20
-    assert cfg.engine_spec("/m").bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
-    assert cfg.engine_spec("/m").device == "cuda"
+    assert engine.parallel.bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
+    assert engine.parallel.device == "cuda"
     args = parse("/m", "--enable-distributed-layerwise-offload", "--dlo-mode", "auto",
                  "--dlo-resident-layers", "3", "--dlo-components", "vae,dit",
                  "--dlo-probe-size", "1280x720x81", "--dtype", "bfloat16")
     cfg = config_from_args(args, gpus_per_rank=1.0)
-    want = OffloadSettings(Mode.AUTO, resident_layers=3, components=("dit", "vae"),
-                           probe_shape=(720, 1280, 81), dtype="bfloat16")
-    assert cfg.engine_spec("/m").settings == want  # the same object all the way down
-    assert ServiceConfig(**cfg.model_dump()).offload == want  # through Serve's args and back
+    flags = EngineArgs.from_namespace(args).to_config(gpus_per_rank=1.0)
+    assert flags.offload == OffloadConfig(OffloadMode.AUTO, resident_layers=3, components=("dit", "vae"),
+                                          probe_shape=(720, 1280, 81))
+    assert flags.model == ModelConfig(dtype="bfloat16")
+    assert cfg.engine_config() == flags  # the same config all the way down
+    assert ServiceConfig(**cfg.model_dump()).engine_config() == flags  # through Serve's args and back
+
+
+def test_the_serve_config_offload_mapping_keeps_working() -> None:
+    """The Serve config's flat ``offload`` mapping (deploy/serve.yaml) still sets every concern;
+    the removed ``use_allgather`` key is refused naming what to write instead."""
+    cfg = ServiceConfig(offload={"mode": "rank-local", "dtype": "bfloat16", "lora_cache_gb": 1,
+                                 "cache": "first_block", "cfg_batch": "off"})
+    engine = cfg.engine_config("/m")
+    assert engine.offload.mode is OffloadMode.RANK_LOCAL and engine.model.dtype == "bfloat16"
+    assert engine.lora.cache_gb == 1 and engine.step_cache.method == "first_block"
+    assert engine.model.cfg_batch == "off"
+    assert ServiceConfig().engine_config().offload.mode is OffloadMode.AUTO  # no mode: auto, as always
+    assert ServiceConfig(sp_size=2).engine_config().offload.mode is OffloadMode.ALLGATHER  # SP: one mode
+    with pytest.raises(ValueError, match="offload.use_allgather is gone: write offload.mode"):
+        ServiceConfig(offload={"use_allgather": False})
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['residnet_layers'\]"):
+        ServiceConfig(offload={"residnet_layers": 2})
 
 
 @pytest.mark.parametrize(
@@ -55,7 +77,8 @@ def test_flags_map_onto_the_service_config() -> None:
          "contradicts"),
     ],
 )
-def test_bad_flags_exit_2_without_starting_ray(argv: list[str], message: str, capsys, tmp_path: Path) -> None:  # noqa: ANN001
+def test_bad_flags_exit_2_without_starting_ray(argv: list[str], message: str, capsys,
+                                               tmp_path: Path) -> None:  # noqa: ANN001
     assert run(parse(*argv)) == 2
     assert message in capsys.readouterr().err
 
@@ -84,7 +107,8 @@ def test_the_key_file_gives_keys_their_own_limits(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("line", ["sk-x max_queued", "sk-x max_queued=0", "sk-x burst=3",
                                   "sk-x max_running=two"])
-def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsys, tmp_path: Path,  # noqa: ANN001
+def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsys, tmp_path: Path,
+                                                                # noqa: ANN001
                                                                   demo_model: str) -> None:
     import socket
 
@@ -100,7 +124,8 @@ def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsy
     assert f"{keys}:2:" in err and "already in use" not in err
 
 
-def test_a_start_removes_stale_results_folders_of_stopped_instances(monkeypatch, capsys, tmp_path: Path,  # noqa: ANN001
+def test_a_start_removes_stale_results_folders_of_stopped_instances(monkeypatch, capsys, tmp_path: Path,
+                                                                    # noqa: ANN001
                                                                      demo_model: str) -> None:
     """Through `dloserve serve` itself: it exits 2 on the busy port, after the cleaning."""
     import fcntl
@@ -151,7 +176,8 @@ def test_a_key_files_byte_order_mark_is_no_part_of_its_first_key(tmp_path: Path)
                                                                        "sk-second-0123456789"))
 
 
-def test_short_keys_are_warned_about_at_start(capsys, tmp_path: Path, demo_model: str) -> None:  # noqa: ANN001
+def test_short_keys_are_warned_about_at_start(capsys, tmp_path: Path,
+                                              demo_model: str) -> None:  # noqa: ANN001
     import socket
 
     with socket.socket() as busy:  # the start ends on the busy port (exit 2), after the key checks

@@ -99,7 +99,7 @@ def test_form_values_that_are_not_utf8_are_read_as_latin1() -> None:
 
 
 def test_cache_object_json_and_form_and_its_errors() -> None:
-    from service.models.cache_spec import CacheSpec
+    from service.config.cache import CacheSpec
 
     want = CacheSpec("first_block", threshold=0.1)
     for ctype, raw in (encoded(json={"prompt": "a", "cache": {"method": "first_block", "threshold": 0.1}}),

@@ -43,7 +43,8 @@ def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, de
             time.sleep(0.2)
         ex = svc.dispatcher.executor
         assert [(g.info.size, g.world) for g in ex._groups.values()] == [(1, 2)]
-        assert len(ex.spec.bundles()) == 2 and ex.spec.settings.mode.value == "allgather"  # SP: no auto
+        # SP: no auto
+        assert len(ex.config.parallel.bundles()) == 2 and ex.config.offload.mode.value == "allgather"
         with pytest.raises(BodyError) as e:  # 48x48x9: 3 x 3 x 3 = 27 tokens
             svc.create({"prompt": "odd", "width": 48, "height": 48, "num_frames": 9, "seed": 1})
         assert e.value.field == "num_frames" and "27 tokens" in e.value.message

@@ -102,9 +102,9 @@ def test_encoders_flag_default_is_auto_and_a_given_count_wins() -> None:
     auto = config_from_args(p.parse_args(["/m"]), gpus_per_rank=0.0)
     given = config_from_args(p.parse_args(["/m", "--encoders-per-rank", "3"]), gpus_per_rank=0.0)
     inline = config_from_args(p.parse_args(["/m", "--encoders-per-rank", "0"]), gpus_per_rank=0.0)
-    assert auto.encoders_per_rank is None and auto.engine_spec("/m").encoders_per_rank is None
-    assert given.engine_spec("/m").encoders_per_rank == 3
-    assert inline.engine_spec("/m").encoders_per_rank == 0
+    assert auto.encoders_per_rank is None and auto.engine_config().parallel.encoders_per_rank is None
+    assert given.engine_config().parallel.encoders_per_rank == 3
+    assert inline.engine_config().parallel.encoders_per_rank == 0
     bp = batch.parser()
     assert bp.parse_args(["--prompts", "p", "--out", "o"]).encoders_per_rank is None
     assert bp.parse_args(["--prompts", "p", "--out", "o", "--encoders-per-rank", "2"]).encoders_per_rank == 2

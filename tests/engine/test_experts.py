@@ -20,6 +20,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.engine.encoder import Encoder
 from service.engine.events import EventKind
 from service.engine.experts import NONE, choose, decide, encode, needs
@@ -27,7 +28,6 @@ from service.engine.rank import RankWorker
 from service.engine.start import control_group
 from service.models.demo import ensure_demo_model
 from service.models.experts import simulate
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
@@ -80,7 +80,8 @@ def test_simulation_majority_beats_union_and_later_first() -> None:
 
 
 def _scenario(rank: int, world: int, model: str, mode: str) -> dict:
-    runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(Mode(mode)), group=dist.group.WORLD)
+    runner = PipelineRunner.load(model, "cpu", config=EngineConfig(offload=OffloadConfig(OffloadMode(mode))),
+                                 group=dist.group.WORLD)
     collective = mode == "allgather"
     control = control_group(world) if collective else None
     worker = RankWorker(runner, rank if collective else 0, world if collective else 1, control, Encoder(1),

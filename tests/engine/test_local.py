@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from service.engine.spec import EngineSpec
-from service.models.options import Mode, OffloadSettings
+from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
 from service.models.request import GenerationRequest
 from service.router.build import build_dispatcher
 from service.router.dispatcher import Dispatcher
@@ -25,11 +24,11 @@ BESIDE = GenerationRequest(prompt="beside it", seed=2, num_inference_steps=12)
 AFTER = GenerationRequest(prompt="after", seed=3, height=48)
 
 
-def running(demo_model: str, mode: Mode) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(mode), encoders_per_rank=0,
-                      pg_timeout_s=60)
+def running(demo_model: str, mode: OffloadMode) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    parallel = ParallelConfig(dp_size=2, encoders_per_rank=0, pg_timeout_s=60, executor="local")
+    spec = EngineConfig(demo_model, parallel=parallel, offload=OffloadConfig(mode))
     sink = RecordingSink()
-    d = build_dispatcher(spec, sink, "local", deadlines=DeadlinePolicy(base_s=300))
+    d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=300))
     d.start()
     try:
         yield d, sink
@@ -39,14 +38,14 @@ def running(demo_model: str, mode: Mode) -> Iterator[tuple[Dispatcher, Recording
 
 @pytest.fixture
 def allgather(demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    yield from running(demo_model, Mode.ALLGATHER)
+    yield from running(demo_model, OffloadMode.ALLGATHER)
 
 
 @pytest.fixture
 def ranklocal(demo_model: str,
               caplog: pytest.LogCaptureFixture) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     caplog.set_level("INFO", logger="dloserve.engine")  # before the start: its breakdown is an INFO line
-    yield from running(demo_model, Mode.RANK_LOCAL)
+    yield from running(demo_model, OffloadMode.RANK_LOCAL)
 
 
 def wait_ready(d: Dispatcher) -> None:
@@ -72,13 +71,15 @@ def cancel_beside(d: Dispatcher, sink: RecordingSink, resident: Any) -> None:  #
     assert sink.finished["after"].mp4 == resident.generate(AFTER)
 
 
-def test_cancel_in_an_allgather_group_leaves_the_other_rank_exact(allgather, resident) -> None:  # noqa: ANN001
+def test_cancel_in_an_allgather_group_leaves_the_other_rank_exact(allgather,
+                                                                  resident) -> None:  # noqa: ANN001
     d, sink = allgather
     assert [g.size for g in d.executor.groups()] == [2]
     cancel_beside(d, sink, resident)
 
 
-def test_cancel_in_rank_local_mode(ranklocal, resident, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+def test_cancel_in_rank_local_mode(ranklocal, resident,
+                                   caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
     d, sink = ranklocal
     wait_ready(d)
     assert [g.size for g in d.executor.groups()] == [1, 1]

@@ -15,11 +15,11 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.engine.encoder import Encoder
 from service.engine.events import Event, EventKind
 from service.engine.rank import RankWorker, sticky_error
 from service.engine.start import control_group
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
@@ -35,8 +35,8 @@ MID = GenerationRequest(prompt="beside it", seed=6, num_inference_steps=20)  # 4
 
 
 def _scenario(rank: int, world: int, model: str) -> dict:
-    settings = OffloadSettings(Mode.ALLGATHER)
-    runner = PipelineRunner.load(model, "cpu", settings=settings, group=dist.group.WORLD)
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER))
+    runner = PipelineRunner.load(model, "cpu", config=settings, group=dist.group.WORLD)
     worker = RankWorker(runner, rank, world, control_group(world), Encoder(1), head_wait_s=5.0)
     try:
         if rank == 0:
@@ -129,7 +129,8 @@ def mp4(ev: dict, job: str) -> bytes:
     return fin.mp4
 
 
-def test_a_freed_rank_starts_the_next_request_at_the_next_forward(ranks: list[dict], resident) -> None:  # noqa: ANN001
+def test_a_freed_rank_starts_the_next_request_at_the_next_forward(ranks: list[dict],
+                                                                  resident) -> None:  # noqa: ANN001
     r0, r1 = ranks
     assert len(r0["log"]) == len(r1["log"])  # same ticks: same gathers, in the same order
     long_ticks = [i for i, j in enumerate(r0["log"]) if j == "long"]

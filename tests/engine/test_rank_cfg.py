@@ -12,11 +12,11 @@ import threading
 
 import torch.distributed as dist
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.engine.encoder import Encoder
 from service.engine.events import EventKind
 from service.engine.rank import RankWorker
 from service.engine.start import control_group
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
@@ -28,7 +28,9 @@ PLAIN = GenerationRequest(prompt="plain", seed=2, num_inference_steps=3,
 
 
 def _scenario(rank: int, world: int, model: str) -> dict:
-    runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(Mode.ALLGATHER, cfg_batch="on"),
+    runner = PipelineRunner.load(model, "cpu",
+                                 config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                     model=ModelConfig(cfg_batch="on")),
                                  group=dist.group.WORLD)
     worker = RankWorker(runner, rank, world, control_group(world), Encoder(1), head_wait_s=5.0)
     try:
@@ -53,7 +55,7 @@ def test_batched_and_plain_share_a_group(demo_model: str) -> None:
     assert len(r0["log"]) == len(r1["log"])  # the same ticks: the same gathers, in order
     assert r0["log"].count("batched") == BATCHED.num_inference_steps
     assert r1["log"].count("plain") == PLAIN.forwards() == 6
-    resident = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(cfg_batch="on"))
+    resident = PipelineRunner.load(demo_model, "cpu", config=EngineConfig(model=ModelConfig(cfg_batch="on")))
     try:
         assert r0["mp4"] == resident.generate(BATCHED)
         assert r1["mp4"] == resident.generate(PLAIN)

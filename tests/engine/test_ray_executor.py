@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 import ray
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
 from service.engine.executor import GroupState
-from service.engine.spec import EngineSpec
-from service.models.options import Mode, OffloadSettings
 from service.models.request import GenerationRequest
 from service.router.build import build_dispatcher
 from service.router.dispatcher import Dispatcher
@@ -35,9 +34,9 @@ def wait_ready(d: Dispatcher, timeout: float = 180) -> None:
         assert d._cv.wait_for(lambda: d.status()["state"] == "ready", timeout), d.status()
 
 
-def running(spec: EngineSpec, **kw: Any) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+def running(spec: EngineConfig, **kw: Any) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     sink = RecordingSink()
-    d = build_dispatcher(spec, sink, "ray", **kw)
+    d = build_dispatcher(spec, sink, **kw)
     d.start()
     try:
         wait_ready(d)
@@ -53,8 +52,9 @@ def submit(d: Dispatcher, tid: str, req: GenerationRequest) -> None:
 @pytest.fixture
 def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     # auto, the default: on CPU ranks without a probe size it picks rank-local and says why
-    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.AUTO), cpus_per_rank=0.5,
-                      pg_timeout_s=60, encoders_per_rank=0)
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.AUTO),
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
+                                                encoders_per_rank=0))
     yield from running(spec, deadlines=DeadlinePolicy(base_s=120))
 
 
@@ -87,8 +87,9 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
 
 @pytest.fixture
 def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
-                      pg_timeout_s=60, encoders_per_rank=1)
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
+                                                encoders_per_rank=1))
     # 1,000 steps (2,000 forwards, ~20 s here) cannot finish in 2 s even on a CPU 10x faster.
     yield from running(spec, scheduler="waves", max_wait_s=0.5,
                        deadlines=DeadlinePolicy(base_s=2.0, per_forward_s=0.0))
@@ -125,12 +126,14 @@ def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> N
 
 @pytest.fixture
 def allgather(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    spec = EngineSpec(demo_model, dp_size=2, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
-                      pg_timeout_s=60, encoders_per_rank=1)
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
+                                                encoders_per_rank=1))
     yield from running(spec, deadlines=DeadlinePolicy(base_s=300))
 
 
-def test_allgather_a_killed_rank_reruns_both_held_requests_and_the_queue_goes_on(allgather, resident) -> None:  # noqa: ANN001
+def test_allgather_a_killed_rank_reruns_both_held_requests_and_the_queue_goes_on(allgather,
+                                                                                 resident) -> None:  # noqa: ANN001
     """The gathers die with a rank, so both ranks' requests stop; both run again on the
     rebuilt group, first, with the bytes they would have had; the queued one is exact; a rank
     that dies while idle is noticed and replaced too."""

@@ -18,8 +18,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from service.engine.spec import EngineSpec
-from service.models.options import Mode, OffloadSettings
+from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.router.dispatcher import Dispatcher
@@ -32,25 +31,25 @@ pytestmark = pytest.mark.e2e  # kills real rank actors and waits for the rebuild
 
 @pytest.fixture(scope="module")
 def reference(euler_model: str) -> Iterator[PipelineRunner]:
-    runner = PipelineRunner.load(euler_model, "cpu", settings=None)
+    runner = PipelineRunner.load(euler_model, "cpu", config=None)
     yield runner
     runner.close()
 
 
-def engine(model: str, dp: int, mode: Mode) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    spec = EngineSpec(model, dp_size=dp, settings=OffloadSettings(mode), cpus_per_rank=0.5, pg_timeout_s=60,
-                      encoders_per_rank=0)
+def engine(model: str, dp: int, mode: OffloadMode) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    spec = EngineConfig(model, parallel=ParallelConfig(dp_size=dp, cpus_per_rank=0.5, pg_timeout_s=60,
+                                                       encoders_per_rank=0), offload=OffloadConfig(mode))
     yield from running(spec, deadlines=DeadlinePolicy(base_s=300))
 
 
 @pytest.fixture
 def dp1(ray_cluster: dict, euler_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    yield from engine(euler_model, 1, Mode.RANK_LOCAL)
+    yield from engine(euler_model, 1, OffloadMode.RANK_LOCAL)
 
 
 @pytest.fixture
 def dp2(ray_cluster: dict, euler_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    yield from engine(euler_model, 2, Mode.ALLGATHER)
+    yield from engine(euler_model, 2, OffloadMode.ALLGATHER)
 
 
 def killed_then_resumed(d: Dispatcher, sink: RecordingSink, reference: PipelineRunner,

@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 import ray
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
 from service.engine.executor import GroupState
-from service.engine.spec import EngineSpec
-from service.models.options import Mode, OffloadSettings
 from service.models.request import GenerationRequest
 from service.router.build import build_dispatcher
 from service.router.dispatcher import Dispatcher
@@ -35,10 +34,11 @@ pytestmark = pytest.mark.e2e  # kills a real rank actor and waits for the rebuil
 @pytest.fixture
 def one_rank(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     # encoders_per_rank None: the rank sizes its pool from its CPUs; the standby must get that size
-    spec = EngineSpec(demo_model, dp_size=1, settings=OffloadSettings(Mode.ALLGATHER), cpus_per_rank=0.5,
-                      pg_timeout_s=60, standby=True)  # on by default on GPU ranks only
+    # standby: on by default on GPU ranks only
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
+                        parallel=ParallelConfig(dp_size=1, cpus_per_rank=0.5, pg_timeout_s=60, standby=True))
     sink = RecordingSink()
-    d = build_dispatcher(spec, sink, "ray", deadlines=DeadlinePolicy(base_s=600))
+    d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=600))
     d.start()
     try:
         wait_ready(d, timeout=400)

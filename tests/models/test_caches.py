@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.config import EngineConfig, FlagError, OffloadConfig, OffloadMode, step_cache
+from service.config.cache import CacheSpec, parse_spec
 from service.models.cache import diffusers_config
-from service.models.cache_spec import CacheSpec, parse_spec
-from service.models.options import FlagError, Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
@@ -78,10 +78,10 @@ def test_specs_are_checked_naming_the_field() -> None:
         assert e.value.field == field, obj
     # the server default: a flag, checked once, canonical
     canonical = '{"method": "first_block", "threshold": 0.1}'
-    assert OffloadSettings(cache="first_block:threshold=0.1").cache == canonical
-    assert OffloadSettings(cache="none").cache is None
+    assert EngineConfig(step_cache=step_cache("first_block:threshold=0.1")).cache == canonical
+    assert EngineConfig(step_cache=step_cache("none")).cache is None
     with pytest.raises(FlagError, match="--cache: cache.method"):
-        OffloadSettings(cache="tea")
+        EngineConfig(step_cache=step_cache("tea"))
     # not part of the compatibility key: cached and uncached requests share a group
     assert replace(A, cache=FBC).compat_key() == A.compat_key()
 
@@ -98,11 +98,13 @@ def test_resident_equals_diffusers_with_the_same_hook(demo_model: str, resident:
     assert np.array_equal(resident.frames(replace(A, cache=replace(spec, threshold=0.0))), plain)
 
 
-@pytest.mark.parametrize("mode", [Mode.ALLGATHER, pytest.param(Mode.RANK_LOCAL, marks=pytest.mark.e2e)])
-def test_streamed_skips_move_no_bytes(demo_model: str, resident: PipelineRunner, mode: Mode) -> None:
+@pytest.mark.parametrize("mode", [OffloadMode.ALLGATHER, pytest.param(OffloadMode.RANK_LOCAL,
+                                                                      marks=pytest.mark.e2e)])
+def test_streamed_skips_move_no_bytes(demo_model: str, resident: PipelineRunner, mode: OffloadMode) -> None:
     want = {name: sha(resident.frames(replace(A, cache=spec))) for name, spec in (("fbc", FBC), ("mag", MAG))}
     plain = sha(resident.frames(A))
-    runners = {name: PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(mode, cache=cache))
+    runners = {name: PipelineRunner.load(demo_model, "cpu", config=EngineConfig(offload=OffloadConfig(mode),
+                                                                                step_cache=step_cache(cache)))
                for name, cache in (("plain", None), ("cached", "first_block:threshold=5.0"))}
     try:
         stats = {}
@@ -120,7 +122,7 @@ def test_streamed_skips_move_no_bytes(demo_model: str, resident: PipelineRunner,
         assert c["forwards"] == p["forwards"]
         # every fill the cached runner did not make is counted as skipped, nothing else
         assert p["fill_bytes"] - c["fill_bytes"] == c["fill_bytes_skipped"] > 0
-        if mode is Mode.ALLGATHER:
+        if mode is OffloadMode.ALLGATHER:
             assert c["skip_overruled"] == 0  # alone, a rank's decision is the group's
     finally:
         for runner in runners.values():
@@ -130,9 +132,10 @@ def test_streamed_skips_move_no_bytes(demo_model: str, resident: PipelineRunner,
 def _mixed(rank: int, world: int, model: str, out: str) -> None:
     """Rank 0 runs A with a cache and B without; rank 1 the opposite; then both uncached."""
     results: dict[str, list] = {}
-    for name, mode in (("allgather2", Mode.ALLGATHER), ("ranklocal2", Mode.RANK_LOCAL)):
-        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(mode), group=None if
-                                     mode is Mode.RANK_LOCAL else torch.distributed.group.WORLD)
+    for name, mode in (("allgather2", OffloadMode.ALLGATHER), ("ranklocal2", OffloadMode.RANK_LOCAL)):
+        runner = PipelineRunner.load(model, "cpu", config=EngineConfig(offload=OffloadConfig(mode)),
+                                     group=None if
+                                     mode is OffloadMode.RANK_LOCAL else torch.distributed.group.WORLD)
         mine = [replace(A, cache=FBC), B] if rank == 0 else [B, replace(A, cache=MAG)]
         results[name] = [sha(runner.frames(req)) for req in mine]
         st = runner.offload_stats()
@@ -160,19 +163,19 @@ def test_dp2_group_with_one_cached_and_one_uncached_request(demo_model: str, res
 
 def test_cache_flag_is_shared_and_checked() -> None:
     from service.cli import build_parser
-    from service.models.options import settings_from_args
+    from service.config.args import EngineArgs
+
+    def step_cache_of(argv: list[str]) -> CacheSpec | None:
+        args = p.parse_args(["generate", "--prompt", "x", *argv])
+        return EngineArgs.from_namespace(args).to_config().step_cache
 
     p = build_parser()
-    args = p.parse_args(["generate", "--prompt", "x", "--cache", "first_block:threshold=0.2"])
-    assert settings_from_args(args).cache == '{"method": "first_block", "threshold": 0.2}'
-    args = p.parse_args(["generate", "--prompt", "x", "--cache-default", "none"])
-    assert settings_from_args(args).cache is None
+    assert step_cache_of(["--cache", "first_block:threshold=0.2"]) == CacheSpec("first_block", threshold=0.2)
+    assert step_cache_of(["--cache-default", "none"]) is None
     with pytest.raises(FlagError, match="--cache: cache.threshold"):
-        settings_from_args(p.parse_args(["generate", "--prompt", "x", "--cache", "first_block:threshold=-1"]))
-    sp = p.parse_args(["generate", "--prompt", "x", "--cache", "first_block", "--usp", "2",
-                       "--enable-distributed-layerwise-offload"])
+        step_cache_of(["--cache", "first_block:threshold=-1"])
     with pytest.raises(FlagError, match="--cache"):
-        settings_from_args(sp)
+        step_cache_of(["--cache", "first_block", "--usp", "2", "--enable-distributed-layerwise-offload"])
 
 
 def test_a_two_expert_model_refuses_a_cache_before_any_compute() -> None:
@@ -181,7 +184,8 @@ def test_a_two_expert_model_refuses_a_cache_before_any_compute() -> None:
     from service.models.demo import ensure_demo_model
 
     two = str(ensure_demo_model("wan22-t2v-tiny"))
-    runner = PipelineRunner.load(two, "cpu", settings=OffloadSettings(Mode.ALLGATHER))
+    runner = PipelineRunner.load(two, "cpu",
+                                 config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)))
     try:
         runner.validate(A)  # no cache: served
         with pytest.raises(RequestError, match="two-expert") as e:
@@ -191,4 +195,5 @@ def test_a_two_expert_model_refuses_a_cache_before_any_compute() -> None:
     finally:
         runner.close()
     with pytest.raises(ValueError, match="--cache: step caches are not supported on a two-expert"):
-        PipelineRunner.load(two, "cpu", settings=OffloadSettings(Mode.ALLGATHER, cache="first_block"))
+        PipelineRunner.load(two, "cpu", config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                            step_cache=step_cache("first_block")))

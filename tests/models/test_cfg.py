@@ -16,15 +16,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.cfg import CfgBatched
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
 
 REQ = GenerationRequest(prompt="a red fox running through snow", negative_prompt="blurry", seed=7,
                         num_inference_steps=3)  # CFG on: 3 forwards batched, 6 unbatched
-ON = {"cfg_batch": "on"}
+ON = ModelConfig(cfg_batch="on")
 
 
 def sha(data: bytes) -> str:
@@ -34,9 +34,9 @@ def sha(data: bytes) -> str:
 def _groups(rank: int, world: int, model: str, out: str) -> None:
     """AllGather N=2, then rank-local N=2: the request on rank 0, then on rank 1."""
     results = {}
-    for name, mode in (("allgather2", Mode.ALLGATHER), ("ranklocal2", Mode.RANK_LOCAL)):
-        settings = OffloadSettings(mode, **ON)
-        runner = PipelineRunner.load(model, "cpu", settings=settings, group=dist.group.WORLD)
+    for name, mode in (("allgather2", OffloadMode.ALLGATHER), ("ranklocal2", OffloadMode.RANK_LOCAL)):
+        settings = EngineConfig(offload=OffloadConfig(mode), model=ON)
+        runner = PipelineRunner.load(model, "cpu", config=settings, group=dist.group.WORLD)
         shas = []
         for runs in (0, 1):
             if rank == runs:
@@ -50,7 +50,7 @@ def _groups(rank: int, world: int, model: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(demo_model: str) -> str:
-    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(**ON))
+    runner = PipelineRunner.load(demo_model, "cpu", config=EngineConfig(model=ON))
     try:
         assert runner.cfg_batch and runner.adapter.forwards(REQ) == REQ.num_inference_steps
         return sha(runner.generate(REQ))
@@ -70,7 +70,8 @@ def test_batched_bytes_equal_across_strategies(demo_model: str, reference: str, 
 
 
 def test_rank_local_dp1_batched_equals_resident(demo_model: str, reference: str) -> None:
-    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(Mode.RANK_LOCAL, **ON))
+    config = EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL), model=ON)
+    runner = PipelineRunner.load(demo_model, "cpu", config=config)
     try:
         assert sha(runner.generate(REQ)) == reference
         assert runner.describe()["cfg_batch"] is True
@@ -80,7 +81,7 @@ def test_rank_local_dp1_batched_equals_resident(demo_model: str, reference: str)
 
 def test_which_requests_are_batched(demo_model: str) -> None:
     """A function of the request and the server's settings: CFG on and no step cache."""
-    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(**ON))
+    runner = PipelineRunner.load(demo_model, "cpu", config=EngineConfig(model=ON))
     try:
         a = runner.adapter
         assert a.cfg_batched(REQ)
@@ -89,7 +90,7 @@ def test_which_requests_are_batched(demo_model: str) -> None:
         assert not a.cfg_batched(cached) and a.forwards(cached) == 6
     finally:
         runner.close()
-    off = PipelineRunner.load(demo_model, "cpu", settings=None)  # auto on CPU: off
+    off = PipelineRunner.load(demo_model, "cpu", config=None)  # auto on CPU: off
     try:
         assert not off.cfg_batch and off.adapter.forwards(REQ) == 6
     finally:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from service.models.cache_spec import CacheSpec
+from service.config.cache import CacheSpec
 from service.models.checks import cache_unsupported, check_request
 from service.models.demo import ensure_demo_model
 from service.models.lora_ref import LoraRef

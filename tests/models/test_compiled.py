@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from torch._dynamo.utils import counters
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.demo.lora import write_demo_lora
 from service.models.lora_ref import LoraRef
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 
@@ -35,8 +35,10 @@ def graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def eager_frames(model: str, req: GenerationRequest, **settings: object) -> np.ndarray:
-    runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(**settings))
+def eager_frames(model: str, req: GenerationRequest, mode: OffloadMode, quantization: str | None = None
+                 ) -> np.ndarray:
+    config = EngineConfig(offload=OffloadConfig(mode), model=ModelConfig(quantization=quantization))
+    runner = PipelineRunner.load(model, "cpu", config=config)
     try:
         assert runner.compiled is None  # auto on CPU: off
         return runner.frames(req)
@@ -44,11 +46,13 @@ def eager_frames(model: str, req: GenerationRequest, **settings: object) -> np.n
         runner.close()
 
 
-@pytest.mark.parametrize("mode", [Mode.ALLGATHER, Mode.RANK_LOCAL], ids=["allgather1", "ranklocal1"])
-def test_slot_swaps_do_not_recompile(demo_model: str, mode: Mode) -> None:
+@pytest.mark.parametrize("mode", [OffloadMode.ALLGATHER, OffloadMode.RANK_LOCAL], ids=["allgather1",
+                                                                                       "ranklocal1"])
+def test_slot_swaps_do_not_recompile(demo_model: str, mode: OffloadMode) -> None:
     before = graphs()
     runner = PipelineRunner.load(demo_model, "cpu",
-                                 settings=OffloadSettings(mode, compile="on", probe_shape=SHAPE))
+                                 config=EngineConfig(offload=OffloadConfig(mode, probe_shape=SHAPE),
+                                                     model=ModelConfig(compile="on")))
     try:
         assert runner.compiled is not None and "compile" in runner.load_stages  # warm-up at start-up
         assert runner.describe()["compile"]["classes"] == ["WanTransformerBlock"]
@@ -68,9 +72,10 @@ def test_slot_swaps_do_not_recompile(demo_model: str, mode: Mode) -> None:
 
 
 def test_composes_with_fp8_and_step_caches(demo_model: str) -> None:
-    settings = OffloadSettings(Mode.ALLGATHER, compile="on", probe_shape=SHAPE, quantization="fp8")
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, probe_shape=SHAPE),
+                            model=ModelConfig(compile="on", quantization="fp8"))
     cached = replace(REQ, num_inference_steps=4, cache={"method": "first_block", "threshold": 0.05})
-    runner = PipelineRunner.load(demo_model, "cpu", settings=settings)
+    runner = PipelineRunner.load(demo_model, "cpu", config=settings)
     try:
         warm = graphs()
         fp8 = runner.frames(REQ)
@@ -78,7 +83,7 @@ def test_composes_with_fp8_and_step_caches(demo_model: str) -> None:
         assert graphs() == warm
     finally:
         runner.close()
-    eager = {"mode": Mode.ALLGATHER, "quantization": "fp8"}
+    eager = {"mode": OffloadMode.ALLGATHER, "quantization": "fp8"}
     assert np.array_equal(fp8, eager_frames(demo_model, REQ, **eager))
     assert np.array_equal(with_cache, eager_frames(demo_model, cached, **eager))
 
@@ -86,8 +91,9 @@ def test_composes_with_fp8_and_step_caches(demo_model: str) -> None:
 def test_lora_requests_run_the_blocks_eagerly(demo_model: str, tmp_path: Path) -> None:
     path = write_demo_lora(demo_model, tmp_path / "x.safetensors", layout="peft", rank=4, alpha=8, seed=5)
     lora = replace(REQ, loras=(LoraRef("x", 0.8, source=str(path)),))
-    runner = PipelineRunner.load(demo_model, "cpu",
-                                 settings=OffloadSettings(Mode.RANK_LOCAL, compile="on", probe_shape=SHAPE))
+    config = EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL, probe_shape=SHAPE),
+                          model=ModelConfig(compile="on"))
+    runner = PipelineRunner.load(demo_model, "cpu", config=config)
     try:
         warm = graphs()
         with_lora = runner.frames(lora)
@@ -96,7 +102,7 @@ def test_lora_requests_run_the_blocks_eagerly(demo_model: str, tmp_path: Path) -
     finally:
         runner.close()
     assert not np.array_equal(with_lora, plain)
-    assert np.array_equal(with_lora, eager_frames(demo_model, lora, mode=Mode.RANK_LOCAL))
+    assert np.array_equal(with_lora, eager_frames(demo_model, lora, mode=OffloadMode.RANK_LOCAL))
 
 
 def test_two_experts_compile_and_batch_cfg(tmp_path: Path) -> None:
@@ -108,8 +114,9 @@ def test_two_experts_compile_and_batch_cfg(tmp_path: Path) -> None:
     req = replace(REQ, num_inference_steps=4)
     frames = {}
     for name, comp in (("compiled", "on"), ("eager", "off")):
-        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(
-            Mode.ALLGATHER, compile=comp, cfg_batch="on", probe_shape=SHAPE))
+        config = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, probe_shape=SHAPE),
+                              model=ModelConfig(compile=comp, cfg_batch="on"))
+        runner = PipelineRunner.load(model, "cpu", config=config)
         try:
             assert runner.adapter.forwards(req) == 4 and len(runner.adapter.expert_plan(req)) == 4
             warm = graphs()

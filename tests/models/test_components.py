@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.models.components import load_streamed_text_encoder, parse_components
 from service.models.demo import ensure_demo_model
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.staged import StagedModule
@@ -61,16 +61,17 @@ def test_streamed_text_encoder_embeddings_are_bitwise_equal(model: Path, tmp_pat
 
 def test_mp4_bytes_unchanged_with_every_component_offloaded(model: Path) -> None:
     runs = {
-        "today": OffloadSettings(Mode.ALLGATHER),
-        "all offloaded, auto, 1 resident": OffloadSettings(
-            Mode.AUTO, components=("dit", "text_encoder", "vae"), probe_shape=(32, 32, 5), resident_layers=1),
+        "today": EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)),
+        "all offloaded, auto, 1 resident": EngineConfig(offload=OffloadConfig(
+            OffloadMode.AUTO, components=("dit", "text_encoder", "vae"), probe_shape=(32, 32, 5),
+            resident_layers=1)),
     }
     digests = {}
     for name, cfg in runs.items():
-        r = PipelineRunner.load(model, "cpu", settings=cfg)
+        r = PipelineRunner.load(model, "cpu", config=cfg)
         try:
             digests[name] = hashlib.sha256(r.generate(REQ)).hexdigest()
-            if cfg.mode is Mode.AUTO:
+            if cfg.mode is OffloadMode.AUTO:
                 d = r.describe()
                 assert d["mode_choice"]["mode"] in ("allgather", "rank-local")
                 assert d["components"] == ["dit", "text_encoder", "vae"]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.models import demo
 from service.models.demo import parts
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4, encode_mp4
@@ -58,7 +58,8 @@ def test_streamed_sharded_writer_loads_and_runs(tmp_path: Path, monkeypatch: pyt
     assert json.loads((path / "model_index.json").read_text())["transformer"] == [
         "diffusers", "WanTransformer3DModel"
     ]
-    runner = PipelineRunner.load(path, "cpu", settings=OffloadSettings(Mode.ALLGATHER))
+    runner = PipelineRunner.load(path, "cpu",
+                                 config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)))
     try:
         frames = runner.frames(GenerationRequest(prompt="a fox", num_inference_steps=1))
         assert frames.shape == (5, 32, 32, 3) and frames.std() > 0

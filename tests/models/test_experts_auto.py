@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from service.config import EngineConfig, LoraConfig, OffloadConfig, OffloadMode
 from service.models.demo import ensure_demo_model
 from service.models.experts import lockstep_expert_cost, simulate
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner, decide_auto, expert_mix
 from service.models.registry import load_adapter
 from service.offload.auto import ProbeTimings, choose_mode
@@ -55,7 +55,7 @@ def test_expert_cost_can_turn_auto_to_rank_local() -> None:
 
 
 def test_auto_on_a_two_expert_model_charges_the_experts(two: str, demo_model: str) -> None:
-    settings = OffloadSettings(Mode.AUTO, probe_shape=(16, 16, 5))
+    settings = EngineConfig(offload=OffloadConfig(OffloadMode.AUTO, probe_shape=(16, 16, 5)))
     a2, a1 = load_adapter(two), load_adapter(demo_model)
     assert expert_mix(a1, settings, 2) == 0.0 and expert_mix(a2, settings, 1) == 0.0
     mix = expert_mix(a2, settings, 2)
@@ -71,7 +71,8 @@ def test_device_budget_counts_both_experts(two: str) -> None:
     """A budget that holds every block and non-block tensor of both experts keeps them all
     resident; one byte less streams some (a budget counting one expert would keep all)."""
     adapter = load_adapter(two)
-    streamed = PipelineRunner.load(two, "cpu", settings=OffloadSettings(Mode.ALLGATHER))
+    streamed = PipelineRunner.load(two, "cpu",
+                                   config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)))
     try:
         blocks = sum(lay.total_bytes for lay in streamed.handle.layouts)
         n_blocks = len(streamed.handle.layouts)
@@ -86,8 +87,9 @@ def test_device_budget_counts_both_experts(two: str) -> None:
     everything = blocks + non_block
     for budget, all_resident in ((everything, True), (everything - 1, False)):
         # no adapter LRU in the budget (it reserves --lora-cache-gb): only the experts' bytes
-        settings = OffloadSettings(Mode.ALLGATHER, device_memory_gb=budget / 2**30, lora_cache_gb=0)
-        runner = PipelineRunner.load(two, "cpu", settings=settings)
+        settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, device_memory_gb=budget / 2**30),
+                                lora=LoraConfig(cache_gb=0))
+        runner = PipelineRunner.load(two, "cpu", config=settings)
         try:
             plan = runner.handle.plan
             assert plan.fixed_bytes == non_block, (plan, non_block)

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.demo import write_demo_model
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
@@ -97,8 +97,9 @@ def _ranks(rank: int, world: int, cases: dict[str, tuple[str, GenerationRequest]
     One spawn for all families (starting processes is most of the time on 2 cores)."""
     out: dict = {}
     for case, (path, req) in cases.items():
-        for mode in (Mode.ALLGATHER, Mode.RANK_LOCAL):
-            runner = PipelineRunner.load(path, "cpu", settings=OffloadSettings(mode), group=dist.group.WORLD)
+        for mode in (OffloadMode.ALLGATHER, OffloadMode.RANK_LOCAL):
+            runner = PipelineRunner.load(path, "cpu", config=EngineConfig(offload=OffloadConfig(mode)),
+                                         group=dist.group.WORLD)
             shas = []
             for runs in (0, 1):
                 if rank == runs:
@@ -126,8 +127,9 @@ def test_frames_equal_diffusers_pipeline(case: str, models: dict[str, Path], spa
     image_file.write_bytes(IMAGE)
     want = _reference(path, pipeline, req, image_file)
     assert want.std() > 0
-    for settings in (None, OffloadSettings(Mode.ALLGATHER), OffloadSettings(Mode.RANK_LOCAL)):
-        runner = PipelineRunner.load(path, "cpu", settings=settings)
+    for settings in (None, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)),
+                     EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL))):
+        runner = PipelineRunner.load(path, "cpu", config=settings)
         try:
             got = runner.frames(req)
             assert got.shape == (req.num_frames, req.height, req.width, 3)
@@ -181,14 +183,16 @@ def test_cfg_in_one_forward_per_family(case: str) -> None:
     """``--cfg-batch on`` for the image families too: the image context (CLIP), the image
     latents beside the noise and TI2V's per-token timesteps are repeated for the second row.
     One forward per step, frames within 1/255 of the two-call run (as for Wan T2V)."""
+    from service.config import EngineConfig, OffloadConfig, OffloadMode
     from service.models.demo import ensure_demo_model
-    from service.models.options import Mode, OffloadSettings
 
     model = str(ensure_demo_model(case))
     req = CASES[case][1]
     frames = {}
     for batch in ("on", "off"):
-        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(Mode.ALLGATHER, cfg_batch=batch))
+        runner = PipelineRunner.load(model, "cpu",
+                                     config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                         model=ModelConfig(cfg_batch=batch)))
         try:
             frames[batch] = runner.frames(req).astype(int)
             per_step = 1 if batch == "on" else 2

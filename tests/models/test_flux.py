@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.demo import tokenizer as demo_tokenizer
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
@@ -79,13 +79,14 @@ def reference(flux_dir: Path) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "offload", [None, OffloadSettings(Mode.ALLGATHER), OffloadSettings(Mode.RANK_LOCAL)],
+    "offload", [None, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)),
+                EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL))],
     ids=["resident", "allgather1", "ranklocal1"],
 )
 def test_flux_frames_equal_diffusers(
-    flux_dir: Path, reference: np.ndarray, offload: OffloadSettings | None
+    flux_dir: Path, reference: np.ndarray, offload: EngineConfig | None
 ) -> None:
-    runner = PipelineRunner.load(flux_dir, "cpu", settings=offload)
+    runner = PipelineRunner.load(flux_dir, "cpu", config=offload)
     try:
         assert runner.adapter.family == "flux-t2i"
         frames = runner.frames(REQ)
@@ -114,7 +115,9 @@ def test_flux_under_compile(flux_dir: Path, reference: np.ndarray) -> None:
     """--compile on Flux: both block classes (double- and single-stream) compiled; Flux has no
     probe inputs, so the compile happens at its first request; frames equal diffusers' (the
     CPU backend, aot_eager, runs the same kernels)."""
-    runner = PipelineRunner.load(flux_dir, "cpu", settings=OffloadSettings(Mode.ALLGATHER, compile="on"))
+    runner = PipelineRunner.load(flux_dir, "cpu",
+                                 config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                     model=ModelConfig(compile="on")))
     try:
         assert runner.compiled is not None
         assert runner.compiled.describe()["classes"] == ["FluxSingleTransformerBlock", "FluxTransformerBlock"]

@@ -18,7 +18,9 @@ import pytest
 import torch.distributed as dist
 
 from service.cli import main as cli_main
-from service.models.options import FlagError, Mode, OffloadSettings, add_offload_arguments, settings_from_args
+from service.config import EngineConfig, FlagError, ModelConfig, OffloadConfig, OffloadMode
+from service.config.args import GENERATE, EngineArgs
+from service.config.engine import from_offload_mapping, offload_mapping
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
@@ -42,8 +44,8 @@ def fp8_model(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(dst)
 
 
-def _frames(model: str, cfg: OffloadSettings) -> tuple[np.ndarray, dict | None, dict]:
-    runner = PipelineRunner.load(model, "cpu", settings=cfg)
+def _frames(model: str, cfg: EngineConfig) -> tuple[np.ndarray, dict | None, dict]:
+    runner = PipelineRunner.load(model, "cpu", config=cfg)
     try:
         return runner.frames(REQ), runner.offload_stats(), runner.describe()
     finally:
@@ -69,11 +71,14 @@ def test_quantize_writes_the_same_layout(demo_model: str, fp8_model: str) -> Non
 
 def test_fp8_strategies_give_one_output(demo_model: str, fp8_model: str, resident: PipelineRunner) -> None:
     runs = {
-        "resident-online": (demo_model, OffloadSettings(quantization="fp8")),
-        "resident-prequantized": (fp8_model, OffloadSettings(quantization="fp8")),
-        "allgather-online": (demo_model, OffloadSettings(Mode.ALLGATHER, quantization="fp8")),
-        "allgather-prequantized": (fp8_model, OffloadSettings(Mode.ALLGATHER, quantization="fp8")),
-        "ranklocal-prequantized": (fp8_model, OffloadSettings(Mode.RANK_LOCAL, quantization="fp8")),
+        "resident-online": (demo_model, EngineConfig(model=ModelConfig(quantization="fp8"))),
+        "resident-prequantized": (fp8_model, EngineConfig(model=ModelConfig(quantization="fp8"))),
+        "allgather-online": (demo_model, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                      model=ModelConfig(quantization="fp8"))),
+        "allgather-prequantized": (fp8_model, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                           model=ModelConfig(quantization="fp8"))),
+        "ranklocal-prequantized": (fp8_model, EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL),
+                                                           model=ModelConfig(quantization="fp8"))),
     }
     frames, digests = {}, {}
     for name, (model, cfg) in runs.items():
@@ -93,8 +98,9 @@ def test_fp8_strategies_give_one_output(demo_model: str, fp8_model: str, residen
 def test_fp8_in_bf16_serving(demo_model: str) -> None:
     """bf16 serving: fp32-kept modules stay fp32, scales fp32, block Linears compute in bf16."""
     got = {}
-    runs = {"resident": OffloadSettings(dtype="bfloat16", quantization="fp8"),
-            "allgather": OffloadSettings(Mode.ALLGATHER, dtype="bfloat16", quantization="fp8")}
+    runs = {"resident": EngineConfig(model=ModelConfig(dtype="bfloat16", quantization="fp8")),
+            "allgather": EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                      model=ModelConfig(dtype="bfloat16", quantization="fp8"))}
     for name, cfg in runs.items():
         frames, stats, _ = _frames(demo_model, cfg)
         got[name] = sha(frames.tobytes())
@@ -107,8 +113,9 @@ def test_fp8_in_bf16_serving(demo_model: str) -> None:
 def _dp2(rank: int, world: int, src: str, fp8: str) -> dict:
     out = {}
     for name, model, allgather in (("allgather-online", src, True), ("ranklocal-prequantized", fp8, False)):
-        mode = Mode.ALLGATHER if allgather else Mode.RANK_LOCAL
-        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(mode, quantization="fp8"),
+        mode = OffloadMode.ALLGATHER if allgather else OffloadMode.RANK_LOCAL
+        runner = PipelineRunner.load(model, "cpu", config=EngineConfig(offload=OffloadConfig(mode),
+                                                                       model=ModelConfig(quantization="fp8")),
                                      group=dist.group.WORLD)
         if rank == 1:  # rank 1 runs the request, rank 0 idle-replays its gathers
             out[name] = sha(runner.generate(REQ))
@@ -122,7 +129,8 @@ def _dp2(rank: int, world: int, src: str, fp8: str) -> dict:
 @pytest.mark.e2e  # spawned DP2 ranks (tests/offload/test_fp8.py keeps a DP2 gloo check fast)
 def test_dp2_spawned_ranks_match_dp1(demo_model: str, fp8_model: str) -> None:
     res = run_ranks(_dp2, 2, demo_model, fp8_model, timeout=None)
-    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(quantization="fp8"))
+    runner = PipelineRunner.load(demo_model, "cpu",
+                                 config=EngineConfig(model=ModelConfig(quantization="fp8")))
     try:
         want = sha(runner.generate(REQ))
     finally:
@@ -134,33 +142,39 @@ def test_dp2_spawned_ranks_match_dp1(demo_model: str, fp8_model: str) -> None:
 
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    add_offload_arguments(p)
+    EngineArgs.add_cli_args(p, GENERATE)
     return p.parse_args(list(argv))
 
 
+def _config(*argv: str) -> EngineConfig:
+    return EngineArgs.from_namespace(_args(*argv)).to_config()
+
+
 def test_the_flag() -> None:
-    resident = settings_from_args(_args("--quantization", "fp8"))  # resident fp8 is fine
-    assert resident == OffloadSettings(quantization="fp8")
-    assert OffloadSettings.from_dict(resident.as_dict()) == resident
-    cfg = settings_from_args(_args("--quantization", "fp8", "--enable-distributed-layerwise-offload",
-                                   "--dlo-mode", "rank-local"))
-    assert (cfg.quantization, cfg.use_allgather) == ("fp8", False)
+    resident = _config("--quantization", "fp8")  # resident fp8 is fine
+    assert resident == EngineConfig(model=ModelConfig(quantization="fp8"))
+    assert EngineConfig(**from_offload_mapping(offload_mapping(resident), OffloadMode.AUTO)) == resident
+    cfg = _config("--quantization", "fp8", "--enable-distributed-layerwise-offload",
+                  "--dlo-mode", "rank-local")
+    assert (cfg.model.quantization, cfg.offload.mode.gathers) == ("fp8", False)
     with pytest.raises(FlagError, match="--quantization"):
-        settings_from_args(_args("--quantization", "fp8", "--enable-distributed-layerwise-offload",
-                                 "--sequence-parallel-size", "2"))
+        _config("--quantization", "fp8", "--enable-distributed-layerwise-offload",
+                "--sequence-parallel-size", "2")
     with pytest.raises(SystemExit):
         _args("--quantization", "int8")
 
 
 def test_auto_mode_probes_the_fp8_blocks(fp8_model: str) -> None:
     """The load-time probe runs the quantized transformer and times fp8-sized blocks."""
-    cfg = OffloadSettings(Mode.AUTO, quantization="fp8", probe_shape=(32, 32, 5))
-    runner = PipelineRunner.load(fp8_model, "cpu", settings=cfg)
+    cfg = EngineConfig(offload=OffloadConfig(OffloadMode.AUTO, probe_shape=(32, 32, 5)),
+                       model=ModelConfig(quantization="fp8"))
+    runner = PipelineRunner.load(fp8_model, "cpu", config=cfg)
     try:
-        assert runner.choice is not None
+        choice = runner.config.choice
+        assert choice is not None and choice.timings is not None
         stats = runner.offload_stats()
-        assert runner.choice["timings"]["block_bytes"] == stats["largest_block_bytes"]
-        assert stats["quantization_source"] == "prequantized" and stats["mode"] == runner.choice["mode"]
+        assert choice.timings.block_bytes == stats["largest_block_bytes"]
+        assert stats["quantization_source"] == "prequantized" and stats["mode"] == choice.mode.value
     finally:
         runner.close()
 
@@ -171,18 +185,20 @@ def test_a_quantized_folder_is_fp8_without_the_flag(demo_model: str, fp8_model: 
     naming the flag; an unquantized folder stays as stored."""
     from service.models.registry import load_adapter
 
-    assert settings_from_args(_args()).quantization is None  # auto
-    assert settings_from_args(_args("--quantization", "none")).quantization == "none"
-    own, stats, described = _frames(fp8_model, OffloadSettings(Mode.ALLGATHER))
-    asked, _, _ = _frames(fp8_model, OffloadSettings(Mode.ALLGATHER, quantization="fp8"))
+    assert _config().model.quantization is None  # auto
+    assert _config("--quantization", "none").model.quantization == "none"
+    own, stats, described = _frames(fp8_model, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)))
+    asked, _, _ = _frames(fp8_model, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                                  model=ModelConfig(quantization="fp8")))
     assert np.array_equal(own, asked)
     assert stats["quantization"] == "fp8" and stats["quantization_source"] == "prequantized"
     assert described["quantization"] == "fp8"
     fp8, plain = load_adapter(fp8_model), load_adapter(demo_model)
     assert (fp8.stored_quantization(), plain.stored_quantization()) == ("fp8", None)
-    assert "drop the flag" in (OffloadSettings(quantization="none").probe_problem(fp8, "cpu") or "")
-    assert OffloadSettings(quantization="none").probe_problem(plain, "cpu") is None
-    assert OffloadSettings().probe_problem(fp8, "cpu") is None
+    refuse = EngineConfig(model=ModelConfig(quantization="none"))
+    assert "drop the flag" in (refuse.probe_problem(fp8, "cpu") or "")
+    assert EngineConfig(model=ModelConfig(quantization="none")).probe_problem(plain, "cpu") is None
+    assert EngineConfig().probe_problem(fp8, "cpu") is None
     out = tmp_path / "x.mp4"
     assert cli_main(["generate", "--model", fp8_model, "--prompt", "x", "--quantization", "none",
                      "--out", str(out)]) == 2

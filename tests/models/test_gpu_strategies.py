@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
 from service.jobs.generate import generate
 from service.models.demo import ensure_demo_model
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import encode_mp4
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 STRATEGIES = {
     "resident": None,
-    "allgather": OffloadSettings(Mode.ALLGATHER),
-    "ranklocal": OffloadSettings(Mode.RANK_LOCAL),
+    "allgather": EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)),
+    "ranklocal": EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL)),
 }
 BIG_REQ = GenerationRequest(
     prompt="a red fox running through snow", seed=1, height=480, width=832, num_frames=21,
@@ -36,7 +36,7 @@ BIG_REQ = GenerationRequest(
 def _digest(model: str, req: GenerationRequest, order: list[str]) -> dict[str, tuple[str, str]]:
     out = {}
     for name in order:
-        runner = PipelineRunner.load(model, "cuda", settings=STRATEGIES[name])
+        runner = PipelineRunner.load(model, "cuda", config=STRATEGIES[name])
         try:
             frames = runner.frames(req)
         finally:
@@ -68,6 +68,7 @@ def test_cuda_two_ranks_match_resident(tmp_path: Path, allgather: bool) -> None:
     finally:
         runner.close()
     out = tmp_path / "out.mp4"
-    generate(model, req, str(out), dp_size=2, device="cuda",
-             settings=OffloadSettings(Mode.ALLGATHER if allgather else Mode.RANK_LOCAL))
+    mode = OffloadMode.ALLGATHER if allgather else OffloadMode.RANK_LOCAL
+    generate(EngineConfig(model, parallel=ParallelConfig(dp_size=2, gpus_per_rank=1.0),
+                          offload=OffloadConfig(mode)), req, str(out))
     assert out.read_bytes() == expected

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.models.demo.lora import write_demo_lora
 from service.models.lora_ref import LoraRef
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
@@ -96,9 +96,10 @@ def _mixed(rank: int, world: int, model: str, path: str, out: str) -> None:
     """Each group runs two rounds: rank 0 has A+adapter and rank 1 has B, then swapped."""
     a, b = with_lora(A, Path(path)), B
     results: dict[str, list[str]] = {}
-    for name, mode in (("allgather2", Mode.ALLGATHER), ("ranklocal2", Mode.RANK_LOCAL)):
-        runner = PipelineRunner.load(model, "cpu", settings=OffloadSettings(mode), group=None if
-                                     mode is Mode.RANK_LOCAL else torch.distributed.group.WORLD)
+    for name, mode in (("allgather2", OffloadMode.ALLGATHER), ("ranklocal2", OffloadMode.RANK_LOCAL)):
+        runner = PipelineRunner.load(model, "cpu", config=EngineConfig(offload=OffloadConfig(mode)),
+                                     group=None if
+                                     mode is OffloadMode.RANK_LOCAL else torch.distributed.group.WORLD)
         mine = [a, b] if rank == 0 else [b, a]
         results[name] = [sha(runner.frames(req)) for req in mine]
         results[name + "-stats"] = [runner.offload_stats()["gathered_bytes"], runner.loras.stats()["misses"]]
@@ -111,8 +112,8 @@ def test_strategies_and_mixed_dp2_group(demo_model: str, resident: PipelineRunne
                                         adapters: dict[str, Path], tmp_path: Path) -> None:
     path = adapters["peft"]
     want_a, want_b = sha(resident.frames(with_lora(A, path))), sha(resident.frames(B))
-    for mode in (Mode.ALLGATHER, Mode.RANK_LOCAL):  # DP1 layerwise, in this process
-        runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(mode))
+    for mode in (OffloadMode.ALLGATHER, OffloadMode.RANK_LOCAL):  # DP1 layerwise, in this process
+        runner = PipelineRunner.load(demo_model, "cpu", config=EngineConfig(offload=OffloadConfig(mode)))
         try:
             assert sha(runner.frames(with_lora(A, path))) == want_a, mode
             assert sha(runner.frames(B)) == want_b, mode

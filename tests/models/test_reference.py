@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.demo import tokenizer as demo_tokenizer
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4, to_uint8
@@ -82,13 +82,14 @@ def diffusers_frames(saved_pipeline: Path) -> np.ndarray:
 
 @pytest.mark.parametrize(
     "offload",
-    [None, OffloadSettings(Mode.ALLGATHER), OffloadSettings(Mode.RANK_LOCAL)],
+    [None, EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)),
+     EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL))],
     ids=["resident", "allgather1", "ranklocal1"],
 )
 def test_frames_equal_diffusers_wanpipeline(
-    saved_pipeline: Path, diffusers_frames: np.ndarray, offload: OffloadSettings | None
+    saved_pipeline: Path, diffusers_frames: np.ndarray, offload: EngineConfig | None
 ) -> None:
-    runner = PipelineRunner.load(saved_pipeline, "cpu", settings=offload)
+    runner = PipelineRunner.load(saved_pipeline, "cpu", config=offload)
     try:
         assert type(runner.adapter._parts["scheduler"]).__name__ == "FlowMatchEulerDiscreteScheduler"
         frames = runner.frames(REQ)
@@ -105,14 +106,15 @@ def test_frames_equal_diffusers_wanpipeline(
         runner.close()
 
 
-@pytest.mark.parametrize("mode", [None, Mode.ALLGATHER], ids=["resident", "allgather1"])
+@pytest.mark.parametrize("mode", [None, OffloadMode.ALLGATHER], ids=["resident", "allgather1"])
 def test_cfg_in_one_forward_close_to_diffusers(saved_pipeline: Path, diffusers_frames: np.ndarray,
-                                               mode: Mode | None) -> None:
+                                               mode: OffloadMode | None) -> None:
     """``--cfg-batch on``: both rows in one batch-2 forward per step (half the forwards) and
     frames within 1/255 of diffusers' two batch-1 calls (a GEMM over twice the rows may
     round differently; the tolerance stated in docs/benchmarks.md)."""
-    settings = OffloadSettings(mode or Mode.RESIDENT, cfg_batch="on")
-    runner = PipelineRunner.load(saved_pipeline, "cpu", settings=settings)
+    settings = EngineConfig(offload=OffloadConfig(mode or OffloadMode.RESIDENT),
+                            model=ModelConfig(cfg_batch="on"))
+    runner = PipelineRunner.load(saved_pipeline, "cpu", config=settings)
     try:
         assert runner.adapter.forwards(REQ) == REQ.num_inference_steps
         frames = runner.frames(REQ).astype(int)
@@ -126,7 +128,8 @@ def test_cfg_in_one_forward_close_to_diffusers(saved_pipeline: Path, diffusers_f
 
 def test_cfg_batch_off_stays_bitwise(saved_pipeline: Path, diffusers_frames: np.ndarray) -> None:
     """``--cfg-batch off`` explicitly: two forwards per step, bitwise diffusers' frames."""
-    runner = PipelineRunner.load(saved_pipeline, "cpu", settings=OffloadSettings(cfg_batch="off"))
+    runner = PipelineRunner.load(saved_pipeline, "cpu",
+                                 config=EngineConfig(model=ModelConfig(cfg_batch="off")))
     try:
         assert runner.adapter.forwards(REQ) == 2 * REQ.num_inference_steps
         assert np.array_equal(runner.frames(REQ), to_uint8(diffusers_frames))

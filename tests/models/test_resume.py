@@ -21,7 +21,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from service.models.options import OffloadSettings
+from service.config import EngineConfig, ModelConfig
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.resume import StepState
@@ -53,7 +53,7 @@ def test_the_state_keeps_the_bytes_and_pickles(dtype: torch.dtype) -> None:
 
 @pytest.fixture(scope="module")
 def euler(euler_model: str) -> Iterator[PipelineRunner]:
-    runner = PipelineRunner.load(euler_model, "cpu", settings=None)
+    runner = PipelineRunner.load(euler_model, "cpu", config=None)
     yield runner
     runner.close()
 
@@ -98,7 +98,7 @@ def test_a_scheduler_with_history_is_not_resumable(resident: PipelineRunner, eul
 
 
 def test_a_resumed_run_with_cfg_in_one_forward_is_bitwise_too(euler_model: str) -> None:
-    runner = PipelineRunner.load(euler_model, "cpu", settings=OffloadSettings(cfg_batch="on"))
+    runner = PipelineRunner.load(euler_model, "cpu", config=EngineConfig(model=ModelConfig(cfg_batch="on")))
     try:
         req = GenerationRequest(prompt="a fox", seed=5, num_inference_steps=4)
         assert runner.adapter.cfg_batched(req) and runner.resumable(req)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.models.adapter import ModelError
 from service.models.registry import load_adapter
 from service.models.request import GenerationRequest, RequestError
@@ -31,14 +32,14 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
     """Both strategies in one spawn; the per-forward lock-step of the service (RankWorker)."""
     from service.engine.rank import RankWorker
     from service.engine.start import control_group
-    from service.models.options import Mode, OffloadSettings
     from service.models.pipeline import PipelineRunner
     from tests.ranks import run_one
 
     control = control_group(world)
     results = {}
-    for name, cfg in (("dlo", OffloadSettings(Mode.ALLGATHER)), ("resident", OffloadSettings())):
-        runner = PipelineRunner.load(model, "cpu", settings=cfg, group=dist.group.WORLD,
+    for name, cfg in (("dlo", EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER))), ("resident",
+                                                                                            EngineConfig())):
+        runner = PipelineRunner.load(model, "cpu", config=cfg, group=dist.group.WORLD,
                                      sequence_parallel=world)
         seen: list[int] = []
         hooks = [runner.transformer.blocks[0].register_forward_hook(
@@ -69,7 +70,8 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
 
 
 @pytest.mark.e2e  # two spawned SP ranks
-def test_sp2_dlo_equals_sp2_resident_and_one_rank(demo_model: str, resident, tmp_path: Path) -> None:  # noqa: ANN001
+def test_sp2_dlo_equals_sp2_resident_and_one_rank(demo_model: str, resident,
+                                                  tmp_path: Path) -> None:  # noqa: ANN001
     from service.offload.spawn import run_ranks
 
     reference = sha(resident.generate(REQ))

@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service.models.options import Mode, OffloadSettings
+from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.offload.spawn import run_ranks
 
 REQ = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG on: 4 forwards
+
+MODES = {True: OffloadMode.ALLGATHER, False: OffloadMode.RANK_LOCAL}  # --dlo-mode of allgather: bool
 
 
 def sha(data: bytes) -> str:
@@ -39,8 +41,8 @@ def _waves(rank: int, world: int, model: str, out: str) -> None:
         size = dist.get_world_size(group) if rank < 2 or group is dist.group.WORLD else 0
         if size == 0:
             continue
-        cfg = OffloadSettings(Mode.ALLGATHER if allgather else Mode.RANK_LOCAL)
-        runner = PipelineRunner.load(model, "cpu", settings=cfg, group=group)
+        cfg = EngineConfig(offload=OffloadConfig(MODES[allgather]))
+        runner = PipelineRunner.load(model, "cpu", config=cfg, group=group)
         shas = []
         for runs in (0, size - 1):
             if rank == runs:
@@ -59,8 +61,8 @@ def reference(resident: PipelineRunner) -> str:
 
 @pytest.mark.parametrize("allgather", [True, False], ids=["allgather1", "ranklocal1"])
 def test_layerwise_dp1_matches_resident(demo_model: str, reference: str, allgather: bool) -> None:
-    settings = OffloadSettings(Mode.ALLGATHER if allgather else Mode.RANK_LOCAL)
-    runner = PipelineRunner.load(demo_model, "cpu", settings=settings)
+    settings = EngineConfig(offload=OffloadConfig(MODES[allgather]))
+    runner = PipelineRunner.load(demo_model, "cpu", config=settings)
     try:
         assert sha(runner.generate(REQ)) == reference
         assert sha(runner.generate(REQ)) == reference  # the ring wrapped: still the same
@@ -96,11 +98,13 @@ def test_bf16_strategies_agree(demo_model: str) -> None:
     """bf16 serving keeps Wan's fp32 modules: blocks hold two dtypes; bytes still equal."""
     digests = {}
     for name, cfg in {
-        "resident": OffloadSettings(dtype="bfloat16"),
-        "allgather": OffloadSettings(Mode.ALLGATHER, dtype="bfloat16"),
-        "ranklocal": OffloadSettings(Mode.RANK_LOCAL, dtype="bfloat16"),
+        "resident": EngineConfig(model=ModelConfig(dtype="bfloat16")),
+        "allgather": EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER),
+                                  model=ModelConfig(dtype="bfloat16")),
+        "ranklocal": EngineConfig(offload=OffloadConfig(OffloadMode.RANK_LOCAL),
+                                  model=ModelConfig(dtype="bfloat16")),
     }.items():
-        runner = PipelineRunner.load(demo_model, "cpu", settings=cfg)
+        runner = PipelineRunner.load(demo_model, "cpu", config=cfg)
         try:
             if runner.handle is not None:
                 dtypes = runner.offload_stats()["block_bytes_by_dtype"]

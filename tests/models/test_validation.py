@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.models.adapter import ModelError
-from service.models.options import Mode, OffloadSettings
 from service.models.pipeline import PipelineRunner
 from service.models.registry import load_adapter
 from service.models.request import GenerationRequest, RequestError
@@ -47,7 +47,8 @@ def test_request_errors_name_the_field(demo_model: str, changes: dict, field: st
 
 
 def test_rejected_before_any_compute(demo_model: str) -> None:
-    runner = PipelineRunner.load(demo_model, "cpu", settings=OffloadSettings(Mode.ALLGATHER))
+    runner = PipelineRunner.load(demo_model, "cpu",
+                                 config=EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER)))
     try:
         with pytest.raises(RequestError, match="height"):
             runner.generate(GenerationRequest(prompt="a cat", height=33))

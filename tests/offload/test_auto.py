@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from service.offload import enable_layerwise_offload
 from service.offload.auto import ProbeTimings, agree, allgather_fill_s, choose_mode, lockstep_cost, probe
+from service.offload.mode import OffloadMode
 from service.offload.spawn import run_ranks
 
 from .toy import empty_model, make_checkpoint
@@ -92,7 +93,7 @@ def test_probe_measures_a_real_forward(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     make_checkpoint(str(path))
     model = empty_model()
-    h = enable_layerwise_offload(model, path, device="cpu", use_allgather=False)
+    h = enable_layerwise_offload(model, path, device="cpu", mode=OffloadMode.RANK_LOCAL)
     x = torch.randn(2, 9, 16)
     with torch.inference_mode():
         t = probe(h, lambda: model(x))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from service.offload import Placement, enable_layerwise_offload, load_resident
+from service.offload.mode import OffloadMode
 
 from .toy import empty_model, make_checkpoint
 
@@ -21,7 +22,8 @@ def test_cuda_equal_resident(tmp_path: Path, use_allgather: bool, pagecache: boo
     make_checkpoint(str(ckpt), dim=256, hidden=1024, depth=7)
     ref = load_resident(empty_model(256, 1024, 7), ckpt, device="cuda")
     model = empty_model(256, 1024, 7)
-    handle = enable_layerwise_offload(model, ckpt, device="cuda", use_allgather=use_allgather,
+    handle = enable_layerwise_offload(model, ckpt, device="cuda",
+                                      mode=OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL,
                                       placement=Placement(pagecache=pagecache))
     xs = [torch.randn(2, 333, 16, device="cuda") for _ in range(4)]
     with torch.inference_mode():
@@ -65,7 +67,9 @@ def test_cuda_fp8_equal_resident(tmp_path: Path, compute: str, source: str, use_
     ref = load_resident(empty_model(256, 1024, 7), ckpt, device="cuda", quantization=q,
                         block_attrs=["blocks"])
     model = empty_model(256, 1024, 7)
-    handle = enable_layerwise_offload(model, path, device="cuda", use_allgather=use_allgather, quantization=q)
+    handle = enable_layerwise_offload(model, path, device="cuda",
+                                      mode=OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL,
+                                      quantization=q)
     xs = [torch.randn(2, 333, 16, device="cuda") for _ in range(3)]
     with torch.inference_mode():
         want = [ref(x) for x in xs]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from service.offload import enable_layerwise_offload, load_resident
+from service.offload.mode import OffloadMode
 from service.offload.spawn import run_ranks
 
 from .toy import empty_model, make_checkpoint
@@ -27,7 +28,7 @@ def _rank_main(rank: int, world: int, ckpt: str) -> dict:
     for mode in ("allgather", "rank-local"):
         model = empty_model()
         handle = enable_layerwise_offload(
-            model, ckpt, device="cpu", group=dist.group.WORLD, use_allgather=mode == "allgather"
+            model, ckpt, device="cpu", group=dist.group.WORLD, mode=mode
         )
         idle = world > 1 and rank == world - 1
         with torch.inference_mode():
@@ -125,7 +126,7 @@ def test_single_process_without_group(ckpt: str, reference: dict) -> None:
 
 def test_weights_outside_forward_fail_loudly(ckpt: str) -> None:
     model = empty_model()
-    handle = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=False)
+    handle = enable_layerwise_offload(model, ckpt, device="cpu", mode=OffloadMode.RANK_LOCAL)
     with pytest.raises(RuntimeError):
         torch.nn.functional.linear(torch.zeros(1, 64), model.blocks[2].fc1.weight)
     handle.close()
@@ -151,7 +152,8 @@ def test_forward_that_raises_midway_recovers_without_collectives(ckpt: str, refe
     """A single rank (or rank-local mode) restarts its ring after a block raised."""
     for use_allgather in (True, False):
         model = empty_model()
-        handle = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=use_allgather)
+        mode = OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL
+        handle = enable_layerwise_offload(model, ckpt, device="cpu", mode=mode)
 
         def explode(module: torch.nn.Module, args: object) -> None:
             raise _Boom("block 2 failed")
@@ -170,7 +172,7 @@ def test_forward_that_raises_midway_recovers_without_collectives(ckpt: str, refe
 
 def test_idle_replay_is_free_without_collectives(ckpt: str) -> None:
     model = empty_model()
-    handle = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=False)
+    handle = enable_layerwise_offload(model, ckpt, device="cpu", mode=OffloadMode.RANK_LOCAL)
     handle.idle_forwards(4)
     assert handle.ring.fills == 0 and handle.stats().idle_forwards == 4
     handle.close()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from service.offload import Placement, enable_layerwise_offload, load_resident
+from service.offload.mode import OffloadMode
 from service.offload.spawn import run_ranks
 
 from .toy import ToyDiT, empty_model, make_checkpoint
@@ -44,7 +45,8 @@ def _offload(files: dict[str, str], group: dist.ProcessGroup | None = None, allg
              placement: Placement | None = None) -> tuple[Pair, object]:
     model = _pair()
     h = enable_layerwise_offload(model, {f"{n}.": files[n] for n in NAMES}, device="cpu", group=group,
-                                 use_allgather=allgather, block_attrs=[f"{n}.blocks" for n in NAMES],
+                                 mode=OffloadMode.ALLGATHER if allgather else OffloadMode.RANK_LOCAL,
+                                 block_attrs=[f"{n}.blocks" for n in NAMES],
                                  experts=NAMES, placement=placement)
     return model, h
 

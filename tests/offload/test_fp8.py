@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from service.offload import ALIGN, CheckpointError, Placement, enable_layerwise_offload, load_resident
 from service.offload.auto import probe
 from service.offload.checkpoint import Checkpoint
+from service.offload.mode import OffloadMode
 from service.offload.quant import (
     FP8,
     Fp8,
@@ -143,9 +144,10 @@ def test_prequantized_checkpoint_holds_the_online_bytes(ckpts: dict) -> None:
     for a, b in zip(online._resident_buffers, pre._resident_buffers, strict=True):
         assert torch.equal(a, b)
     # rank-local DMA reads stored bytes: possible from the fp8 files, not from online fp8
-    rl_online = enable_layerwise_offload(empty_model(), ckpts["bf16"], device="cpu", use_allgather=False,
+    rl_online = enable_layerwise_offload(empty_model(), ckpts["bf16"], device="cpu",
+                                         mode=OffloadMode.RANK_LOCAL,
                                          quantization="fp8")
-    rl_pre = enable_layerwise_offload(empty_model(), ckpts["fp8"], device="cpu", use_allgather=False,
+    rl_pre = enable_layerwise_offload(empty_model(), ckpts["fp8"], device="cpu", mode=OffloadMode.RANK_LOCAL,
                                       quantization="fp8")
     assert "computed at load" in rl_online.host.dma_problem() and "dloserve quantize" in \
         rl_online.host.dma_problem()
@@ -165,7 +167,8 @@ def test_dp1_strategies_equal_resident_fp8(ckpts: dict, compute: Fp8Compute) -> 
         for use_allgather in (True, False):
             for k in (0, 2):
                 model = empty_model()
-                h = enable_layerwise_offload(model, ckpts[source], device="cpu", use_allgather=use_allgather,
+                mode = OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL
+                h = enable_layerwise_offload(model, ckpts[source], device="cpu", mode=mode,
                                              quantization=Fp8(compute),
                                              placement=Placement(resident_blocks=k))
                 got = _run(model)
@@ -177,10 +180,10 @@ def test_dp1_strategies_equal_resident_fp8(ckpts: dict, compute: Fp8Compute) -> 
 
 def _ranks_main(rank: int, world: int, ckpts: dict) -> dict:
     out = {}
-    for compute, source, mode in product(COMPUTES, ("bf16", "fp8"), ("allgather", "rank_local")):
+    for compute, source, mode in product(COMPUTES, ("bf16", "fp8"), ("allgather", "rank-local")):
         model = empty_model()
         h = enable_layerwise_offload(model, ckpts[source], device="cpu", group=dist.group.WORLD,
-                                     use_allgather=mode == "allgather", quantization=Fp8(compute))
+                                     mode=mode, quantization=Fp8(compute))
         if rank == world - 1:  # the last rank only idles: it still joins every gather
             h.idle_forwards(len(_inputs(rank)))
             ys = []

@@ -49,7 +49,7 @@ def _rank_main(rank: int, world: int, ckpt: str) -> dict:
     for mode in ("allgather", "rank-local"):
         model = empty_model(DIM, HIDDEN, DEPTH)
         h = enable_layerwise_offload(model, ckpt, device="cpu", group=dist.group.WORLD,
-                                     use_allgather=mode == "allgather")
+                                     mode=mode)
         dist.barrier()
         loaded = pss_bytes()
         with torch.inference_mode():

@@ -29,7 +29,7 @@ def _main(rank: int, world: int, ckpt: str) -> dict:
     for mode in ("allgather", "rank-local"):
         model = empty_model(*SIZE)
         h = enable_layerwise_offload(model, ckpt, device=dev, group=dist.group.WORLD,
-                                     use_allgather=mode == "allgather")
+                                     mode=mode)
         with torch.inference_mode():
             # wave 1: every rank its own request; wave 2: only rank 0, the others idle
             equal = [torch.equal(model(x.to(dev)), ref(x.to(dev))) for x in _inputs(rank)]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from service.offload import Placement, enable_layerwise_offload, load_resident
+from service.offload.mode import OffloadMode
 from service.offload.spawn import run_ranks
 
 from .toy import empty_model, make_checkpoint
@@ -39,7 +40,8 @@ def test_every_resident_count_is_bitwise_equal(ckpt: str, use_allgather: bool) -
     want = _reference(ckpt, 0)
     for k in range(DEPTH + 1):
         model = empty_model(depth=DEPTH)
-        h = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=use_allgather,
+        h = enable_layerwise_offload(model, ckpt, device="cpu",
+                                     mode=OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL,
                                      placement=Placement(resident_blocks=k))
         with torch.inference_mode():
             got = [model(x) for x in _inputs(0)]
@@ -108,9 +110,10 @@ def test_budget_is_respected(ckpt: str, tmp_path: Path) -> None:
 
 def test_pagecache_required_without_cuda_is_refused(ckpt: str) -> None:
     with pytest.raises(RuntimeError, match="page-cache DMA was required but the device is not CUDA"):
-        enable_layerwise_offload(empty_model(depth=DEPTH), ckpt, device="cpu", use_allgather=False,
+        enable_layerwise_offload(empty_model(depth=DEPTH), ckpt, device="cpu", mode=OffloadMode.RANK_LOCAL,
                                  placement=Placement(pagecache=True))
     model = empty_model(depth=DEPTH)
-    h = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=False)  # None: packs, says why
+    h = enable_layerwise_offload(model, ckpt, device="cpu",
+                                 mode=OffloadMode.RANK_LOCAL)  # None: packs, says why
     assert h.stats().rank_local_source == "pack" and "CPU device" in h.stats().source_reason
     h.close()

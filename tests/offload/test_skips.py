@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from service.offload import enable_layerwise_offload, load_resident
+from service.offload.mode import OffloadMode
 from service.offload.spawn import run_ranks
 
 from .toy import ToyBlock, ToyDiT, make_checkpoint
@@ -59,7 +60,8 @@ def empty(passthrough: bool = True, depth: int = DEPTH) -> SkipToy:
     return m
 
 
-def run(model: SkipToy, handle, xs: list[torch.Tensor], stops: list[int | None]) -> list[torch.Tensor]:  # noqa: ANN001
+def run(model: SkipToy, handle, xs: list[torch.Tensor],
+        stops: list[int | None]) -> list[torch.Tensor]:  # noqa: ANN001
     out = []
     for x, stop in zip(xs, stops, strict=True):
         model.stop = stop
@@ -99,7 +101,8 @@ def test_single_rank_skips_fill_nothing_it_does_not_run(ckpt: str, use_allgather
     stats = {}
     for name, schedule in (("plain", [None] * len(stops)), ("cached", stops)):
         model = empty(passthrough)
-        h = enable_layerwise_offload(model, ckpt, device="cpu", use_allgather=use_allgather)
+        h = enable_layerwise_offload(model, ckpt, device="cpu",
+                                     mode=OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL)
         h.enable_skips((0, 1))
         got = run(model, h, xs, schedule)
         stats[name] = h.stats()
@@ -137,7 +140,7 @@ def _dp2(rank: int, world: int, ckpt: str) -> dict:
     for mode, passthrough in (("allgather", True), ("allgather-uncalled", False), ("rank-local", True)):
         model = empty(passthrough)
         h = enable_layerwise_offload(model, ckpt, device="cpu", group=dist.group.WORLD,
-                                     use_allgather=mode != "rank-local")
+                                     mode="rank-local" if mode == "rank-local" else "allgather")
         h.enable_skips((0, 1))
         ys = []
         xs = inputs(len(SCHEDULES[rank]), 10 + rank)
@@ -207,10 +210,10 @@ def pair_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _pair_offload(files: dict[str, str], passthrough: bool, group: dist.ProcessGroup | None = None,
-                  use_allgather: bool = True) -> tuple[SkipPair, object, list[str]]:
+                  mode: OffloadMode | str = OffloadMode.ALLGATHER) -> tuple[SkipPair, object, list[str]]:
     model = SkipPair(passthrough)
     h = enable_layerwise_offload(model, {f"{n}.": files[n] for n in NAMES}, device="cpu", group=group,
-                                 use_allgather=use_allgather, block_attrs=[f"{n}.blocks" for n in NAMES],
+                                 mode=mode, block_attrs=[f"{n}.blocks" for n in NAMES],
                                  experts=NAMES)
     h.enable_skips((0, 1))
     log: list[str] = []
@@ -274,7 +277,8 @@ def test_two_experts_stop_each_expert_forward_at_its_own_first_blocks(pair_files
                                                                       passthrough: bool) -> None:
     xs = inputs(len(PLAN), 3)
     want = _pair_reference(pair_files, PLAN, xs)
-    model, h, log = _pair_offload(pair_files, passthrough, use_allgather=use_allgather)
+    model, h, log = _pair_offload(pair_files, passthrough,
+                                  mode=OffloadMode.ALLGATHER if use_allgather else OffloadMode.RANK_LOCAL)
     try:
         with torch.inference_mode():
             got = _pair_run(model, h, PLAN, xs)
@@ -305,7 +309,7 @@ def _pair_dp2(rank: int, world: int, files: dict) -> dict:
     out = {}
     for mode, passthrough in (("allgather", True), ("allgather-uncalled", False), ("rank-local", True)):
         model, h, log = _pair_offload(files, passthrough, dist.group.WORLD,
-                                      use_allgather=mode != "rank-local")
+                                      mode="rank-local" if mode == "rank-local" else "allgather")
         xs = inputs(len(PAIR_SCHEDULES[rank]), 30 + rank)
         with torch.inference_mode():
             ys = _pair_run(model, h, PAIR_SCHEDULES[rank], xs)
