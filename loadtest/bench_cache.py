@@ -38,10 +38,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
-from service.config.cache import CacheSpec  # noqa: E402
+from service.config.cache import CacheSpec
 
 SYNTHETIC_RATIO = 0.97  # without --mag-ratios: a stand-in schedule (1.0, then 0.97 per step)
 BYTES = ("h2d_bytes", "gathered_bytes", "fill_bytes", "fills", "forwards", "skips", "skip_decisions",
@@ -156,7 +154,7 @@ def _dp2_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
 
 
 def dp2(args: argparse.Namespace) -> dict[str, Any]:
-    from service.offload.spawn import run_ranks
+    from ranks import run_ranks
 
     results = run_ranks(_dp2_rank, 2, args, timeout=None, backend="nccl" if args.device == "cuda" else "gloo")
     out: dict[str, Any] = {"cache": args.dp2_cache,

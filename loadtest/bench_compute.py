@@ -38,14 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_offload import SHAPES, _machine
 from torch import nn
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import SHAPES, _machine  # noqa: E402
 
 WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,

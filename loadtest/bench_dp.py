@@ -23,17 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_offload import _machine, host_memory, inputs
+from offload_strategies import _meta_transformer
+from ranks import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import _machine, host_memory, inputs  # noqa: E402
-from offload_strategies import _meta_transformer  # noqa: E402
-
-from service.offload import enable_layerwise_offload  # noqa: E402
-from service.offload.comm import all_gather  # noqa: E402
-from service.offload.mode import OffloadMode  # noqa: E402
-from service.offload.spawn import run_ranks  # noqa: E402
+from service.offload import enable_layerwise_offload
+from service.offload.comm import all_gather
+from service.offload.mode import OffloadMode
 
 
 def _sync(device: torch.device) -> None:

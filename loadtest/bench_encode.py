@@ -45,14 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from clips import clip, frames_sha256
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "loadtest"))
-
-from clips import clip, frames_sha256  # noqa: E402
-
-from service.models import video  # noqa: E402
+from service.models import video
 
 FPS = 16
 X264_KEYS = ("threads", "lookahead_threads", "sliced_threads")

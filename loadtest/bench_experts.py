@@ -51,18 +51,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_offload import Timer, _machine, host_memory
+
+from service.config.offload import parse_probe_size
+from service.models.experts import NONE, choose
+from service.models.registry import load_adapter
+from service.models.request import GenerationRequest
+from service.offload import enable_layerwise_offload, load_resident
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "loadtest"))
-
-from bench_offload import Timer, _machine, host_memory  # noqa: E402
-from service.models.options import parse_probe_size  # noqa: E402
-
-from service.models.experts import NONE, choose  # noqa: E402
-from service.models.registry import load_adapter  # noqa: E402
-from service.models.request import GenerationRequest  # noqa: E402
-from service.offload import enable_layerwise_offload, load_resident  # noqa: E402
 
 RUNS = {  # name: (world, mode, expect, offset rank 1 by --offset)
     "resident": (1, "resident", True, False),
@@ -328,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                   "checkpoint_bytes": _checkpoint_bytes(args.model)},
         "runs": {}, "summary": [],
     }
-    from service.offload.spawn import run_ranks
+    from ranks import run_ranks
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     for name in runs:

@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # for tests.fakes (the in-memory executor); service is installed
 
 from service.engine.outcome import Outcome  # noqa: E402
 from service.models.request import GenerationRequest  # noqa: E402
 from service.router.dispatcher import Dispatcher  # noqa: E402
 from service.router.policy import DeadlinePolicy  # noqa: E402
+from service.router.queue import QueueFull, Ticket  # noqa: E402
 from service.router.scheduler import make_scheduler  # noqa: E402
 from service.router.tenants import Quota, QuotaExceeded, Tenants  # noqa: E402
-from service.router.waves import QueueFull, Ticket  # noqa: E402
 from tests.fakes import Clock, FakeExecutor  # noqa: E402
 
 REQ = GenerationRequest(prompt="p", num_inference_steps=2)

@@ -31,12 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import SHAPES, Timer, _machine, _probe_in_subprocess, host_memory, inputs  # noqa: E402
-from offload_strategies import _keep_fp32, _meta_transformer  # noqa: E402
+from bench_offload import SHAPES, Timer, _machine, _probe_in_subprocess, host_memory, inputs
+from offload_strategies import _keep_fp32, _meta_transformer
 
 RUNS = ("bf16-resident", "bf16-dlo", "fp8-resident", "fp8-dlo")
 COMPUTES = ("upcast", "scaled_mm")

@@ -30,12 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import SHAPES, Timer, _machine, inputs  # noqa: E402
-from offload_strategies import _keep_fp32, _meta_transformer  # noqa: E402
+from bench_offload import SHAPES, Timer, _machine, inputs
+from offload_strategies import _keep_fp32, _meta_transformer
 
 STRATEGIES = ("resident", "dlo")
 TARGET = 1.05

@@ -29,11 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from offload_strategies import CPU_STRATEGIES, STRATEGIES, load  # noqa: E402
+from offload_strategies import CPU_STRATEGIES, STRATEGIES, load
 
 # tokens -> latent (frames, height, width) for Wan's patch (1, 2, 2)
 SHAPES = {

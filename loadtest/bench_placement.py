@@ -32,18 +32,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import Timer, _machine, h2d_probe, host_memory, inputs  # noqa: E402
-from offload_strategies import _keep_fp32, _meta_transformer  # noqa: E402
-from service.models.options import parse_probe_size  # noqa: E402
+from bench_offload import Timer, _machine, h2d_probe, host_memory, inputs
+from offload_strategies import _keep_fp32, _meta_transformer
+from ranks import run_ranks
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
-from service.offload import Placement, enable_layerwise_offload  # noqa: E402
-from service.offload.auto import choose_mode, probe  # noqa: E402
-from service.offload.spawn import run_ranks  # noqa: E402
+from service.config.offload import parse_probe_size
+from service.offload import Placement, enable_layerwise_offload
+from service.offload.auto import choose_mode, probe
 
 
 def _sha(t: torch.Tensor) -> str:

@@ -32,14 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import _machine, host_memory, inputs  # noqa: E402
+from bench_offload import _machine, host_memory, inputs
+from ranks import run_ranks
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
-from service.offload.spawn import run_ranks  # noqa: E402
 
 RUNS = {"dp1-dlo": (1, True), "sp2-dlo": (2, True), "sp2-resident": (2, False)}
 PROFILED = ("sp2-dlo",)  # one extra forward each: the NCCL kernel times

@@ -32,7 +32,7 @@ from service.config import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # for tests.fakes (the in-memory executor); service is installed
 
 
 def run_one(model: str, device: str, standby: bool, steps: int) -> dict[str, Any]:

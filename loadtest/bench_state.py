@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.engine.state import StateTap  # noqa: E402
+from service.engine.state import StateTap
 
 
 def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int) -> dict:

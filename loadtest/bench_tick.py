@@ -23,17 +23,15 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
+from ranks import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from service.config import EngineConfig, OffloadConfig, OffloadMode  # noqa: E402
-from service.engine.events import EventKind  # noqa: E402
-from service.engine.rank import RankWorker  # noqa: E402
-from service.engine.start import control_group  # noqa: E402
-from service.models.demo import ensure_demo_model  # noqa: E402
-from service.models.pipeline import PipelineRunner  # noqa: E402
-from service.models.request import GenerationRequest  # noqa: E402
-from service.offload.spawn import run_ranks  # noqa: E402
+from service.config import EngineConfig, OffloadConfig, OffloadMode
+from service.engine.events import EventKind
+from service.engine.rank import RankWorker
+from service.engine.start import control_group
+from service.models.demo import ensure_demo_model
+from service.models.pipeline import PipelineRunner
+from service.models.request import GenerationRequest
 
 
 def _rank(rank: int, world: int, model: str, steps: int, calls: int) -> dict:

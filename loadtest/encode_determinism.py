@@ -39,10 +39,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "loadtest"))
-
 SMALL = {  # name: (kind, width, height, frames); each worker encodes each of these every round
     "noise-96x96x9": ("noise", 96, 96, 9),
     "smooth-96x96x9": ("smooth", 96, 96, 9),

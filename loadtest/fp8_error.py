@@ -32,18 +32,14 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_offload import _machine  # noqa: E402
-from offload_strategies import _keep_fp32, _meta_transformer  # noqa: E402
-from service.models.options import parse_probe_size  # noqa: E402
+from bench_offload import _machine
+from offload_strategies import _keep_fp32, _meta_transformer
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
-from service.models.demo import ensure_demo_model, write_demo_model  # noqa: E402
-from service.offload import enable_layerwise_offload, load_resident  # noqa: E402
-from service.offload.quant import set_compute  # noqa: E402
+from service.config.offload import parse_probe_size
+from service.models.demo import ensure_demo_model, write_demo_model
+from service.offload import enable_layerwise_offload, load_resident
+from service.offload.quant import set_compute
 
 LATENTS = {64: (1, 16, 16), 256: (1, 32, 32), 1024: (1, 64, 64)}  # tokens -> latent (f, h, w)
 COMPUTES = ("upcast", "scaled_mm")

@@ -29,11 +29,10 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from service.api.hostproc import matching
+from service.engine.ports import free_port
 
-from service.api.hostproc import matching  # noqa: E402
-from service.offload.spawn import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def final(url: str, vid: str, timeout: float) -> dict[str, Any]:

@@ -9,11 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_dp import dp_table  # noqa: E402
-from bench_offload import table  # noqa: E402
-from serve_bench import serve_table, summarize  # noqa: E402
+from bench_dp import dp_table
+from bench_offload import table
+from serve_bench import serve_table, summarize
 
 
 def render(path: Path) -> str:

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from service.api.hostproc import descendants, listeners, matching
+from service.engine.ports import free_port
 
-from service.api.hostproc import descendants, listeners, matching  # noqa: E402
-from service.offload.spawn import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rss(pid: int) -> int:

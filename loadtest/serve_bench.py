@@ -41,10 +41,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from service.engine.ports import free_port
 
-from service.offload.spawn import free_port  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DESIGNS = {
     "default": [],  # what a user gets who passes no flag but the offload switch (auto mode, auto encoders)

@@ -71,8 +71,8 @@ from service.api.ui import HEADERS as PAGE_HEADERS
 from service.api.ui import register as register_ui
 from service.engine.metrics import metrics
 from service.router.health import Unavailable
+from service.router.queue import QueueFull
 from service.router.tenants import QuotaExceeded
-from service.router.waves import QueueFull
 
 log = logging.getLogger("dloserve.api")
 # No /docs or /redoc: they load scripts from a CDN on the origin where /ui keeps the key

@@ -40,7 +40,7 @@ from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
 from service.router.health import Availability
 from service.router.policy import DeadlinePolicy, Limits
-from service.router.waves import Ticket
+from service.router.queue import Ticket
 
 log = logging.getLogger("dloserve.api")
 __all__ = ["AuthError", "ServiceConfig", "VideoService", "video_object"]

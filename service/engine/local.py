@@ -59,7 +59,7 @@ class LocalExecutor(GroupExecutor):
         if self.config.parallel.processes == 1:  # the whole engine is one rank: in here
             handles: list[Any] = [_InProcess(self, g, generation, places[0])]
         else:
-            from service.offload.spawn import free_port
+            from .ports import free_port
 
             init = f"tcp://127.0.0.1:{free_port()}"
             handles = [_Child(self, g, generation, pl, init) for pl in places]

@@ -39,7 +39,7 @@ class RankActor:
         """Process 0 picks its node IP and a free port of it for the TCP rendezvous; the
         store listens on that address only (start.rendezvous_store): the loopback one on a
         loopback cluster (``dloserve serve --host 127.0.0.1``)."""
-        from service.offload.spawn import free_port
+        from .ports import free_port
 
         ip = ray.util.get_node_ip_address()
         return f"tcp://{f'[{ip}]' if ':' in ip else ip}:{free_port(ip)}"

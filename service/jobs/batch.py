@@ -255,7 +255,7 @@ def feed(groups: list[Any], todo: list[tuple[str, GenerationRequest]], done: thr
     faster or less loaded group takes more; with one group everything is queued at once."""
     from service.engine.outcome import Outcome
     from service.router.health import Unavailable
-    from service.router.waves import Ticket
+    from service.router.queue import Ticket
 
     def submit(d: Any, item_id: str, req: GenerationRequest) -> None:
         try:

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.router.waves import QueueFull, Ticket, place
+from service.router.queue import QueueFull, Ticket, place
 
 
 @dataclass

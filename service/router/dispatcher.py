@@ -42,8 +42,8 @@ from service.engine.metrics import metrics
 from service.engine.outcome import Outcome
 from service.router.health import Availability, Track, Unavailable, backoff_s, failure_kind
 from service.router.policy import DeadlinePolicy
+from service.router.queue import Ticket
 from service.router.scheduler import Pick, Scheduler
-from service.router.waves import Ticket
 
 log = logging.getLogger("dloserve.router")
 

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .continuous import ContinuousQueue
+from .queue import QueueFull, Ticket
 from .tenants import Tenants
-from .waves import QueueFull, Ticket, WaveRouter
+from .waves import WaveRouter
 
 SCHEDULERS = ("continuous", "waves")
 

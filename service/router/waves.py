@@ -17,43 +17,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from service.router.queue import QueueFull, Ticket, place
+
 if TYPE_CHECKING:
     from service.router.tenants import Tenants
-
-
-class QueueFull(Exception):
-    """The bounded queue is full; the caller should answer 429 with ``retry_after_s``."""
-
-    def __init__(self, depth: int, retry_after_s: int) -> None:
-        super().__init__(f"queue full ({depth} waiting); retry after {retry_after_s}s")
-        self.depth = depth
-        self.retry_after_s = retry_after_s
-
-    def __reduce__(self) -> tuple[type, tuple[int, int]]:
-        return type(self), (self.depth, self.retry_after_s)
-
-
-@dataclass
-class Ticket:
-    """One queued request: its id, compatibility key, payload and arrival time."""
-
-    id: str
-    key: str
-    payload: Any
-    enqueued_at: float
-    cost: float = 1.0  # relative time of one forward (continuous scheduling weighs it)
-    tenant: str | None = None  # the API key's owner id (tenants.py shares ranks between them)
-    reruns: int = 0  # times it was queued again as the suspect of a death (bounded by job_retries)
-    requeues: int = 0  # times it was queued again, for any cause (it then goes ahead of later arrivals)
-
-
-def place(q: deque[Ticket], t: Ticket) -> int:
-    """Where a ticket queued again goes: after those that came earlier (or at the same time
-    and were queued again too), before the rest."""
-    for i, x in enumerate(q):
-        if x.enqueued_at > t.enqueued_at or (x.enqueued_at == t.enqueued_at and not x.requeues):
-            return i
-    return len(q)
 
 
 @dataclass

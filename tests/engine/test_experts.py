@@ -20,6 +20,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.engine.encoder import Encoder
 from service.engine.events import EventKind
@@ -30,7 +31,6 @@ from service.models.demo import ensure_demo_model
 from service.models.experts import simulate
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
 from tests.ranks import collect
 
 LONG = GenerationRequest(prompt="a long one", seed=1, num_inference_steps=8)  # 16 forwards

@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.engine.encoder import Encoder
 from service.engine.events import Event, EventKind
@@ -22,7 +23,6 @@ from service.engine.rank import RankWorker, sticky_error
 from service.engine.start import control_group
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
 from tests.ranks import collect
 
 LONG = GenerationRequest(prompt="a long one", seed=1, num_inference_steps=60)  # 120 forwards

@@ -12,6 +12,7 @@ import threading
 
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.engine.encoder import Encoder
 from service.engine.events import EventKind
@@ -19,7 +20,6 @@ from service.engine.rank import RankWorker
 from service.engine.start import control_group
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
 from tests.ranks import collect
 
 BATCHED = GenerationRequest(prompt="batched", seed=1, num_inference_steps=4)  # 4 forwards

@@ -7,7 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from service.offload.spawn import free_port
+from service.engine.ports import free_port
 
 
 def _member(rank: int, init: str, port: int, out: Any) -> None:

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, FlagError, OffloadConfig, OffloadMode, step_cache
 from service.config.cache import CacheSpec, parse_spec
 from service.models.cache import diffusers_config
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
-from service.offload.spawn import run_ranks
 
 STEPS = 4
 A = GenerationRequest(prompt="a red fox running through snow", seed=7, num_inference_steps=STEPS)

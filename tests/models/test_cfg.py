@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.cfg import CfgBatched
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
 
 REQ = GenerationRequest(prompt="a red fox running through snow", negative_prompt="blurry", seed=7,
                         num_inference_steps=3)  # CFG on: 3 forwards batched, 6 unbatched

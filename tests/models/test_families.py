@@ -22,12 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.demo import write_demo_model
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
-from service.offload.spawn import run_ranks
 
 
 def _png() -> bytes:

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.cli import main as cli_main
 from service.config import EngineConfig, FlagError, ModelConfig, OffloadConfig, OffloadMode
 from service.config.args import GENERATE, EngineArgs
 from service.config.engine import from_offload_mapping, offload_mapping
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
 
 REQ = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG: 4 forwards
 

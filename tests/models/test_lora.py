@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.models.demo.lora import write_demo_lora
 from service.models.lora_ref import LoraRef
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
-from service.offload.spawn import run_ranks
 
 SCALE = 0.8
 A = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG on: 4 forwards

@@ -72,7 +72,7 @@ def _sp_rank(rank: int, world: int, model: str, out: str) -> None:
 @pytest.mark.e2e  # two spawned SP ranks
 def test_sp2_dlo_equals_sp2_resident_and_one_rank(demo_model: str, resident,
                                                   tmp_path: Path) -> None:  # noqa: ANN001
-    from service.offload.spawn import run_ranks
+    from loadtest.ranks import run_ranks
 
     reference = sha(resident.generate(REQ))
     run_ranks(_sp_rank, 2, demo_model, str(tmp_path), timeout=240)  # a broken lock-step hangs: fail

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
-from service.offload.spawn import run_ranks
 
 REQ = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG on: 4 forwards
 

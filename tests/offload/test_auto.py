@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.offload import enable_layerwise_offload
 from service.offload.auto import ProbeTimings, agree, allgather_fill_s, choose_mode, lockstep_cost, probe
 from service.offload.mode import OffloadMode
-from service.offload.spawn import run_ranks
 
 from .toy import empty_model, make_checkpoint
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loadtest.ranks import run_ranks
 from service.offload import Placement, enable_layerwise_offload, load_resident
 from service.offload.mode import OffloadMode
-from service.offload.spawn import run_ranks
 
 from .toy import ToyDiT, empty_model, make_checkpoint
 

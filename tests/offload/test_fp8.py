@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from loadtest.ranks import run_ranks
 from service.offload import ALIGN, CheckpointError, Placement, enable_layerwise_offload, load_resident
 from service.offload.auto import probe
 from service.offload.checkpoint import Checkpoint
@@ -30,7 +31,6 @@ from service.offload.quant import (
     weight_scales,
 )
 from service.offload.quant_checkpoint import write_quantized
-from service.offload.spawn import run_ranks
 
 from .toy import empty_model, make_checkpoint
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from loadtest.ranks import run_ranks
 from service.offload import enable_layerwise_offload
-from service.offload.spawn import run_ranks
 
 from .toy import empty_model
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.offload import enable_layerwise_offload, load_resident
-from service.offload.spawn import run_ranks
 
 from .toy import empty_model, make_checkpoint
 

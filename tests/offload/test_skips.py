@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from loadtest.ranks import run_ranks
 from service.offload import enable_layerwise_offload, load_resident
 from service.offload.mode import OffloadMode
-from service.offload.spawn import run_ranks
 
 from .toy import ToyBlock, ToyDiT, make_checkpoint
 

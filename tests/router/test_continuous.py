@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.router.continuous import ContinuousQueue
-from service.router.waves import QueueFull
+from service.router.queue import QueueFull
 
 
 def fill(q: ContinuousQueue, items: list[tuple[str, float, float]]) -> None:

@@ -15,9 +15,9 @@ from service.models.request import GenerationRequest
 from service.router.dispatcher import Dispatcher
 from service.router.health import Availability, Unavailable
 from service.router.policy import DeadlinePolicy
+from service.router.queue import QueueFull
 from service.router.scheduler import ContinuousScheduler, WaveScheduler
 from service.router.tenants import Quota, QuotaExceeded, Tenants
-from service.router.waves import QueueFull
 from tests.fakes import Clock, FakeExecutor, RecordingSink
 
 REQ = GenerationRequest(prompt="p", num_inference_steps=2)  # 4 forwards

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.router.waves import QueueFull, WaveRouter
+from service.router.queue import QueueFull
+from service.router.waves import WaveRouter
 
 
 def ids(wave) -> list[str]:  # noqa: ANN001

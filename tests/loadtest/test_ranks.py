@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from service.offload.spawn import run_ranks
+from loadtest.ranks import run_ranks
 
 
 def _sum(rank: int, world: int, base: int) -> int:

@@ -1,12 +1,10 @@
-"""Run a function on N local processes joined in one process group (no Ray).
-
-For tests, benchmarks and the single-host CLI: gloo on CPU, or NCCL with rank r on GPU r.
+"""Run a function on N local processes joined in one process group (no Ray): for the tests
+and the benchmarks (gloo on CPU, or NCCL with rank r on GPU r). Not part of the service.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -19,12 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral port of ``host`` that was free a moment ago (a rendezvous binds it next)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from service.engine.ports import free_port
 
 
 def _entry(
