@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from service.api.errors import BodyError
-from service.config.cache import MAX_RATIOS, METHODS, CacheError, CacheSpec
+from service.config.cache import MAX_RATIOS, METHODS, PARAMS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import GenerationRequest
 
@@ -36,16 +36,19 @@ class LoraUse(BaseModel):
 
 
 class CacheUse(BaseModel):
-    """A request's step cache (docs/caches.md); parameters left out take the method's defaults."""
+    """A request's step cache (docs/caches.md): CacheSpec's fields as the body has them; parameters
+    left out take the method's defaults (``PARAMS``, written once in service/config/cache.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
     method: Literal[METHODS]  # type: ignore[valid-type]
     threshold: float | None = Field(None, description="first_block: relative change of block 0's residual "
-                                    "(default 0.05); mag: accumulated error (default 0.06)")
-    max_skip_steps: int | None = Field(None, description="mag: at most this many skipped steps in a row (3)")
+                                    f"(default {PARAMS['first_block']['threshold']}); mag: accumulated error "
+                                    f"(default {PARAMS['mag']['threshold']})")
+    max_skip_steps: int | None = Field(None, description="mag: at most this many skipped steps in a row "
+                                       f"({PARAMS['mag']['max_skip_steps']})")
     retention_ratio: float | None = Field(None, description="mag: no skips in this first fraction of "
-                                          "the steps (0.2)")
+                                          f"the steps ({PARAMS['mag']['retention_ratio']})")
     mag_ratios: list[float] | None = Field(None, max_length=MAX_RATIOS,
                                            description="mag (required): the model's magnitude ratio per step")
 

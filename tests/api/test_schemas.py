@@ -168,3 +168,17 @@ def test_a_nul_in_an_adapter_source_is_a_field_error() -> None:
     with pytest.raises(ValidationError) as e:
         schemas.LoraCreate.model_validate({"name": "style", "source": "/loras/a\x00.safetensors"})
     assert e.value.errors()[0]["loc"] == ("source",)
+
+
+def test_cache_use_states_the_defaults_cache_spec_applies() -> None:
+    """The body's ``cache`` documents each parameter's default from CacheSpec's own table (one
+    place): what the description says is what a request that leaves it out gets."""
+    from service.api.schemas import CacheUse
+    from service.config.cache import CacheSpec
+
+    fields = CacheUse.model_fields
+    for method, name in (("first_block", "threshold"), ("mag", "threshold"), ("mag", "max_skip_steps"),
+                         ("mag", "retention_ratio")):
+        default = CacheSpec(method).value(name)
+        assert f"{default}" in (fields[name].description or ""), (method, name)
+    assert CacheUse(method="first_block").spec() == CacheSpec("first_block")
