@@ -11,8 +11,7 @@ without pulling in torch and diffusers.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from service.offload.lazy import lazy_names
 
 _WHERE = {
     "ModelAdapter": "adapter",
@@ -27,8 +26,4 @@ _WHERE = {
 }
 __all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+__getattr__ = lazy_names(__name__, _WHERE)

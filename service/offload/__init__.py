@@ -9,8 +9,7 @@ Names resolve on first use (``mode`` is plain data: the flag parsers import it w
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .lazy import lazy_names
 
 _WHERE = {
     "ALIGN": "layout",
@@ -34,8 +33,4 @@ _WHERE = {
 
 __all__ = sorted(_WHERE)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'service.offload' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+__getattr__ = lazy_names(__name__, _WHERE)
