@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reporting import RESULTS, write_report
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.config.cache import CacheSpec
@@ -212,10 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = round(time.perf_counter() - t_start, 1)
     kind = "h200" if "H200" in machine["gpu"] else args.device
     default = Path(os.environ["OUT"]) / "bench_cache.json" if os.environ.get("OUT") else \
-        Path(__file__).parent / "results" / f"{kind}-cache-{report['date'][:10]}.json"
+        RESULTS / f"{kind}-cache-{report['date'][:10]}.json"
     out = Path(args.out or default)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, out)
     for name, r in report["dp1"].items():
         print(f"{name:18s} forward {r['forward_s']:8.3f} s ({r['forward_s_vs_none']}x)  fills "
               f"{r['fill_bytes'] / 2**20:9.1f} MiB ({r['bytes_vs_none']}x)  skipped {r['blocks_skipped']:4d} "

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from bench_offload import _machine, host_memory, inputs
 from offload_strategies import _meta_transformer
 from ranks import run_ranks
+from reporting import RESULTS, token_list, write_report
 
 from service.offload import enable_layerwise_offload
 from service.offload.comm import all_gather
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="wan14b-shape")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--model")
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[4096, 32760])
+    p.add_argument("--tokens", type=token_list, default=[4096, 32760])
     p.add_argument("--forwards", type=int, default=4)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -154,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(runs, args.tokens, args.forwards),
     }
     kind = f"h200x{args.gpus}" if "H200" in report["machine"].get("gpu", "") else f"{args.device}x{args.gpus}"
-    out = Path(args.out or Path(__file__).parent / "results" / f"{kind}-{report['date'][:10]}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = Path(args.out or RESULTS / f"{kind}-{report['date'][:10]}.json")
+    write_report(report, out)
     print(dp_table(report))
     print(f"wrote {out}")
     return 0 if all(row["bitwise_equal_dp1"] for row in report["summary"]) else 1

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from bench_offload import SHAPES, Timer, _machine, _probe_in_subprocess, host_memory, inputs
 from offload_strategies import _keep_fp32, _meta_transformer
+from reporting import RESULTS, check_tokens, machine_kind, token_list, write_report
 
 RUNS = ("bf16-resident", "bf16-dlo", "fp8-resident", "fp8-dlo")
 COMPUTES = ("upcast", "scaled_mm")
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="a Wan pipeline folder; default: write the preset to a temp dir (reused)")
     p.add_argument("--fp8-source", choices=("online", "prequantized"), default="online")
     p.add_argument("--fp8-model", help=argparse.SUPPRESS)
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[4096, 32760])
+    p.add_argument("--tokens", type=token_list, default=[4096, 32760])
     p.add_argument("--runs", type=lambda s: s.split(","), default=None,
                    help=f"comma-separated from {','.join(RUNS)},fp8-ranklocal")
     p.add_argument("--computes", type=lambda s: s.split(","), default=list(COMPUTES))
@@ -278,21 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--outputs", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for t in args.tokens:
-        if t not in SHAPES:
-            p.error(f"--tokens: {t} is not one of {sorted(SHAPES)}")
+    check_tokens(p, args.tokens, SHAPES)
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args)))
         return 0
     if args.runs is None:
         args.runs = list(RUNS) + (["fp8-ranklocal"] if args.fp8_source == "prequantized" else [])
     report = run_all(args)
-    kind = "h200" if "H200" in report["machine"].get("gpu", "") else args.device
+    kind = machine_kind(report, args.device)
     default = Path(os.environ["OUT"]) / "bench_fp8.json" if os.environ.get("OUT") else \
-        Path(__file__).parent / "results" / f"{kind}-fp8-{report['date'][:10]}.json"
+        RESULTS / f"{kind}-fp8-{report['date'][:10]}.json"
     out = Path(args.out or default)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, out)
     print(table(report))
     print(json.dumps({"targets": report["targets"], "errors": report["errors"]}, indent=1))
     print(f"wrote {out} ({report['seconds']:.0f} s)")

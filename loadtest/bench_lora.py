@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from bench_offload import SHAPES, Timer, _machine, inputs
 from offload_strategies import _keep_fp32, _meta_transformer
+from reporting import RESULTS, check_tokens, machine_kind, token_list, write_report
 
 STRATEGIES = ("resident", "dlo")
 TARGET = 1.05
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=40, help="transformer blocks (40: the real Wan2.1-14B)")
     p.add_argument("--model", help="a Wan pipeline folder; default: write the preset to a temp dir (reused)")
     p.add_argument("--rank", type=int, default=64)
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[4096, 32760])
+    p.add_argument("--tokens", type=token_list, default=[4096, 32760])
     p.add_argument("--strategies", type=lambda s: s.split(","), default=list(STRATEGIES))
     p.add_argument("--dtype", default=None, help="cast at load (e.g. bfloat16 for the fp32 CPU presets)")
     p.add_argument("--reps", type=int, default=5)
@@ -133,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.device, args.preset, args.layers, args.tokens = "cpu", "tiny", 3, [64]
         args.rank, args.reps, args.warmup = 4, 1, 0
-    for t in args.tokens:
-        if t not in SHAPES:
-            p.error(f"--tokens: {t} is not one of {sorted(SHAPES)}")
+    check_tokens(p, args.tokens, SHAPES)
     from service.models.demo import write_demo_model
     from service.models.demo.lora import write_demo_lora
 
@@ -161,12 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.strategies:
         report["strategies"][s] = run_strategy(args, s, lora)
     report["seconds"] = time.perf_counter() - t_start
-    kind = "h200" if "H200" in report["machine"].get("gpu", "") else args.device
+    kind = machine_kind(report, args.device)
     default = Path(os.environ["OUT"]) / "bench_lora.json" if os.environ.get("OUT") else \
-        Path(__file__).parent / "results" / f"{kind}-lora-{report['date'][:10]}.json"
+        RESULTS / f"{kind}-lora-{report['date'][:10]}.json"
     out = Path(args.out or default)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_report(report, out)
     for s, r in report["strategies"].items():
         for t, w in r["tokens"].items():
             print(f"{s:9s} {t:>6s} tokens  {w['median_ms']:9.1f} ms  {w['lora_median_ms']:9.1f} ms  "

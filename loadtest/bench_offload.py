@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from offload_strategies import CPU_STRATEGIES, STRATEGIES, load
+from reporting import RESULTS, check_tokens, machine_kind, token_list, write_report
 
 # tokens -> latent (frames, height, width) for Wan's patch (1, 2, 2)
 SHAPES = {
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="wan14b-shape")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--model", help="a Wan pipeline folder; default: write the demo preset to a temp dir")
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[4096, 32760, 75600])
+    p.add_argument("--tokens", type=token_list, default=[4096, 32760, 75600])
     p.add_argument("--strategies", type=lambda s: s.split(","), default=None)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -290,18 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON path; default loadtest/results/<gpu|cpu>-<date>.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for t in args.tokens:
-        if t not in SHAPES:
-            p.error(f"--tokens: {t} is not one of {sorted(SHAPES)}")
+    check_tokens(p, args.tokens, SHAPES)
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args)))
         return 0
     args.strategies = args.strategies or list(STRATEGIES if args.device == "cuda" else CPU_STRATEGIES)
     report = run_all(args)
-    kind = "h200" if "H200" in report["machine"].get("gpu", "") else args.device
-    out = Path(args.out or Path(__file__).parent / "results" / f"{kind}-{report['date'][:10]}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    kind = machine_kind(report, args.device)
+    out = Path(args.out or RESULTS / f"{kind}-{report['date'][:10]}.json")
+    write_report(report, out)
     print(table(report))
     print(f"wrote {out}")
     failed = [n for n, r in report["strategies"].items() if "error" in r]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import hashlib
-import json
 import math
 import statistics
 import sys
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 from bench_offload import _machine, host_memory, inputs
 from ranks import run_ranks
+from reporting import RESULTS, token_list, write_report
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="wan14b-shape")
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--model", help="pipeline folder (default: write the preset under TMPDIR)")
-    p.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[75600, 32760])
+    p.add_argument("--tokens", type=token_list, default=[75600, 32760])
     p.add_argument("--reps", type=int, default=2, help="timed forwards after one warm-up")
     p.add_argument("--gen", default="480x832x81", help="HxWxF of one 2-step generation, or 'none'")
     p.add_argument("--runs", default=",".join(RUNS))
@@ -248,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
         compare(report, scratch)
     kind = "h200x2" if "H200" in report["machine"].get("gpu", "") else args.device
-    out = Path(args.out or Path(__file__).parent / "results" / f"{kind}-sp-{report['date'][:10]}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    out = Path(args.out or RESULTS / f"{kind}-sp-{report['date'][:10]}.json")
+    write_report(report, out)
     print(table(report))
     print(f"wrote {out}")
     sp = [r for r in report["summary"] if r["run"] == "sp2-dlo" and "bitwise_equal_sp2_resident" in r]

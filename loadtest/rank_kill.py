@@ -21,40 +21,16 @@ import os
 import platform
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import final, start_serve, stop_serve, wait_ready
 
 from service.api.hostproc import matching
 from service.engine.ports import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def final(url: str, vid: str, timeout: float) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()
-        if v["status"] in ("completed", "failed", "cancelled"):
-            return v
-        time.sleep(0.2)
-    raise TimeoutError(f"{vid} not final after {timeout} s")
-
-
-def ready(url: str, timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"not ready after {timeout} s")
 
 
 def main() -> int:
@@ -80,13 +56,12 @@ def main() -> int:
     log = open(log_path, "w")  # noqa: SIM115 - closed below
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env=env)
+    proc = start_serve(cmd, log, env)
     res: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
                            "host": platform.node(), "date": dt.datetime.now().isoformat(),
                            "cpus": os.cpu_count()}
     try:
-        res["ready_s"] = round(ready(url, 900), 1)
+        res["ready_s"] = round(wait_ready(url, 900), 1)
         w, h, f = (int(x) for x in args.size.split("x"))
         body = {"prompt": "killed mid-request", "seed": 1, "width": w, "height": h, "num_frames": f,
                 "num_inference_steps": args.steps}
@@ -101,7 +76,7 @@ def main() -> int:
         t_kill = time.monotonic()
         os.kill(ranks[-1], signal.SIGKILL)
         time.sleep(0.5)  # the rebuild is under way by now; time until /readyz says it serves again
-        res["kill_to_ready_s"] = round(0.5 + ready(url, 600), 2)
+        res["kill_to_ready_s"] = round(0.5 + wait_ready(url, 600), 2)
         killed = final(url, vid, 900)  # by default it runs again on the rebuilt group (--job-retries 1)
         why = (killed.get("error") or {}).get("message")
         res["killed_request"] = {"status": killed["status"], "reason": why,
@@ -113,12 +88,7 @@ def main() -> int:
         res["kill_to_next_completed_s"] = round(time.monotonic() - t_kill, 2)
         res["readyz"] = httpx.get(f"{url}/readyz", timeout=30).json()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        stop_serve(proc, log, 120)
         res["total_s"] = round(time.monotonic() - t0, 1)
     res["group_starts"] = [line.strip()[-900:] for line in log_path.read_text().splitlines()
                            if re.search(r"group \w+ gen \d+ ready in", line)]

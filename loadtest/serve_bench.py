@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from serving import final, start_serve, stop_serve, wait_ready
 
 from service.engine.ports import free_port
 
@@ -185,16 +185,16 @@ def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]])
         cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
     log = open(Path(args.logdir) / f"serve-{name}.log", "w")  # noqa: SIM115 - closed below
     t_start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_serve(cmd, log)
     try:
-        _wait_ready(url, proc, args.ready_timeout_s)
+        wait_ready(url, args.ready_timeout_s, proc, poll_s=1.0)
         ready_s = time.monotonic() - t_start
         # Warm-up: one small request per rank (CUDA kernels, allocator, encoder processes).
         warm = dict(items[0]["body"], num_frames=5, num_inference_steps=1, prompt="warm-up")
         warm_ids = [httpx.post(f"{url}/v1/videos", json=dict(warm, seed=s), timeout=60).json()["id"]
                     for s in range(args.dp)]
         for vid in warm_ids:
-            _final(url, vid, 900)
+            final(url, vid, 900, poll_s=0.5)
         sampler = GpuSampler()
         sampler.start()
         results = _drive(url, items)
@@ -202,13 +202,7 @@ def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]])
         waves = httpx.get(f"{url}/v1/waves", timeout=30).json()
         ready = httpx.get(f"{url}/readyz", timeout=30).json()
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        stop_serve(proc, log, 90)
     done = [r for r in results if r["status"] == "completed"]
     lat = sorted(r["latency_s"] for r in done)
     first = min(r["submitted"] for r in results)
@@ -240,30 +234,6 @@ def stage_means(done: list[dict[str, Any]]) -> dict[str, float]:
             for k in keys if any(t.get(k) is not None for t in rows)}
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"dloserve serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url} not ready after {timeout} s")
-
-
-def _final(url: str, vid: str, timeout: float) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()
-        if v["status"] in ("completed", "failed"):
-            return v
-        time.sleep(0.5)
-    raise TimeoutError(f"{vid} not final after {timeout} s")
-
-
 def _drive(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Post each request at its arrival time (open loop); poll each to the end."""
     results: list[dict[str, Any]] = []
@@ -278,7 +248,7 @@ def _drive(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r.status_code != 202:
             rec.update(status=f"http_{r.status_code}", finished=time.monotonic() - t0, latency_s=None)
         else:
-            v = _final(url, r.json()["id"], 3600)
+            v = final(url, r.json()["id"], 3600, poll_s=0.5)
             rec.update(status=v["status"], finished=time.monotonic() - t0, latency_s=time.monotonic() - sub,
                        dp_rank=v.get("dp_rank"), error=v.get("error"), timings=v.get("timings"))
             if v["status"] == "completed":

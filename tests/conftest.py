@@ -104,7 +104,7 @@ def resident(demo_model: str):  # noqa: ANN201 - PipelineRunner
     """The demo model fully resident in the test process: the reference outputs."""
     from service.models.pipeline import PipelineRunner
 
-    runner = PipelineRunner.load(demo_model, "cpu", settings=None)
+    runner = PipelineRunner.load(demo_model, "cpu", config=None)
     yield runner
     runner.close()
 

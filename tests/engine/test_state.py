@@ -24,7 +24,7 @@ REQ = GenerationRequest(prompt="kept", seed=11, num_inference_steps=4)  # CFG: 8
 
 @pytest.fixture(scope="module")
 def worker(euler_model: str) -> Iterator[RankWorker]:
-    runner = PipelineRunner.load(euler_model, "cpu", settings=None)
+    runner = PipelineRunner.load(euler_model, "cpu", config=None)
     w = RankWorker(runner)
     yield w
     w.close()

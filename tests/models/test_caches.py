@@ -76,10 +76,10 @@ def test_specs_are_checked_naming_the_field() -> None:
         with pytest.raises(RequestError) as e:
             GenerationRequest(prompt="x", cache=obj).check()
         assert e.value.field == field, obj
-    # the server default: a flag, checked once, canonical
-    canonical = '{"method": "first_block", "threshold": 0.1}'
-    assert EngineConfig(step_cache=step_cache("first_block:threshold=0.1")).cache == canonical
-    assert EngineConfig(step_cache=step_cache("none")).cache is None
+    # the server default: a flag, checked once, a CacheSpec (no JSON string to parse back)
+    assert EngineConfig(step_cache=step_cache("first_block:threshold=0.1")).step_cache \
+        == CacheSpec("first_block", threshold=0.1)
+    assert EngineConfig(step_cache=step_cache("none")).step_cache is None
     with pytest.raises(FlagError, match="--cache: cache.method"):
         EngineConfig(step_cache=step_cache("tea"))
     # not part of the compatibility key: cached and uncached requests share a group

@@ -1,0 +1,61 @@
+"""What the HTTP benchmarks share (rank_kill, serve_bench): start ``dloserve serve`` as a
+process group of its own, wait for /readyz, poll a video to its end, stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+FINAL = ("completed", "failed", "cancelled")
+
+
+def start_serve(cmd: list[str], log: IO[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``cmd`` (a ``dloserve serve`` line) in the repository root, its output to ``log``, in a
+    session of its own so ``stop_serve`` reaches every process it starts."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
+
+
+def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None, poll_s: float = 0.1) -> float:
+    """Seconds until ``url``/readyz answers 200; RuntimeError if ``proc`` exits first."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"dloserve serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def final(url: str, vid: str, timeout: float, poll_s: float = 0.2) -> dict[str, Any]:
+    """The video object once its status is final."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()
+        if v["status"] in FINAL:
+            return v
+        time.sleep(poll_s)
+    raise TimeoutError(f"{vid} not final after {timeout} s")
+
+
+def stop_serve(proc: subprocess.Popen, log: IO[str], grace_s: float) -> None:
+    """SIGINT to the whole session (the service drains and stops its cluster), SIGKILL after
+    ``grace_s``; closes ``log``."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    log.close()
