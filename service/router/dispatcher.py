@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from service.config import ModeChoice
+from service.config import ModeChoice, SchedulerConfig
 from service.engine.events import Event, EventKind
 from service.engine.executor import Executor, GroupInfo, GroupState
 from service.engine.metrics import metrics
@@ -88,9 +88,10 @@ class Dispatcher:
     sink: Sink
     scheduler: Scheduler
     deadlines: DeadlinePolicy = field(default_factory=DeadlinePolicy)
-    max_queue_wait_s: float = 1800.0
+    max_queue_wait_s: float = SchedulerConfig.max_queue_wait_s
     max_attempts: int | None = None  # failed attempts in a row before giving up (None: never)
-    job_retries: int = 1  # reruns of the request on a rank whose process died (0: none reruns)
+    # reruns of the request on a rank whose process died (0: none reruns)
+    job_retries: int = SchedulerConfig.job_retries
     clock: Callable[[], float] = time.monotonic
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
     assignments: int = 0

@@ -1,0 +1,82 @@
+"""``--dlo-mode auto`` is applied in one place for both transports (``GroupExecutor._resolve_auto``):
+the probe runs once, the config carries the typed choice, the groups are laid out for it, and
+/readyz and the front ends read it from the config (no dict beside it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from service.config import EngineConfig, ModeChoice, OffloadConfig, OffloadMode, ParallelConfig
+from service.engine.executor import Group, GroupExecutor, Reply
+from service.router.build import build_dispatcher
+from tests.fakes import RecordingSink
+
+
+class NoTransport(GroupExecutor):
+    """Only the shared part: nothing is started (the tests call ``_resolve_auto`` themselves)."""
+
+    def start(self) -> None: ...
+    def _open(self, g: Group) -> None: ...
+    def _kill(self, g: Group) -> None: ...
+    def _send(self, g: Group, process: int, op: str, *args: Any) -> None: ...
+    def _replies(self, timeout: float) -> list[tuple[Group, int, int, Reply]]:
+        return []
+
+    def _names(self, g: Group) -> list[str]:
+        return []
+
+
+def auto(dp: int = 2) -> EngineConfig:
+    return EngineConfig("unused", parallel=ParallelConfig(dp_size=dp),
+                        offload=OffloadConfig(OffloadMode.AUTO))
+
+
+def test_auto_is_probed_once_and_the_config_carries_the_typed_choice() -> None:
+    calls: list[int] = []
+
+    def probe() -> ModeChoice:
+        calls.append(1)
+        return ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill")
+
+    ex = NoTransport(auto())
+    ex._resolve_auto(probe)
+    ex._resolve_auto(probe)  # resolved: no second probe
+    assert calls == [1]
+    assert ex.config.offload.mode is OffloadMode.RANK_LOCAL
+    assert ex.config.choice == ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill")
+    ex._lay_out()
+    assert [(g.size, g.collective) for g in ex.groups()] == [(1, False), (1, False)]  # rank-local: two groups
+    assert ex.status()["offload_mode"] == {"mode": "rank-local", "reason": "compute covers the fill"}
+    d = build_dispatcher(ex.config, RecordingSink(), executor=ex)
+    assert d.choice is ex.config.choice  # what generate and the batch job print
+
+
+def test_a_mode_set_by_flags_is_not_probed_and_says_so() -> None:
+    ex = NoTransport(EngineConfig("unused", offload=OffloadConfig(OffloadMode.ALLGATHER)))
+    ex._resolve_auto(lambda: pytest.fail("no probe for a mode the flags set"))
+    assert ex.config.choice is None
+    assert ex.status()["offload_mode"] == {"mode": "allgather", "reason": "set by flags"}
+
+
+def test_a_failed_probe_names_the_flag() -> None:
+    def probe() -> ModeChoice:
+        raise OSError("no device")
+
+    with pytest.raises(RuntimeError, match="--dlo-mode auto probe failed: .*no device"):
+        NoTransport(auto())._resolve_auto(probe)
+
+
+def test_the_choice_is_allgather_or_rank_local_only() -> None:
+    with pytest.raises(ValueError, match="allgather or rank-local"):
+        ModeChoice(OffloadMode.RESIDENT, "no")
+    assert ModeChoice("allgather", "x").mode is OffloadMode.ALLGATHER
+
+
+def test_the_transport_comes_from_the_config() -> None:
+    from service.engine.local import LocalExecutor
+    from service.router.build import make_executor
+
+    local = EngineConfig("unused", parallel=ParallelConfig(executor="local"))
+    assert isinstance(make_executor(local), LocalExecutor)
