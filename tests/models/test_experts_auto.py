@@ -60,11 +60,11 @@ def test_auto_on_a_two_expert_model_charges_the_experts(two: str, demo_model: st
     assert expert_mix(a1, settings, 2) == 0.0 and expert_mix(a2, settings, 1) == 0.0
     mix = expert_mix(a2, settings, 2)
     assert 0 < mix < 1, mix
-    choice, timings = decide_auto(a2, torch.device("cpu"), settings, None, world=2)
-    assert timings is not None and timings.world == 2
-    assert f"{mix:.0%} more ticks" in choice["reason"], choice
-    choice1, _ = decide_auto(a1, torch.device("cpu"), settings, None, world=2)
-    assert "different experts" not in choice1["reason"], choice1
+    choice = decide_auto(a2, torch.device("cpu"), settings, None, world=2)
+    assert choice.timings is not None and choice.timings.world == 2
+    assert f"{mix:.0%} more ticks" in choice.reason, choice
+    choice1 = decide_auto(a1, torch.device("cpu"), settings, None, world=2)
+    assert "different experts" not in choice1.reason, choice1
 
 
 def test_device_budget_counts_both_experts(two: str) -> None:
