@@ -73,7 +73,7 @@ def part_demo(width: int, height: int, frames: int, steps: int, reps: int) -> di
     from service.models.pipeline import PipelineRunner
     from service.models.request import GenerationRequest
 
-    runner = PipelineRunner.load(str(ensure_demo_model()), "cpu", settings=None)
+    runner = PipelineRunner.load(str(ensure_demo_model()), "cpu", config=None)
     req = GenerationRequest(prompt="a fox", seed=1, width=width, height=height, num_frames=frames,
                             num_inference_steps=steps)
     caught: list[torch.Tensor] = []

@@ -87,7 +87,7 @@ def resident_worker(args: argparse.Namespace) -> int:
     device = f"cuda:{args.gpu}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.set_device(args.gpu)
-    runner = PipelineRunner.load(args.model, device, settings=None)
+    runner = PipelineRunner.load(args.model, device, config=None)
     enc = Encoder(args.encoders)
     warm = items[0]["body"]
     runner.frames(GenerationRequest(**{**warm, "num_inference_steps": 1, "num_frames": 5}))
