@@ -422,7 +422,8 @@ class VideoIngress:
               "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
               responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
                          415: {**_ERR, "description": "not application/json"},
-                         409: {**_ERR, "description": "the name is taken"},
+                         409: {**_ERR, "description": "the name is taken (the caller's or the server's), "
+                                                      "or the caller has max_loras_per_key adapters"},
                          422: {**_ERR, "description": "a bad adapter (param names the key; source: not a "
                                                       "regular file)"},
                          503: {**_ERR, "description": "every adapter-reading thread is busy (Retry-After)"},
@@ -436,6 +437,7 @@ class VideoIngress:
         from pydantic import ValidationError
 
         from service.models.lora import LoraError
+        from service.models.lora_registry import LoraLimit
 
         ctype = request.headers.get("content-type") or "application/json"  # none: JSON, as before
         if ctype.split(";")[0].strip().lower() != "application/json":
@@ -464,6 +466,8 @@ class VideoIngress:
             return error(403, str(e), "source", code="forbidden_source")
         except KeyError as e:
             return error(409, str(e.args[0]), "name", code="lora_exists")
+        except LoraLimit as e:
+            return error(409, str(e), "name", code="too_many_loras")
         except LoraError as e:
             return error(422, str(e), e.key, code="invalid_lora")
         except AdapterIOBusy as e:
@@ -474,12 +478,22 @@ class VideoIngress:
         return JSONResponse(entry.public(), status_code=201)
 
     @app.get("/v1/loras", responses=_AUTH)
-    def list_loras(self, request: Request) -> Any:
-        """The registered adapters this caller may use."""
+    def list_loras(
+        self,
+        request: Request,
+        after: str | None = Query(None, max_length=64),
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "asc",
+    ) -> Any:
+        """The registered adapters this caller may use (the server's and its own), oldest
+        first, a page at a time as GET /v1/videos pages."""
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
             return owner
-        return {"object": "list", "data": [e.public() for e in self.svc.list_loras(owner)]}
+        entries, more = self.svc.loras.page(owner, after, limit, order)
+        data = [e.public() for e in entries]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     @app.delete("/v1/loras/{name}", responses={**_AUTH, 404: {**_ERR, "description": "no such adapter"}})
     def delete_lora(self, request: Request, name: str) -> Any:

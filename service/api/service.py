@@ -34,8 +34,9 @@ from service.engine.metrics import metrics
 from service.engine.spec import Outcome
 from service.models.cache_spec import CacheSpec
 from service.models.checks import check_request
-from service.models.lora import LoraError, LoraRegistry, Registered, targets_of
+from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
+from service.models.lora_registry import LoraRegistry, Registered
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -213,7 +214,8 @@ class VideoService:
 
     def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
         """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
-        dirs), KeyError (name taken), LoraError (a bad file, naming the key)."""
+        dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
+        naming the key)."""
         path = Path(os.path.expanduser(source)).resolve()
         roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
         if not roots:
@@ -227,9 +229,10 @@ class VideoService:
             raise LoraError(name, "source", str(e)) from None
         except FileNotFoundError:
             raise LoraError(name, "source", f"no file {source!r} under --lora-dir") from None
-        return self.loras.register(name, str(path), owner)
+        return self.loras.register(name, str(path), owner, limit=self.cfg.max_loras_per_key)
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:
+        """The adapters ``owner`` may use: the server's and its own (``loras.page``: a page)."""
         return self.loras.list(owner)
 
     def delete_lora(self, name: str, owner: str | None = None) -> bool:
