@@ -216,19 +216,25 @@ class VideoService:
         """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
         dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
         naming the key)."""
-        path = Path(os.path.expanduser(source)).resolve()
+        try:
+            path = Path(os.path.expanduser(source)).resolve()
+        except (OSError, RuntimeError):  # a symlink loop: its message holds the resolved path
+            raise LoraError(name, "source", "cannot resolve it (a symlink loop?)") from None
         roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
         if not roots:
             raise PermissionError("run-time adapter registration is off on this server (start it with "
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
         if not any(path.is_relative_to(r) for r in roots):
-            raise PermissionError(f"source must be a file under {[str(r) for r in roots]} (--lora-dir)")
+            raise PermissionError("source must be a file under one of this server's --lora-dir folders")
         try:
             check_regular(path)  # a FIFO or a device would block the reader: refused unopened
         except NotRegularFile as e:
             raise LoraError(name, "source", str(e)) from None
         except FileNotFoundError:
             raise LoraError(name, "source", f"no file {source!r} under --lora-dir") from None
+        except OSError as e:  # EACCES and such (never the path: its message would name it)
+            why = e.strerror or type(e).__name__
+            raise LoraError(name, "source", f"cannot read it: {why}") from None
         return self.loras.register(name, str(path), owner, limit=self.cfg.max_loras_per_key)
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:

@@ -117,7 +117,7 @@ def read_adapter(path: str | os.PathLike, name: str, targets: Targets, sha256: s
     path = Path(path)
     digest = _digest(path, name)
     if sha256 and digest != sha256:
-        raise LoraError(name, "file", f"{path} changed since it was registered (sha256 {digest[:12]}..., "
+        raise LoraError(name, "file", f"the file changed since it was registered (sha256 {digest[:12]}..., "
                                       f"registered {sha256[:12]}...): register it again")
     raw_keys = _header_keys(path, name)
     layout = _layout(raw_keys, name, targets)
@@ -130,7 +130,14 @@ def _digest(path: Path, name: str) -> str:
     try:
         return file_sha256(path)
     except OSError as e:
-        raise LoraError(name, "file", f"cannot read {path}: {e.strerror or e}") from None
+        raise LoraError(name, "file", f"cannot read the file: {e.strerror or _quiet(e, path)}") from None
+
+
+def _quiet(e: BaseException, path: Path) -> str:
+    """``e``'s message without the file's path: errors reach API callers, and where the
+    server keeps its files is not theirs to know (the adapter's name says which file)."""
+    text = str(e).replace(str(path), "the file")
+    return text.replace(str(path.parent), "a folder") if len(str(path.parent)) > 1 else text
 
 
 def _header_keys(path: Path, name: str) -> list[str]:
@@ -141,9 +148,9 @@ def _header_keys(path: Path, name: str) -> list[str]:
         with safe_open(str(path), framework="pt") as f:
             keys = list(f.keys())
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a header that is not JSON
-        raise LoraError(name, "file", f"{path} is not a readable safetensors file: {e}") from None
+        raise LoraError(name, "file", f"not a readable safetensors file: {_quiet(e, path)}") from None
     if not keys:
-        raise LoraError(name, "file", f"{path} holds no tensors")
+        raise LoraError(name, "file", "the file holds no tensors")
     return keys
 
 
@@ -171,7 +178,7 @@ def _convert(path: Path, name: str, targets: Targets) -> tuple[dict[str, torch.T
         state, metadata = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True)
     except Exception as e:  # noqa: BLE001 - the converters raise anything on a foreign layout
         raise LoraError(name, "file", f"diffusers' {targets.pipeline}.lora_state_dict cannot read it "
-                                      f"({type(e).__name__}: {e})") from None
+                                      f"({type(e).__name__}: {_quiet(e, path)})") from None
     return state, metadata
 
 

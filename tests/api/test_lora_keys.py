@@ -1,5 +1,5 @@
 """Adapters with API keys, over real HTTP and real Ray: names per key, a per-key cap, the
-list in pages.
+list in pages, and no server path in any answer.
 
 A DP1 app with two keys, `--lora-dir` and one adapter of the server's (under /lorakeys)
 lives for this module only, beside the shared open app (tests/api/conftest.py).
@@ -152,3 +152,27 @@ def test_the_list_pages_like_the_videos_list(app: str, lora_dir: Path) -> None:
     finally:
         for name in made:
             httpx.delete(f"{app}/v1/loras/{name}", headers=auth(KEY_B))
+
+
+def test_no_answer_about_adapters_carries_a_server_path(app: str, lora_dir: Path, tmp_path: Path) -> None:
+    """Before: a bad file's 422 began with its path, a source outside the folders got the
+    folders' list, and a FIFO's 422 named the path."""
+    import os
+
+    os.mkfifo(lora_dir / "pipe.safetensors")
+    outside = tmp_path / "x.safetensors"
+    outside.write_bytes(b"x")
+    answers = [register(app, KEY_A, "junk", lora_dir / "junk.safetensors"),
+               register(app, KEY_A, "pipe", lora_dir / "pipe.safetensors"),
+               register(app, KEY_A, "out", outside),
+               register(app, KEY_A, "ok", lora_dir / "alice.safetensors")]
+    try:
+        assert [r.status_code for r in answers] == [422, 422, 403, 201], [r.text for r in answers]
+        answers += [httpx.get(f"{app}/v1/loras", headers=auth(KEY_A)),
+                    httpx.delete(f"{app}/v1/loras/ok", headers=auth(KEY_A)),
+                    httpx.delete(f"{app}/v1/loras/ok", headers=auth(KEY_A))]
+        for r in answers:
+            assert str(lora_dir) not in r.text and str(tmp_path) not in r.text, r.text
+            assert "/tmp" not in r.text, r.text
+    finally:
+        httpx.delete(f"{app}/v1/loras/ok", headers=auth(KEY_A))

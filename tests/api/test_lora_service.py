@@ -8,6 +8,7 @@ reaches a rank, and the compatibility key that ignores the adapter set.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -218,6 +219,28 @@ def test_the_list_comes_in_pages(service, lora_dir: Path) -> None:  # noqa: ANN0
     assert seen == ["style", "b", "c", "d"]
     assert [e.name for e in svc.loras.page(None, None, 3, "desc")[0]] == ["d", "c", "b"]
     assert svc.loras.page(None, "nope", 2) == ([], False)  # as GET /v1/videos answers an unknown id
+
+
+def test_refusals_carry_no_server_path(service, lora_dir: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """What a caller reads back names the adapter and its own ``source``, never a folder of the
+    server's (the --lora-dir, where the file was found)."""
+    svc, _ = service
+    (lora_dir / "junk.safetensors").write_bytes(b"not safetensors at all")
+    os.mkfifo(lora_dir / "pipe.safetensors")
+    (lora_dir / "loop.safetensors").symlink_to(lora_dir / "loop.safetensors")  # resolving it raises
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(b"x")
+    errors = []
+    for name, source in (("junk", lora_dir / "junk.safetensors"), ("pipe", lora_dir / "pipe.safetensors"),
+                         ("loop", lora_dir / "loop.safetensors"), ("out", outside)):
+        with pytest.raises((LoraError, PermissionError)) as e:
+            svc.add_lora(name, str(source))
+        errors.append(str(e.value))
+    assert "not a readable safetensors file" in errors[0] and "a FIFO" in errors[1], errors
+    assert "cannot resolve it" in errors[2] and "--lora-dir folders" in errors[3], errors
+    for text in errors:
+        assert str(lora_dir) not in text and str(tmp_path) not in text, text
+    assert all(str(lora_dir) not in str(e.public()) for e in svc.list_loras())
 
 
 def test_a_bad_adapter_fails_the_start(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
