@@ -233,6 +233,10 @@ class VideoIngress:
         except AuthError as e:
             return _unauthorized(e)
 
+    def _admin(self, request: Request) -> bool:
+        """Whether the caller may see what concerns the cluster (a video's ``node_id``)."""
+        return self.svc.caller(request.headers.get("authorization")).admin
+
     async def _create(self, request: Request) -> JobRecord | JSONResponse:
         """The job record as accepted, or the 401/408/413/415/422/429/503 answer."""
         owner = self._owner(request)
@@ -295,7 +299,7 @@ class VideoIngress:
         rec = await self._create(request)
         if isinstance(rec, JSONResponse):
             return rec
-        return JSONResponse(video_object(rec), status_code=202)
+        return JSONResponse(video_object(rec, self._admin(request)), status_code=202)
 
     @app.post("/v1/videos/sync", openapi_extra=_CREATE_BODY, response_class=Response,
               responses={200: _MP4[200], **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
@@ -339,7 +343,8 @@ class VideoIngress:
         if isinstance(owner, JSONResponse):
             return owner
         recs, more = self.svc.list(after, limit, order, owner)
-        data = [video_object(r) for r in recs]
+        admin = self._admin(request)
+        data = [video_object(r, admin) for r in recs]
         return VideoList.model_validate({
             "data": data,
             "first_id": data[0]["id"] if data else None,
@@ -356,7 +361,7 @@ class VideoIngress:
         if rec is None:
             return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         headers = {"openai-poll-after-ms": "250"} if not rec.final else {}
-        return JSONResponse(video_object(rec), headers=headers)
+        return JSONResponse(video_object(rec, self._admin(request)), headers=headers)
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
              responses={**_MP4, **_BY_ID, 409: {**_ERR, "description": "not completed"}})

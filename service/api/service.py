@@ -465,6 +465,11 @@ def observe_stages(timings: dict[str, Any]) -> None:
             metrics()["stage"].observe(float(value), tags={"stage": key[:-2]})
 
 
-def video_object(rec: JobRecord) -> dict[str, Any]:
-    """The public shape of a record (drops nothing the client needs, adds nothing private)."""
-    return Video.model_validate(rec.to_json()).model_dump()
+def video_object(rec: JobRecord, admin: bool = False) -> dict[str, Any]:
+    """The public shape of a record (drops nothing the client needs, adds nothing private):
+    ``node_id`` (which Ray node ran it: the cluster's business) only for an ``admin`` caller
+    (an admin key, or an open service with no key of either kind: keys.py)."""
+    v = Video.model_validate(rec.to_json()).model_dump()
+    if not admin:
+        v["node_id"] = None
+    return v
