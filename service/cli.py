@@ -95,8 +95,9 @@ def _with_loras(args: argparse.Namespace, adapter: object, settings: object, req
     """``req`` with the ``--lora`` adapters (registered and checked here, before any rank starts)."""
     from dataclasses import replace
 
-    from service.models.lora import LoraRegistry, targets_of
+    from service.models.lora import targets_of
     from service.models.lora_ref import lora_flags
+    from service.models.lora_registry import LoraRegistry
     from service.models.options import FlagError
 
     regs, uses = lora_flags(args, uses_allowed=True)

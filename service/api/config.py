@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from service.api.keys import owner_id
 from service.engine.spec import CPUS_PER_RANK, EngineSpec
 from service.models.image import MAX_IMAGE_PIXELS
+from service.models.lora_ref import MAX_LORAS_PER_KEY
 from service.models.options import Mode, OffloadSettings
 from service.router.tenants import Quota, Tenants
 
@@ -100,6 +101,8 @@ class ServiceConfig(BaseModel):
                                  "(their own: a hung read never holds up job submission); all busy: 503")
     lora_read_timeout_s: float = Field(60.0, gt=0, description="POST /v1/loras answers 504 when reading "
                                        "and checking the file takes longer")
+    max_loras_per_key: int = Field(MAX_LORAS_PER_KEY, ge=1, description="adapters one key (or, without "
+                                   "keys, all callers) may register at run time; more: 409")
 
     webhook_url: str | None = Field(None, description="POST video.completed/failed/cancelled events of "
                                     "every job here (Standard Webhooks signatures; --webhook-url)")

@@ -265,7 +265,7 @@ class Video(BaseModel):
     resumed_from_step: int = Field(0, description="its rank died and the run went on from this step of "
                                    "the one before (0: it never resumed)")
     dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
-    node_id: str | None = Field(None, description="the Ray node of that DP group")
+    node_id: str | None = Field(None, description="the Ray node of that DP group (admin callers only)")
     timings: Timings | None = Field(None, description="where its time went (once it ended)")
 
 

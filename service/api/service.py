@@ -34,8 +34,9 @@ from service.engine.metrics import metrics
 from service.engine.spec import Outcome
 from service.models.cache_spec import CacheSpec
 from service.models.checks import check_request
-from service.models.lora import LoraError, LoraRegistry, Registered, targets_of
+from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
+from service.models.lora_registry import LoraRegistry, Registered
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -213,23 +214,31 @@ class VideoService:
 
     def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
         """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
-        dirs), KeyError (name taken), LoraError (a bad file, naming the key)."""
-        path = Path(os.path.expanduser(source)).resolve()
+        dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
+        naming the key)."""
+        try:
+            path = Path(os.path.expanduser(source)).resolve()
+        except (OSError, RuntimeError):  # a symlink loop: its message holds the resolved path
+            raise LoraError(name, "source", "cannot resolve it (a symlink loop?)") from None
         roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
         if not roots:
             raise PermissionError("run-time adapter registration is off on this server (start it with "
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
         if not any(path.is_relative_to(r) for r in roots):
-            raise PermissionError(f"source must be a file under {[str(r) for r in roots]} (--lora-dir)")
+            raise PermissionError("source must be a file under one of this server's --lora-dir folders")
         try:
             check_regular(path)  # a FIFO or a device would block the reader: refused unopened
         except NotRegularFile as e:
             raise LoraError(name, "source", str(e)) from None
         except FileNotFoundError:
             raise LoraError(name, "source", f"no file {source!r} under --lora-dir") from None
-        return self.loras.register(name, str(path), owner)
+        except OSError as e:  # EACCES and such (never the path: its message would name it)
+            why = e.strerror or type(e).__name__
+            raise LoraError(name, "source", f"cannot read it: {why}") from None
+        return self.loras.register(name, str(path), owner, limit=self.cfg.max_loras_per_key)
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:
+        """The adapters ``owner`` may use: the server's and its own (``loras.page``: a page)."""
         return self.loras.list(owner)
 
     def delete_lora(self, name: str, owner: str | None = None) -> bool:
@@ -456,6 +465,11 @@ def observe_stages(timings: dict[str, Any]) -> None:
             metrics()["stage"].observe(float(value), tags={"stage": key[:-2]})
 
 
-def video_object(rec: JobRecord) -> dict[str, Any]:
-    """The public shape of a record (drops nothing the client needs, adds nothing private)."""
-    return Video.model_validate(rec.to_json()).model_dump()
+def video_object(rec: JobRecord, admin: bool = False) -> dict[str, Any]:
+    """The public shape of a record (drops nothing the client needs, adds nothing private):
+    ``node_id`` (which Ray node ran it: the cluster's business) only for an ``admin`` caller
+    (an admin key, or an open service with no key of either kind: keys.py)."""
+    v = Video.model_validate(rec.to_json()).model_dump()
+    if not admin:
+        v["node_id"] = None
+    return v

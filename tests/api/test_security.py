@@ -83,6 +83,30 @@ def test_jobs_belong_to_the_key_that_made_them(keyed: str) -> None:
     assert httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A)).json()["deleted"]
 
 
+def test_node_id_is_for_admin_callers_only(keyed: str, app_url: str) -> None:
+    """Which Ray node ran a job is the cluster's business (issue 31: every key read it in the
+    video object). A key's answers say null; an open service with no key of either kind has
+    no one to hide it from (every caller is its admin: keys.py), so it still says it."""
+    import ray
+
+    body = {"prompt": "where did it run", "seed": 2, "num_inference_steps": 2}
+    r = httpx.post(f"{keyed}/v1/videos", json=body, headers=auth(KEY_A))
+    assert r.status_code == 202, r.text
+    vid = r.json()["id"]
+    final = wait_final(keyed, vid, headers=auth(KEY_A))
+    page = httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_A)).json()["data"]
+    listed = [v for v in page if v["id"] == vid]
+    for v in (r.json(), final, *listed):
+        assert v["node_id"] is None and v["dp_group"], v
+    assert listed and final["status"] == "completed"
+    httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A))
+    node = ray.get_runtime_context().get_node_id()
+    r = httpx.post(f"{app_url}/v1/videos", json=body)
+    assert r.status_code == 202 and r.json()["node_id"] == node, r.text
+    assert wait_final(app_url, r.json()["id"])["node_id"] == node
+    httpx.delete(f"{app_url}/v1/videos/{r.json()['id']}")
+
+
 def raw_post(url: str, headers: str, body: bytes = b"") -> tuple[int, float]:
     """Send a request by hand (a declared length the client never sends); status and time."""
     host, port = url.split("//")[1].split(":")
