@@ -155,6 +155,7 @@ class VideoService:
             # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
             body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
         req = dataclasses.replace(body.to_request(self.defaults), image=image)
+        req = self._priority(req, body.priority is None, owner)
         try:
             self.adapter.validate(req)
             self.limits.check(req)
@@ -178,6 +179,7 @@ class VideoService:
             fps=req.fps,
             num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale,
+            priority=req.priority,
             loras=[u.model_dump(exclude_none=True) for u in body.loras],  # as asked, so a remix can ask again
             cache=None if body.cache is None else body.cache.model_dump(exclude_none=True),
             owner=owner,  # who may see it (the API key's id); never in the video object
@@ -195,6 +197,19 @@ class VideoService:
             self.store.delete(rec.id)
             raise
         return rec  # the job as accepted; the dispatcher may move it on at once
+
+    def _priority(self, req: GenerationRequest, default: bool, owner: str | None) -> GenerationRequest:
+        """The key's floor (``min_priority``): a request without a priority gets it where it
+        is worse than the default; one better than it is a 422 naming ``priority``."""
+        floor = self.dispatcher.scheduler.tenants.quota(owner).min_priority
+        if floor is None:
+            return req
+        if default and req.priority < floor:
+            return dataclasses.replace(req, priority=floor)
+        if req.priority < floor:
+            raise BodyError("priority", f"{req.priority} is better than this API key may ask for: its "
+                            f"floor is {floor} (lower is served first; min_priority in the key file)")
+        return req
 
     def _resolve_loras(self, req: GenerationRequest, owner: str | None) -> GenerationRequest:
         """The request's adapters resolved to checked files; RequestError before any compute."""
@@ -283,7 +298,7 @@ class VideoService:
             return public_ready(full)
         quota = self.dispatcher.scheduler.tenants.quota(caller.owner)
         yours = {**self.dispatcher.counts(caller.owner), "max_queued": quota.max_queued,
-                 "max_running": quota.max_running}
+                 "max_running": quota.max_running, "min_priority": quota.min_priority}
         return tenant_ready(full, yours)
 
     def readiness(self) -> dict[str, Any]:
@@ -375,7 +390,8 @@ class VideoService:
     def on_requeue(self, ticket: Ticket, why: str) -> None:
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
-        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None)
+        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None,
+                     preemptions=ticket.preemptions)
 
     def _update(self, job_id: str, **fields: Any) -> None:
         """A status change from the dispatcher thread; a storage that refuses the write must
