@@ -20,6 +20,7 @@ from typing import Any
 
 from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
+from service.api.durable import StateKeeper
 from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
@@ -79,6 +80,7 @@ class VideoService:
             node_id = ray.get_runtime_context().get_node_id()
         self.node_id = node_id
         self.storage_health = StorageHealth(self.storage, self.dp_group)  # a failed write: not ready, 507
+        self.states = StateKeeper(self.storage)  # running jobs' per-step states, for a restart
         if store is None:
             from service.api.jobs import connect_store
 
@@ -119,6 +121,7 @@ class VideoService:
                 self.storage_health.probe()
                 if previews:
                     self.store.put_previews(previews)
+                self.states.write_due()
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
@@ -270,6 +273,7 @@ class VideoService:
             if rec.dp_group == self.dp_group:
                 if self.dispatcher.cancel(job_id) == "running":
                     return "cancelling"
+                self.states.forget(job_id)
             elif rec.status is JobStatus.IN_PROGRESS:
                 self.store.request_cancel(job_id)
                 return "cancelling"
@@ -387,7 +391,11 @@ class VideoService:
         with self._progress_lock:
             self._previews[ticket_id] = (step, image)
 
+    def on_state(self, ticket_id: str, state: Any) -> None:
+        self.states.offer(ticket_id, state)
+
     def on_requeue(self, ticket: Ticket, why: str) -> None:
+        self.states.urgent(ticket.id)  # paused or its group failed: its step is kept now
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
         self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None,
@@ -422,6 +430,7 @@ class VideoService:
                 log.exception("could not fail %s", ticket.id)
 
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
+        self.states.forget(ticket.id)  # no state of it is written after its end (the store drops them)
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
             last = self._previews.pop(ticket.id, None)

@@ -175,11 +175,16 @@ class Dispatcher:
 
     def adopt(self, ticket_id: str, key: str, payload: Any, tenant: str | None = None) -> bool:
         """Queue a request that a lost group held (another replica's), past the bounds and
-        quotas: it was admitted once. This is its rerun (``reruns`` 1). False if this
-        dispatcher has it already (its own group was only silent, not gone)."""
+        quotas: it was admitted once. This is its rerun (``reruns`` 1). A payload resumed from
+        a kept state (after a restart) goes on from it. False if this dispatcher has it
+        already (its own group was only silent, not gone)."""
         with self._cv:
             if ticket_id in self._held or self.scheduler.has(ticket_id):
                 return False
+            state = getattr(payload, "resume", None)
+            if state is not None:  # kept like a state its rank handed off here
+                self._states[ticket_id] = state
+                payload = payload.resumed(None)
             t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1,
                        requeues=1, priority=priority_of(payload))
             self.scheduler.requeue(t)
@@ -389,6 +394,9 @@ class Dispatcher:
             kept = self._states.get(h.ticket.id)
             if ev.state is not None and (kept is None or ev.state.step > kept.step):
                 self._states[h.ticket.id] = ev.state  # (a GPU copy may land after the next step's)
+                on_state = getattr(self.sink, "on_state", None)  # a sink that keeps it durably (the API)
+                if on_state is not None:
+                    on_state(h.ticket.id, ev.state)
             on_preview = getattr(self.sink, "on_preview", None)  # a sink that shows previews (the API)
             if ev.preview is not None and on_preview is not None:
                 on_preview(h.ticket.id, ev.step, ev.total, ev.preview)
