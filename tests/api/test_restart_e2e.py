@@ -8,7 +8,9 @@ restart. The model has a flow-matching Euler scheduler (resumable: models/resume
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +32,14 @@ def record(folder: Path, vid: str) -> dict:
 
 def test_a_restart_on_the_same_folder_finishes_every_job_from_its_step(euler_model: str, ray_tmp: Path,
                                                                        tmp_path: Path) -> None:
+    fresh = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths
+    try:
+        run(euler_model, ray_tmp, fresh, tmp_path)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+
+
+def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
     folder, port = tmp_path / "results", str(free_port())
     args = (euler_model, "--port", port, "--results-url", str(folder), "--cpus-per-rank", "1",
             "--encoders-per-rank", "0")
@@ -50,7 +60,7 @@ def test_a_restart_on_the_same_folder_finishes_every_job_from_its_step(euler_mod
         time.sleep(0.5)
     assert record(folder, running)["status"] == "in_progress"  # as the kill left it
 
-    second = Serve(ray_tmp, *args)
+    second = Serve(fresh, *args)  # a Ray temp folder of its own: nothing of the killed cluster's
     second.watch_until(lambda: record(folder, running).get("status") != "in_progress", timeout=300)
     assert record(folder, running)["status"] == "queued"  # at once: not shown running with nothing on it
     second.watch_until(lambda: "dloserve ready at" in second.output, timeout=300)
