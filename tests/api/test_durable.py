@@ -8,7 +8,8 @@ SIGKILLed and started again is tests/api/test_restart_e2e.py (e2e).
   per interval, at once when the job is paused, never after its end;
 - a store started on the folder of a crashed instance shows every unfinished job
   ``queued`` at once; a replica takes them over, the one with a state goes on from its step,
-  and their files go when they end.
+  and their files go when they end; a job whose request is torn fails with the reason, and
+  a state file of no job is swept.
 """
 
 from __future__ import annotations
@@ -134,9 +135,11 @@ def test_a_job_whose_request_cannot_be_read_fails_with_the_reason_after_a_restar
         svc.close()
         store.close()
     (after / f"{rec.id}.req").write_bytes(b"torn")
+    (after / "video_gone.state").write_bytes(b"a late write of a job that ended")
     again = JobStore(str(after), {}, 3600.0, 100, 0.5)  # its group stays silent: the reaper fails it
     try:
         until(lambda: again.get(rec.id).final, timeout=30)
         assert again.get(rec.id).error["code"] == "dp_group_lost"
+        assert not (after / "video_gone.state").exists()  # swept at the start: no job of its own
     finally:
         again.close()
