@@ -42,8 +42,8 @@ def victims(waiting: Iterable[int], running: Iterable[Running], pausing: int,
     already asked for and not yet done (each frees a rank for the best waiting request).
 
     Each waiting request, best first, takes the worst running request of a strictly worse
-    priority (of those, the one paused least often, then the latest started: the least
-    work repeated should its state not be kept after all)."""
+    priority (of those, the one paused least often, then the latest started: it has held
+    its rank the shortest)."""
     queue = sorted(waiting)[max(0, pausing):]
     pool = sorted((r for r in running if r.preemptions < max_preemptions),
                   key=lambda r: (-r.priority, r.preemptions, -r.assigned_at))
