@@ -69,7 +69,8 @@ class ServiceConfig(BaseModel):
     max_running_per_key: int | None = Field(None, ge=1, description="jobs per API key on ranks at once; "
                                             "None: as many as are free")
     key_quotas: dict[str, dict[str, int]] = Field(
-        default_factory=dict, description="per-key overrides by key hash: {max_queued, max_running}")
+        default_factory=dict, description="per-key overrides by key hash: {max_queued, max_running, "
+        "min_priority (default 0: a key's requests ask for priority 0 or worse)}")
     max_body_bytes: int = Field(65536, ge=1024)
     max_image_bytes: int = Field(8 * 2**20, ge=1024, description="largest input_reference image file "
                                  "(a body that may carry one is capped at max_body_bytes plus this)")
@@ -150,6 +151,6 @@ class ServiceConfig(BaseModel):
         an open service (no keys) is one tenant bounded only by ``queue_size``."""
         if not self.api_key_hashes:
             return Tenants()
-        default = Quota(self.max_queued_per_key, self.max_running_per_key)
+        default = Quota(self.max_queued_per_key, self.max_running_per_key, min_priority=0)  # no promotion
         overrides = {owner_id(h): replace(default, **q) for h, q in self.key_quotas.items()}
         return Tenants(default, overrides)

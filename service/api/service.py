@@ -20,6 +20,7 @@ from typing import Any
 
 from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
+from service.api.durable import StateKeeper
 from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
@@ -80,6 +81,7 @@ class VideoService:
             node_id = ray.get_runtime_context().get_node_id()
         self.node_id = node_id
         self.storage_health = StorageHealth(self.storage, self.dp_group)  # a failed write: not ready, 507
+        self.states = StateKeeper(self.storage)  # running jobs' per-step states, for a restart
         if store is None:
             from service.api.jobs import connect_store
 
@@ -120,6 +122,7 @@ class VideoService:
                 self.storage_health.probe()
                 if previews:
                     self.store.put_previews(previews)
+                self.states.write_due()
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
@@ -156,6 +159,7 @@ class VideoService:
             # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
             body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
         req = dataclasses.replace(body.to_request(self.defaults), image=image)
+        req = self._priority(req, body.priority is None, owner)
         try:
             self.adapter.validate(req)
             self.limits.check(req)
@@ -179,6 +183,7 @@ class VideoService:
             fps=req.fps,
             num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale,
+            priority=req.priority,
             loras=[u.model_dump(exclude_none=True) for u in body.loras],  # as asked, so a remix can ask again
             cache=None if body.cache is None else body.cache.model_dump(exclude_none=True),
             owner=owner,  # who may see it (the API key's id); never in the video object
@@ -196,6 +201,19 @@ class VideoService:
             self.store.delete(rec.id)
             raise
         return rec  # the job as accepted; the dispatcher may move it on at once
+
+    def _priority(self, req: GenerationRequest, default: bool, owner: str | None) -> GenerationRequest:
+        """The key's floor (``min_priority``): a request without a priority gets it where it
+        is worse than the default; one better than it is a 422 naming ``priority``."""
+        floor = self.dispatcher.scheduler.tenants.quota(owner).min_priority
+        if floor is None:
+            return req
+        if default and req.priority < floor:
+            return dataclasses.replace(req, priority=floor)
+        if req.priority < floor:
+            raise BodyError("priority", f"{req.priority} is better than this API key may ask for: its "
+                            f"floor is {floor} (lower is served first; min_priority in the key file)")
+        return req
 
     def _resolve_loras(self, req: GenerationRequest, owner: str | None) -> GenerationRequest:
         """The request's adapters resolved to checked files; RequestError before any compute."""
@@ -264,6 +282,7 @@ class VideoService:
             if rec.dp_group == self.dp_group:
                 if self.dispatcher.cancel(job_id) == "running":
                     return "cancelling"
+                self.states.forget(job_id)
             elif rec.status is JobStatus.IN_PROGRESS:
                 self.store.request_cancel(job_id)
                 return "cancelling"
@@ -292,7 +311,7 @@ class VideoService:
             return public_ready(full)
         quota = self.dispatcher.scheduler.tenants.quota(caller.owner)
         yours = {**self.dispatcher.counts(caller.owner), "max_queued": quota.max_queued,
-                 "max_running": quota.max_running}
+                 "max_running": quota.max_running, "min_priority": quota.min_priority}
         return tenant_ready(full, yours)
 
     def readiness(self) -> dict[str, Any]:
@@ -381,10 +400,15 @@ class VideoService:
         with self._progress_lock:
             self._previews[ticket_id] = (step, image)
 
+    def on_state(self, ticket_id: str, state: Any) -> None:
+        self.states.offer(ticket_id, state)
+
     def on_requeue(self, ticket: Ticket, why: str) -> None:
+        self.states.urgent(ticket.id)  # paused or its group failed: its step is kept now
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
-        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None)
+        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None,
+                     preemptions=ticket.preemptions)
 
     def _update(self, job_id: str, **fields: Any) -> None:
         """A status change from the dispatcher thread; a storage that refuses the write must
@@ -415,6 +439,7 @@ class VideoService:
                 log.exception("could not fail %s", ticket.id)
 
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
+        self.states.forget(ticket.id)  # no state of it is written after its end (the store drops them)
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
             last = self._previews.pop(ticket.id, None)

@@ -35,6 +35,7 @@ def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactor
         results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
         api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
         admin_key_hashes=[hashlib.sha256(ADMIN.encode()).hexdigest()],
+        key_quotas={hashlib.sha256(KEY_B.encode()).hexdigest(): {"min_priority": -5}},
         max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S, first_byte_timeout_s=1.0,
         max_uploads_per_key=UPLOADS_PER_KEY,
     )
@@ -57,6 +58,16 @@ def test_no_or_wrong_key_is_401_in_the_openai_shape(keyed: str) -> None:
         assert httpx.get(f"{keyed}/v1/videos", headers=headers).status_code == 401
     assert httpx.get(f"{keyed}/healthz").status_code == 200  # health stays open
     assert httpx.get(f"{keyed}/readyz").status_code == 200
+
+
+def test_a_priority_past_the_keys_floor_is_a_422_naming_it(keyed: str) -> None:
+    for key, priority in ((KEY_A, -1), (KEY_B, -6), (KEY_A, 101)):  # key-a's floor: 0; key-b's: -5
+        r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "x", "priority": priority}, headers=auth(key))
+        assert r.status_code == 422 and r.json()["error"]["param"] == "priority", r.text
+    r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "promoted", "priority": -5}, headers=auth(KEY_B))
+    assert r.status_code == 202 and r.json()["priority"] == -5, r.text
+    done = wait_final(keyed, r.json()["id"], headers=auth(KEY_B))
+    assert done["status"] == "completed" and done["priority"] == -5 and done["preemptions"] == 0
 
 
 def test_jobs_belong_to_the_key_that_made_them(keyed: str) -> None:
