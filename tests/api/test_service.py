@@ -7,6 +7,7 @@ The same paths through real HTTP and real rank actors are in test_http.py and te
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,8 +97,16 @@ def test_drain_fails_queued_jobs_and_lets_running_ones_finish(service) -> None: 
     svc, ex = service
     running, queued = svc.create(dict(BODY)), svc.create(dict(BODY))
     ex.wait_assigned(running.id)
+    # The running job ends only once the drain has failed the queued one: had it ended first,
+    # its freed rank could take the queued job before the drain (a race this test once lost).
+    out: dict = {}
+    drain = threading.Thread(target=lambda: out.update(svc.drain(timeout_s=10, reason="service stopped")))
+    drain.start()
+    deadline = time.monotonic() + 10
+    while status(svc, queued.id) is not JobStatus.FAILED and time.monotonic() < deadline:
+        time.sleep(0.01)
     ex.run(running.id)  # ends while the drain waits for it
-    out = svc.drain(timeout_s=10, reason="service stopped")
+    drain.join(15)
     assert out["queued_failed"] == 1 and out["running_failed"] == 0
     assert status(svc, queued.id) is JobStatus.FAILED and status(svc, running.id) is JobStatus.COMPLETED
     assert "service stopped" in svc.store.get(queued.id).error["message"]
