@@ -46,9 +46,11 @@ multinode:
 	$(BIN)/python -m pytest -q -p no:randomly -m multinode -s tests/api/test_multinode.py
 
 # Live Prometheus against a running service, then the CPU image built and run (podman).
+# IMAGE_STEP=run runs an image built before (.ci/run builds it in the background).
+IMAGE_STEP ?= all
 deploy-check:
 	$(BIN)/python -m pytest -q -p no:randomly -m deploy tests
-	bash docker/test_image.sh
+	bash docker/test_image.sh $(IMAGE_STEP)
 
 # The /ui playground in Debian's Chromium (Playwright) against a real `dloserve serve`; screenshots
 # in out/ui/. Needs `make setup-system` (chromium).

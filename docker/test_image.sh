@@ -9,8 +9,14 @@
 # mounted (podman image mount) and its programs run with chroot as the image's user:
 # `dloserve generate`, then `dloserve serve` with one request over HTTP, whose MP4 must
 # equal the generated one. Any step that fails fails the script.
+#
+# `test_image.sh build` only builds (CI starts it in the background while the tests run: it
+# waits on the network and the disk more than on the CPU); `test_image.sh run` only runs an
+# image built before; no argument: both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+STEP=${1:-all}
+case "$STEP" in build|run|all) ;; *) echo "usage: $0 [build|run]" >&2; exit 2 ;; esac
 t0=$(date +%s)
 IMAGE=localhost/dloserve:cpu
 BASE=localhost/dloserve-base:bookworm
@@ -18,6 +24,7 @@ CACHE="${DLOSERVE_CACHE:-$HOME/.cache/dloserve}"
 mkdir -p "$CACHE"
 PY=${PY:-.venv/bin/python}
 
+if [ "$STEP" != run ]; then
 if ! podman image exists "$BASE"; then
   if [ ! -f "$CACHE/bookworm-rootfs.tar" ]; then
     root=$(mktemp -d /tmp/bookworm.XXXX)
@@ -38,6 +45,12 @@ podman build --isolation chroot -f docker/Dockerfile --build-arg BASE="$BASE" --
   -t "$IMAGE" . >/tmp/dloserve-image-build.log 2>&1 || { tail -40 /tmp/dloserve-image-build.log; exit 1; }
 rm -f docker/wheels/*.whl docker/extra-ca/*.crt
 t_build=$(date +%s)
+echo "image-build: OK. base $((t_base - t0)) s, build $((t_build - t_base)) s"
+[ "$STEP" = build ] && exit 0
+else
+  podman image exists "$IMAGE" || { echo "test_image.sh run: no $IMAGE: run 'test_image.sh build' first" >&2; exit 1; }
+  t_base=$t0 t_build=$t0
+fi
 size=$(podman image inspect "$IMAGE" --format '{{.Size}}')
 
 mnt=$(podman image mount "$IMAGE")

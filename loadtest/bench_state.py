@@ -1,6 +1,8 @@
 """What keeping a request's per-step state costs a rank (engine/state.py): the pipeline
 thread's time in ``StateTap.take`` per step (it runs between two forwards, where the tick
-thread waits), and the pickle that carries the state to the driver (off that thread).
+thread waits), the pickle that carries the state to the driver (off that thread), and the
+write that keeps it in the results folder for a restart (``store_ms``: ``<id>.state`` through
+ResultStorage, off the dispatcher thread, at most every ``STATE_EVERY_S`` per job; api/durable.py).
 
     python loadtest/bench_state.py --shape 1,16,21,60,104 --reps 50 --out loadtest/results/cpu-state-cost.json
 
@@ -19,19 +21,23 @@ import pickle
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from service.api.durable import state_bytes
+from service.api.results import ResultStorage
 from service.engine.state import StateTap
 
 
-def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int) -> dict:
+def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int,
+            storage: ResultStorage) -> dict:
     latents = torch.randn(shape, dtype=torch.float32).to(device, dtype)
     tap = StateTap()
-    take, landed, pickled, size = [], [], [], 0
+    take, landed, pickled, stored, size = [], [], [], [], 0
     for _ in range(reps + 3):  # the first few warm the allocator and the stream
         got = threading.Event()
         box: list = []
@@ -44,6 +50,8 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int) 
         t2 = time.perf_counter()
         blob = pickle.dumps(box[0], protocol=5)
         t3 = time.perf_counter()
+        storage.put_bytes("video_bench.state", state_bytes(box[0]))
+        stored.append(time.perf_counter() - t3)
         size = len(blob)
         take.append(t1 - t0)
         landed.append(t2 - t0)
@@ -53,6 +61,7 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int) 
     return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "device": device,
             "bytes": latents.numel() * latents.element_size(), "pickled_bytes": size,
             "take_ms_median": ms(take), "landed_ms_median": ms(landed), "pickle_ms_median": ms(pickled),
+            "store_ms_median": ms(stored),
             "take_ms_max": round(1000 * max(take[3:]), 3)}
 
 
@@ -63,9 +72,12 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out")
+    ap.add_argument("--results-url", help="where the state files go (default: a temporary folder)")
     a = ap.parse_args()
     shape = tuple(int(x) for x in a.shape.split(","))
-    runs = [measure(shape, getattr(torch, d), a.device, a.reps) for d in a.dtypes.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        storage = ResultStorage(a.results_url or tmp)
+        runs = [measure(shape, getattr(torch, d), a.device, a.reps, storage) for d in a.dtypes.split(",")]
     machine = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
                "cpus": os.cpu_count(), "loadavg": list(os.getloadavg()), "torch": torch.__version__}
     if a.device == "cuda":

@@ -96,8 +96,9 @@ def _with_loras(args: argparse.Namespace, adapter: object, config: object, req: 
     from dataclasses import replace
 
     from service.config import FlagError
-    from service.models.lora import LoraRegistry, targets_of
+    from service.models.lora import targets_of
     from service.models.lora_ref import lora_flags
+    from service.models.lora_registry import LoraRegistry
 
     regs, uses = lora_flags(args, uses_allowed=True)
     if not regs:

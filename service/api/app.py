@@ -233,6 +233,10 @@ class VideoIngress:
         except AuthError as e:
             return _unauthorized(e)
 
+    def _admin(self, request: Request) -> bool:
+        """Whether the caller may see what concerns the cluster (a video's ``node_id``)."""
+        return self.svc.caller(request.headers.get("authorization")).admin
+
     async def _create(self, request: Request) -> JobRecord | JSONResponse:
         """The job record as accepted, or the 401/408/413/415/422/429/503 answer."""
         owner = self._owner(request)
@@ -295,7 +299,7 @@ class VideoIngress:
         rec = await self._create(request)
         if isinstance(rec, JSONResponse):
             return rec
-        return JSONResponse(video_object(rec), status_code=202)
+        return JSONResponse(video_object(rec, self._admin(request)), status_code=202)
 
     @app.post("/v1/videos/sync", openapi_extra=_CREATE_BODY, response_class=Response,
               responses={200: _MP4[200], **_CREATE_ERRORS, 500: {**_ERR, "description": "generation failed"}})
@@ -339,7 +343,8 @@ class VideoIngress:
         if isinstance(owner, JSONResponse):
             return owner
         recs, more = self.svc.list(after, limit, order, owner)
-        data = [video_object(r) for r in recs]
+        admin = self._admin(request)
+        data = [video_object(r, admin) for r in recs]
         return VideoList.model_validate({
             "data": data,
             "first_id": data[0]["id"] if data else None,
@@ -356,7 +361,7 @@ class VideoIngress:
         if rec is None:
             return error(404, f"no video {video_id!r}", "video_id", code="not_found")
         headers = {"openai-poll-after-ms": "250"} if not rec.final else {}
-        return JSONResponse(video_object(rec), headers=headers)
+        return JSONResponse(video_object(rec, self._admin(request)), headers=headers)
 
     @app.get("/v1/videos/{video_id}/content", response_class=Response,
              responses={**_MP4, **_BY_ID, 409: {**_ERR, "description": "not completed"}})
@@ -422,7 +427,8 @@ class VideoIngress:
               "application/json": {"schema": _inlined(LoraCreate.model_json_schema())}}}},
               responses={**_AUTH, 403: {**_ERR, "description": "source outside the --lora-dir folders"},
                          415: {**_ERR, "description": "not application/json"},
-                         409: {**_ERR, "description": "the name is taken"},
+                         409: {**_ERR, "description": "the name is taken (the caller's or the server's), "
+                                                      "or the caller has max_loras_per_key adapters"},
                          422: {**_ERR, "description": "a bad adapter (param names the key; source: not a "
                                                       "regular file)"},
                          503: {**_ERR, "description": "every adapter-reading thread is busy (Retry-After)"},
@@ -436,6 +442,7 @@ class VideoIngress:
         from pydantic import ValidationError
 
         from service.models.lora import LoraError
+        from service.models.lora_registry import LoraLimit
 
         ctype = request.headers.get("content-type") or "application/json"  # none: JSON, as before
         if ctype.split(";")[0].strip().lower() != "application/json":
@@ -464,6 +471,8 @@ class VideoIngress:
             return error(403, str(e), "source", code="forbidden_source")
         except KeyError as e:
             return error(409, str(e.args[0]), "name", code="lora_exists")
+        except LoraLimit as e:
+            return error(409, str(e), "name", code="too_many_loras")
         except LoraError as e:
             return error(422, str(e), e.key, code="invalid_lora")
         except AdapterIOBusy as e:
@@ -474,12 +483,22 @@ class VideoIngress:
         return JSONResponse(entry.public(), status_code=201)
 
     @app.get("/v1/loras", responses=_AUTH)
-    def list_loras(self, request: Request) -> Any:
-        """The registered adapters this caller may use."""
+    def list_loras(
+        self,
+        request: Request,
+        after: str | None = Query(None, max_length=64),
+        limit: int = Query(20, ge=1, le=100),
+        order: Literal["asc", "desc"] = "asc",
+    ) -> Any:
+        """The registered adapters this caller may use (the server's and its own), oldest
+        first, a page at a time as GET /v1/videos pages."""
         owner = self._owner(request)
         if isinstance(owner, JSONResponse):
             return owner
-        return {"object": "list", "data": [e.public() for e in self.svc.list_loras(owner)]}
+        entries, more = self.svc.loras.page(owner, after, limit, order)
+        data = [e.public() for e in entries]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     @app.delete("/v1/loras/{name}", responses={**_AUTH, 404: {**_ERR, "description": "no such adapter"}})
     def delete_lora(self, request: Request, name: str) -> Any:

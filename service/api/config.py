@@ -14,6 +14,7 @@ from service.config import EngineConfig, FlagError, ParallelConfig, SchedulerCon
 from service.config.engine import from_offload_mapping, offload_mapping
 from service.config.offload import STREAMED_DEFAULT
 from service.models.image import MAX_IMAGE_PIXELS
+from service.models.lora_ref import MAX_LORAS_PER_KEY
 from service.router.tenants import Quota, Tenants
 
 P, S = ParallelConfig, SchedulerConfig  # the engine half's defaults: written there, once
@@ -79,7 +80,8 @@ class ServiceConfig(BaseModel):
     max_running_per_key: int | None = Field(None, ge=1, description="jobs per API key on ranks at once; "
                                             "None: as many as are free")
     key_quotas: dict[str, dict[str, int]] = Field(
-        default_factory=dict, description="per-key overrides by key hash: {max_queued, max_running}")
+        default_factory=dict, description="per-key overrides by key hash: {max_queued, max_running, "
+        "min_priority (default 0: a key's requests ask for priority 0 or worse)}")
     max_body_bytes: int = Field(65536, ge=1024)
     max_image_bytes: int = Field(8 * 2**20, ge=1024, description="largest input_reference image file "
                                  "(a body that may carry one is capped at max_body_bytes plus this)")
@@ -111,6 +113,8 @@ class ServiceConfig(BaseModel):
                                  "(their own: a hung read never holds up job submission); all busy: 503")
     lora_read_timeout_s: float = Field(60.0, gt=0, description="POST /v1/loras answers 504 when reading "
                                        "and checking the file takes longer")
+    max_loras_per_key: int = Field(MAX_LORAS_PER_KEY, ge=1, description="adapters one key (or, without "
+                                   "keys, all callers) may register at run time; more: 409")
 
     webhook_url: str | None = Field(None, description="POST video.completed/failed/cancelled events of "
                                     "every job here (Standard Webhooks signatures; --webhook-url)")
@@ -185,6 +189,6 @@ class ServiceConfig(BaseModel):
         an open service (no keys) is one tenant bounded only by ``queue_size``."""
         if not self.api_key_hashes:
             return Tenants()
-        default = Quota(self.max_queued_per_key, self.max_running_per_key)
+        default = Quota(self.max_queued_per_key, self.max_running_per_key, min_priority=0)  # no promotion
         overrides = {owner_id(h): replace(default, **q) for h, q in self.key_quotas.items()}
         return Tenants(default, overrides)

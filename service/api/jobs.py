@@ -13,6 +13,12 @@ a serving replica of the same model takes them over (``adopt``, at its heartbeat
 them again: once per job, and only jobs whose request the store was given (``put``); the
 others, a job lost a second time, and one no replica takes within ``ADOPT_WAIT_S``, end
 ``failed`` with the reason.
+
+Requests are kept beside their records (``<id>.req``, durable.py), and the replicas keep
+each running job's last per-step state there (``<id>.state``): after a restart of the store
+on the same results (a new ``serve``, a new cluster), every unfinished job whose DP group's
+node is gone shows ``queued`` at once and a serving replica takes it over, going on from its
+saved step; one whose request cannot be read fails with the reason, as before.
 """
 
 from __future__ import annotations
@@ -26,14 +32,27 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from service.api.durable import request_bytes, request_of, state_of
 from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage
 from service.api.store import JobTable
 from service.api.webhooks import Webhooks
+from service.models.request import GenerationRequest
 
 NAMESPACE = "dloserve"
 ADOPT_WAIT_S = 300.0  # a lost group's job waits this long for another replica to take it
 log = logging.getLogger("dloserve.jobs")
+
+
+def live_nodes() -> set[str]:
+    """The ids of the cluster's live nodes (none without Ray: nothing of before can be alive)."""
+    try:
+        if not ray.is_initialized():
+            return set()
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception:  # noqa: BLE001 - a store that cannot ask waits for heartbeats instead
+        log.exception("could not list the cluster's nodes")
+        return set()
 
 
 def store_name(url: str) -> str:
@@ -67,11 +86,7 @@ class JobStore(JobTable):
         self._requests: dict[str, Any] = {}  # unfinished job -> its request (to run it elsewhere)
         self._orphans: dict[str, tuple[float, str]] = {}  # job of a lost group -> (since, why)
         self._adopted: set[str] = set()  # jobs run again once already: a second loss fails them
-        # Jobs a lost group left for another replica, when the store restarted: their requests
-        # were in its memory only, so nothing can run them now.
-        self.fail([r.id for r in self.list() if not r.final and not r.dp_group], "dp_group_lost",
-                  "its DP group was lost and the job store restarted before another replica took "
-                  "the job over; submit it again")
+        self._recover()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="dloserve-reaper", daemon=True)
         self._reaper.start()
@@ -83,10 +98,44 @@ class JobStore(JobTable):
         if self.webhooks is not None:
             self.webhooks.close()
 
+    def _recover(self) -> None:
+        """At start: unfinished jobs whose request was kept run again (those whose group's node
+        is gone at once, the others once their group is silent for ``group_timeout_s``: this
+        may be a restart of the store alone); a job no group holds with no request kept fails."""
+        live, now, n = live_nodes(), time.monotonic(), 0
+        for rec in self.list():
+            if rec.final:
+                continue
+            request = request_of(self.storage.get_bytes(f"{rec.id}.req"))
+            if request is None:
+                if not rec.dp_group:
+                    self.fail([rec.id], "dp_group_lost", "its DP group was lost and the job store restarted "
+                              "before another replica took the job over; submit it again")
+                continue
+            self._requests[rec.id] = request
+            if not rec.dp_group or rec.node_id not in live:
+                self._orphans[rec.id] = (now, "the service restarted before this job ended")
+                self.update(rec.id, dp_group=None, node_id=None, status=JobStatus.QUEUED, progress=0,
+                            wave=None, dp_rank=None)
+                n += 1
+        if n:
+            log.info("%d unfinished jobs of before the restart wait for a replica to run them again", n)
+        keep = set(self._requests)
+        for name in self.storage.names(".req") + self.storage.names(".state"):
+            if name.rsplit(".", 1)[0] not in keep:  # a job that ended or went (a late write of its state)
+                self.storage.remove(name)
+
     def put(self, rec: JobRecord, request: Any = None) -> None:
         """Record a job; with its ``request``, the job can run again on another replica if its
-        own is lost (kept in memory only, until the job ends)."""
-        super().put(rec)
+        own is lost, or after a restart (kept in memory and beside the record, until the job
+        ends). StorageError, and nothing kept, when a write fails."""
+        if isinstance(request, GenerationRequest):  # (another payload, a test's: in memory only)
+            self.storage.put_bytes(f"{rec.id}.req", request_bytes(request))
+        try:
+            super().put(rec)
+        except Exception:
+            self.storage.remove(f"{rec.id}.req")
+            raise
         if request is not None:
             with self._beat_lock:
                 self._requests[rec.id] = request
@@ -95,6 +144,8 @@ class JobStore(JobTable):
         ended = super().finish(job_id, by=by, **fields)
         if ended is not None:
             self._forget(job_id)
+            for ext in ("req", "state"):  # nothing to run again
+                self.storage.remove(f"{job_id}.{ext}")
         return ended
 
     def delete(self, job_id: str) -> bool:
@@ -112,7 +163,8 @@ class JobStore(JobTable):
 
     def adopt(self, dp_group: str, node_id: str, model: str, limit: int) -> list[tuple[str, Any, str | None]]:
         """Up to ``limit`` jobs of lost groups for a serving replica of ``model`` to run, oldest
-        first: (id, request, owner). They are its jobs from now on."""
+        first: (id, request, owner), the request resumed from its kept state where there is
+        one that it can go on from. They are its jobs from now on."""
         taken: list[tuple[str, Any, str | None]] = []
         with self._beat_lock:
             waiting = sorted(self._orphans.items(), key=lambda kv: kv[1][0])
@@ -128,7 +180,8 @@ class JobStore(JobTable):
                 self._adopted.add(job_id)
                 request = self._requests.get(job_id)
             self.update(job_id, dp_group=dp_group, node_id=node_id)
-            taken.append((job_id, request, rec.owner))
+            state = None if request is None else state_of(self.storage.get_bytes(f"{job_id}.state"), request)
+            taken.append((job_id, request if state is None else request.resumed(state), rec.owner))
         if taken:
             log.info("DP group %s on node %s took over %d jobs of lost groups", dp_group, node_id, len(taken))
         return taken

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 QUOTA_OPTIONS = ("max_queued", "max_running")
+PRIORITY_OPTION = "min_priority"  # the best priority the key's requests may ask for (any integer in range)
 WEBHOOK_OPTIONS = ("webhook_url", "webhook_secret")
 
 
@@ -28,7 +29,7 @@ class KeyFileError(ValueError):
 
 @dataclass(frozen=True)
 class KeyEntry:
-    """One key and its quota overrides (``max_queued``, ``max_running``)."""
+    """One key and its quota overrides (``max_queued``, ``max_running``, ``min_priority``)."""
 
     key: str
     quota: dict[str, int] = field(default_factory=dict)
@@ -36,9 +37,9 @@ class KeyEntry:
 
 
 def parse_key_lines(lines: Iterable[str], source: str = "key file") -> list[KeyEntry]:
-    """``KEY`` or ``KEY max_queued=8 max_running=2`` per line, and ``webhook_url=URL
-    webhook_secret=whsec_...`` for the key's own webhook; blank lines and lines that start
-    with ``#`` are skipped. A key has no whitespace in it."""
+    """``KEY`` or ``KEY max_queued=8 max_running=2 min_priority=-5`` per line, and
+    ``webhook_url=URL webhook_secret=whsec_...`` for the key's own webhook; blank lines and
+    lines that start with ``#`` are skipped. A key has no whitespace in it."""
     out = []
     for n, line in enumerate(lines, 1):
         words = (line.removeprefix("\ufeff") if n == 1 else line).split()  # a BOM is no part of a key
@@ -51,15 +52,32 @@ def parse_key_lines(lines: Iterable[str], source: str = "key file") -> list[KeyE
             if eq and name in WEBHOOK_OPTIONS:
                 webhook[name.removeprefix("webhook_")] = value
                 continue
+            if eq and name == PRIORITY_OPTION:
+                quota[name] = _priority(value, f"{source}:{n}")
+                continue
             if not eq or name not in QUOTA_OPTIONS or not value.isdigit() or int(value) < 1:
                 raise KeyFileError(f"{source}:{n}: {word!r} is not one of "
                                    f"{', '.join(o + '=N' for o in QUOTA_OPTIONS)} (N >= 1), "
-                                   "webhook_url=URL, webhook_secret=whsec_...")
+                                   "min_priority=N, webhook_url=URL, webhook_secret=whsec_...")
             quota[name] = int(value)
         if webhook:
             _check_webhook(webhook, f"{source}:{n}")
         out.append(KeyEntry(words[0], quota, webhook))
     return out
+
+
+def _priority(value: str, where: str) -> int:
+    from service.models.request import PRIORITY_RANGE
+
+    lo, hi = PRIORITY_RANGE
+    try:
+        p = int(value)
+    except ValueError:
+        p = None
+    if p is None or not lo <= p <= hi:
+        raise KeyFileError(f"{where}: min_priority={value!r} must be an integer in [{lo}, {hi}] "
+                           "(lower is served first)")
+    return p
 
 
 def _check_webhook(webhook: dict[str, str], where: str) -> None:

@@ -5,7 +5,9 @@ A plain path or ``file://`` URL is a local folder (the default); any other fsspe
 replica on every node reads the same bytes. Credentials and endpoints come from
 ``storage_options`` or fsspec's own configuration (e.g. ``FSSPEC_S3_ENDPOINT_URL``).
 
-Layout under the URL: ``<id>.json`` (a job record) and ``<id>.mp4`` (its video). A local
+Layout under the URL: ``<id>.json`` (a job record), ``<id>.mp4`` (its video), and while it
+is unfinished ``<id>.req`` and ``<id>.state`` (what a restart needs to run it again:
+durable.py). A local
 write goes to ``.<name>.<hex>.tmp`` first and is moved into place; the temp file is removed on
 every failure, and the job store sweeps those left by a killed process (``sweep_tmp``). A write
 that fails (a full disk, a read-only mount, an object store that refuses) raises
@@ -188,8 +190,8 @@ class ResultStorage:
 
     def drop(self, job_id: str) -> None:
         if safe_id(job_id):
-            self.remove(f"{job_id}.json")
-            self.remove(f"{job_id}.mp4")
+            for ext in ("json", "mp4", "req", "state"):
+                self.remove(f"{job_id}.{ext}")
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> ResultStorage:

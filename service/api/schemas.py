@@ -15,14 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from service.api.errors import BodyError
 from service.config.cache import MAX_RATIOS, METHODS, PARAMS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
-from service.models.request import GenerationRequest
+from service.models.request import PRIORITY_RANGE, GenerationRequest
 
 MAX_SECONDS = 600  # far past any frame limit; bounds seconds x fps before it is rounded
 SIZE_PATTERN = r"^[1-9][0-9]{0,4}x[1-9][0-9]{0,4}$"  # ASCII digits only: no "X", spaces or other scripts
 SECONDS_PATTERN = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"  # OpenAI sends seconds as a string ("4")
 NESTED_OBJECTS = frozenset({"cache"})  # object fields whose errors name the inner field: cache.threshold
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
-                            "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2"})
+                            "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2",
+                            "priority"})
 
 
 class LoraUse(BaseModel):
@@ -123,6 +124,10 @@ class VideoCreate(BaseModel):
                                  description="adapters to apply, in order, with their scales")
     cache: CacheUse | None = Field(None, description="step cache: skipped blocks skip their weight transfers "
                                    "too; none given: the server's --cache default")
+    priority: int | None = Field(None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+                                 description="lower is served first (vLLM's convention); a better one may "
+                                 "pause a worse running job at a step. Default 0 (or the API key's "
+                                 "min_priority, where that is worse); not better than that floor")
 
     @field_validator("cache", mode="before")
     @classmethod
@@ -200,6 +205,7 @@ class VideoCreate(BaseModel):
             extra=extra,
             loras=tuple(LoraRef(u.name, u.scale, u.expert) for u in self.loras),
             cache=None if self.cache is None else self.cache.spec(),
+            priority=pick(self.priority, defaults.priority),
         )
 
 
@@ -267,8 +273,11 @@ class Video(BaseModel):
     dp_rank: int | None = None
     resumed_from_step: int = Field(0, description="its rank died and the run went on from this step of "
                                    "the one before (0: it never resumed)")
+    priority: int = Field(0, description="lower is served first")
+    preemptions: int = Field(0, description="times it was paused at a step for a better-priority job "
+                             "(each time it went on from that step)")
     dp_group: str | None = Field(None, description="the replica (DP group) that runs it")
-    node_id: str | None = Field(None, description="the Ray node of that DP group")
+    node_id: str | None = Field(None, description="the Ray node of that DP group (admin callers only)")
     timings: Timings | None = Field(None, description="where its time went (once it ended)")
 
 

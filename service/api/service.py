@@ -20,6 +20,7 @@ from typing import Any
 
 from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
+from service.api.durable import StateKeeper
 from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys
 from service.api.records import JobRecord, JobStatus
@@ -33,8 +34,9 @@ from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.outcome import Outcome
 from service.models.checks import check_request
-from service.models.lora import LoraError, LoraRegistry, Registered, targets_of
+from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
+from service.models.lora_registry import LoraRegistry, Registered
 from service.models.registry import load_adapter, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
@@ -79,6 +81,7 @@ class VideoService:
             node_id = ray.get_runtime_context().get_node_id()
         self.node_id = node_id
         self.storage_health = StorageHealth(self.storage, self.dp_group)  # a failed write: not ready, 507
+        self.states = StateKeeper(self.storage)  # running jobs' per-step states, for a restart
         if store is None:
             from service.api.jobs import connect_store
 
@@ -117,6 +120,7 @@ class VideoService:
                 self.storage_health.probe()
                 if previews:
                     self.store.put_previews(previews)
+                self.states.write_due()
                 if time.monotonic() - last >= 1.0:
                     for job_id in self.store.heartbeat(self.dp_group, self.node_id):
                         self.dispatcher.cancel(job_id)
@@ -153,6 +157,7 @@ class VideoService:
             # Like other generation APIs: no seed, a fresh one (reported, so reproducible).
             body = body.model_copy(update={"seed": secrets.randbelow(2**31)})
         req = dataclasses.replace(body.to_request(self.defaults), image=image)
+        req = self._priority(req, body.priority is None, owner)
         try:
             self.adapter.validate(req)
             self.limits.check(req)
@@ -176,6 +181,7 @@ class VideoService:
             fps=req.fps,
             num_inference_steps=req.num_inference_steps,
             guidance_scale=req.guidance_scale,
+            priority=req.priority,
             loras=[u.model_dump(exclude_none=True) for u in body.loras],  # as asked, so a remix can ask again
             cache=None if body.cache is None else body.cache.model_dump(exclude_none=True),
             owner=owner,  # who may see it (the API key's id); never in the video object
@@ -194,6 +200,19 @@ class VideoService:
             raise
         return rec  # the job as accepted; the dispatcher may move it on at once
 
+    def _priority(self, req: GenerationRequest, default: bool, owner: str | None) -> GenerationRequest:
+        """The key's floor (``min_priority``): a request without a priority gets it where it
+        is worse than the default; one better than it is a 422 naming ``priority``."""
+        floor = self.dispatcher.scheduler.tenants.quota(owner).min_priority
+        if floor is None:
+            return req
+        if default and req.priority < floor:
+            return dataclasses.replace(req, priority=floor)
+        if req.priority < floor:
+            raise BodyError("priority", f"{req.priority} is better than this API key may ask for: its "
+                            f"floor is {floor} (lower is served first; min_priority in the key file)")
+        return req
+
     def _resolve_loras(self, req: GenerationRequest, owner: str | None) -> GenerationRequest:
         """The request's adapters resolved to checked files; RequestError before any compute."""
         if not req.loras:
@@ -211,23 +230,31 @@ class VideoService:
 
     def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
         """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
-        dirs), KeyError (name taken), LoraError (a bad file, naming the key)."""
-        path = Path(os.path.expanduser(source)).resolve()
+        dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
+        naming the key)."""
+        try:
+            path = Path(os.path.expanduser(source)).resolve()
+        except (OSError, RuntimeError):  # a symlink loop: its message holds the resolved path
+            raise LoraError(name, "source", "cannot resolve it (a symlink loop?)") from None
         roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
         if not roots:
             raise PermissionError("run-time adapter registration is off on this server (start it with "
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
         if not any(path.is_relative_to(r) for r in roots):
-            raise PermissionError(f"source must be a file under {[str(r) for r in roots]} (--lora-dir)")
+            raise PermissionError("source must be a file under one of this server's --lora-dir folders")
         try:
             check_regular(path)  # a FIFO or a device would block the reader: refused unopened
         except NotRegularFile as e:
             raise LoraError(name, "source", str(e)) from None
         except FileNotFoundError:
             raise LoraError(name, "source", f"no file {source!r} under --lora-dir") from None
-        return self.loras.register(name, str(path), owner)
+        except OSError as e:  # EACCES and such (never the path: its message would name it)
+            why = e.strerror or type(e).__name__
+            raise LoraError(name, "source", f"cannot read it: {why}") from None
+        return self.loras.register(name, str(path), owner, limit=self.cfg.max_loras_per_key)
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:
+        """The adapters ``owner`` may use: the server's and its own (``loras.page``: a page)."""
         return self.loras.list(owner)
 
     def delete_lora(self, name: str, owner: str | None = None) -> bool:
@@ -253,6 +280,7 @@ class VideoService:
             if rec.dp_group == self.dp_group:
                 if self.dispatcher.cancel(job_id) == "running":
                     return "cancelling"
+                self.states.forget(job_id)
             elif rec.status is JobStatus.IN_PROGRESS:
                 self.store.request_cancel(job_id)
                 return "cancelling"
@@ -281,7 +309,7 @@ class VideoService:
             return public_ready(full)
         quota = self.dispatcher.scheduler.tenants.quota(caller.owner)
         yours = {**self.dispatcher.counts(caller.owner), "max_queued": quota.max_queued,
-                 "max_running": quota.max_running}
+                 "max_running": quota.max_running, "min_priority": quota.min_priority}
         return tenant_ready(full, yours)
 
     def readiness(self) -> dict[str, Any]:
@@ -370,10 +398,15 @@ class VideoService:
         with self._progress_lock:
             self._previews[ticket_id] = (step, image)
 
+    def on_state(self, ticket_id: str, state: Any) -> None:
+        self.states.offer(ticket_id, state)
+
     def on_requeue(self, ticket: Ticket, why: str) -> None:
+        self.states.urgent(ticket.id)  # paused or its group failed: its step is kept now
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
-        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None)
+        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None,
+                     preemptions=ticket.preemptions)
 
     def _update(self, job_id: str, **fields: Any) -> None:
         """A status change from the dispatcher thread; a storage that refuses the write must
@@ -404,6 +437,7 @@ class VideoService:
                 log.exception("could not fail %s", ticket.id)
 
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
+        self.states.forget(ticket.id)  # no state of it is written after its end (the store drops them)
         with self._progress_lock:
             self._progress.pop(ticket.id, None)
             last = self._previews.pop(ticket.id, None)
@@ -454,6 +488,11 @@ def observe_stages(timings: dict[str, Any]) -> None:
             metrics()["stage"].observe(float(value), tags={"stage": key[:-2]})
 
 
-def video_object(rec: JobRecord) -> dict[str, Any]:
-    """The public shape of a record (drops nothing the client needs, adds nothing private)."""
-    return Video.model_validate(rec.to_json()).model_dump()
+def video_object(rec: JobRecord, admin: bool = False) -> dict[str, Any]:
+    """The public shape of a record (drops nothing the client needs, adds nothing private):
+    ``node_id`` (which Ray node ran it: the cluster's business) only for an ``admin`` caller
+    (an admin key, or an open service with no key of either kind: keys.py)."""
+    v = Video.model_validate(rec.to_json()).model_dump()
+    if not admin:
+        v["node_id"] = None
+    return v

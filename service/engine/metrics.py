@@ -81,6 +81,10 @@ def metrics() -> dict[str, Any]:
             "dloserve_requests_requeued_total", "Requests queued again: their rank group died under them",
             ("reason",)
         ),
+        "preemptions": Counter(
+            "dloserve_preemptions_total", "Running requests paused at a step for a better-priority one "
+            "(each goes on later from its step)", ("group",)
+        ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
         "storage_ready": Gauge(
             "dloserve_storage_ready", "1 while the results storage takes this replica's writes, 0 after one "

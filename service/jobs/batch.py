@@ -5,7 +5,8 @@
 
 ``prompts.jsonl``: one JSON object per line with GenerationRequest fields (``prompt``
 required; ``seed``, ``height``, ``width``, ``num_frames``, ``fps``,
-``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``flow_shift``; Wan2.2
+``num_inference_steps``, ``guidance_scale``, ``negative_prompt``, ``flow_shift``, ``priority``
+(lower first, default 0: the order items start in, docs/service.md "Priorities"); Wan2.2
 A14B: ``guidance_scale_2``; image-to-video: ``image``, a path (relative to the prompts
 file's folder) or an fsspec URL of a PNG, JPEG or WebP file, under the prompts file's folder
 or ``--image-root``, at most 16 MiB) and an optional ``id``

@@ -30,7 +30,7 @@ from service.offload.lora import AdapterCache, DeviceAdapter, LoraFactors, SideB
 from service.offload.quant import Fp8Linear
 
 from .lora_checks import factor_problem, file_sha256, scaling_problem, tensor_problem
-from .lora_ref import MAX_SCALE, LoraRef, name_problem
+from .lora_ref import MAX_SCALE, LoraRef
 from .request import RequestError
 
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
@@ -117,7 +117,7 @@ def read_adapter(path: str | os.PathLike, name: str, targets: Targets, sha256: s
     path = Path(path)
     digest = _digest(path, name)
     if sha256 and digest != sha256:
-        raise LoraError(name, "file", f"{path} changed since it was registered (sha256 {digest[:12]}..., "
+        raise LoraError(name, "file", f"the file changed since it was registered (sha256 {digest[:12]}..., "
                                       f"registered {sha256[:12]}...): register it again")
     raw_keys = _header_keys(path, name)
     layout = _layout(raw_keys, name, targets)
@@ -130,7 +130,14 @@ def _digest(path: Path, name: str) -> str:
     try:
         return file_sha256(path)
     except OSError as e:
-        raise LoraError(name, "file", f"cannot read {path}: {e.strerror or e}") from None
+        raise LoraError(name, "file", f"cannot read the file: {e.strerror or _quiet(e, path)}") from None
+
+
+def _quiet(e: BaseException, path: Path) -> str:
+    """``e``'s message without the file's path: errors reach API callers, and where the
+    server keeps its files is not theirs to know (the adapter's name says which file)."""
+    text = str(e).replace(str(path), "the file")
+    return text.replace(str(path.parent), "a folder") if len(str(path.parent)) > 1 else text
 
 
 def _header_keys(path: Path, name: str) -> list[str]:
@@ -141,9 +148,9 @@ def _header_keys(path: Path, name: str) -> list[str]:
         with safe_open(str(path), framework="pt") as f:
             keys = list(f.keys())
     except Exception as e:  # noqa: BLE001 - SafetensorError, OSError, a header that is not JSON
-        raise LoraError(name, "file", f"{path} is not a readable safetensors file: {e}") from None
+        raise LoraError(name, "file", f"not a readable safetensors file: {_quiet(e, path)}") from None
     if not keys:
-        raise LoraError(name, "file", f"{path} holds no tensors")
+        raise LoraError(name, "file", "the file holds no tensors")
     return keys
 
 
@@ -171,7 +178,7 @@ def _convert(path: Path, name: str, targets: Targets) -> tuple[dict[str, torch.T
         state, metadata = cls.lora_state_dict(str(path), use_safetensors=True, return_lora_metadata=True)
     except Exception as e:  # noqa: BLE001 - the converters raise anything on a foreign layout
         raise LoraError(name, "file", f"diffusers' {targets.pipeline}.lora_state_dict cannot read it "
-                                      f"({type(e).__name__}: {e})") from None
+                                      f"({type(e).__name__}: {_quiet(e, path)})") from None
     return state, metadata
 
 
@@ -322,100 +329,3 @@ class RankAdapters:
 
     def stats(self) -> dict[str, Any]:
         return self.cache.stats()
-
-
-@dataclass(frozen=True)
-class Registered:
-    """One registered adapter: where it is, the digest of the bytes checked, what it holds."""
-
-    name: str
-    source: str
-    sha256: str
-    summary: dict[str, Any]
-    owner: str | None = None
-    created_at: int = 0
-
-    def public(self) -> dict[str, Any]:
-        """What GET /v1/loras shows (never the path: it is the server's business)."""
-        return {"object": "lora", "id": self.name, "name": self.name, "sha256": self.sha256,
-                "created_at": self.created_at, **self.summary}
-
-
-class LoraRegistry:
-    """A front end's adapters by name (the service, the batch job, ``generate``).
-
-    ``register`` reads and checks the whole file against the model's Linears (a bad file is
-    refused here, before any request names it); ``resolve`` fills a request's refs with the
-    source and digest, so the ranks need nothing else and the registry can change while
-    resolved requests run. With ``owners`` (API keys on), an owner sees and deletes only its
-    own adapters and those registered at start (owner None), as for jobs.
-    """
-
-    def __init__(self, targets: Targets | Callable[[], Targets], owners: bool = False) -> None:
-        import threading
-
-        # A callable is called at the first registration: a server without adapters never
-        # builds the module or reads the checkpoint's header for them (its ranks do that).
-        self._targets = targets
-        self.owners = owners
-        self._lock = threading.Lock()
-        self._entries: dict[str, Registered] = {}
-
-    @property
-    def targets(self) -> Targets:
-        if callable(self._targets):
-            self._targets = self._targets()
-        return self._targets
-
-    def register(self, name: str, source: str, owner: str | None = None) -> Registered:
-        """Check and add; LoraError (bad file) or KeyError (the name is taken)."""
-        import time
-
-        why = name_problem(name)
-        if why:
-            raise LoraError(str(name), "name", why)
-        with self._lock:
-            if name in self._entries:
-                raise KeyError(f"adapter {name!r} is already registered (DELETE /v1/loras/{name} first)")
-        file = read_adapter(source, name, self.targets)
-        entry = Registered(name, str(source), file.sha256, file.summary(), owner, int(time.time()))
-        with self._lock:
-            if name in self._entries:
-                raise KeyError(f"adapter {name!r} is already registered (DELETE /v1/loras/{name} first)")
-            self._entries[name] = entry
-        return entry
-
-    def _visible(self, e: Registered, owner: str | None) -> bool:
-        return not self.owners or e.owner is None or e.owner == owner
-
-    def get(self, name: str, owner: str | None = None) -> Registered | None:
-        with self._lock:
-            e = self._entries.get(name)
-        return e if e is not None and self._visible(e, owner) else None
-
-    def list(self, owner: str | None = None) -> list[Registered]:
-        with self._lock:
-            return [e for e in self._entries.values() if self._visible(e, owner)]
-
-    def remove(self, name: str, owner: str | None = None) -> bool:
-        """False if there is no such adapter for ``owner`` (or it is another's, or the server's
-        own from start-up while keys are on). Requests already resolved run on unchanged."""
-        with self._lock:
-            e = self._entries.get(name)
-            if e is None or not self._visible(e, owner) or (self.owners and e.owner != owner):
-                return False
-            del self._entries[name]
-            return True
-
-    def resolve(self, refs: tuple[LoraRef, ...], owner: str | None = None) -> tuple[tuple[LoraRef, ...], int]:
-        """``refs`` with source and digest filled, and their device bytes; RequestError naming
-        an unknown adapter."""
-        out, nbytes = [], 0
-        for i, r in enumerate(refs):
-            e = self.get(r.name, owner)
-            if e is None:
-                raise RequestError(f"loras[{i}].name",
-                                   f"unknown adapter {r.name!r} (GET /v1/loras lists them)")
-            out.append(LoraRef(r.name, r.scale, r.expert, e.source, e.sha256))
-            nbytes += int(e.summary["bytes"])
-        return tuple(out), nbytes

@@ -35,7 +35,7 @@ def check_regular(path: str | os.PathLike) -> None:
     FileNotFoundError/PermissionError as ``os.stat`` raises them."""
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise NotRegularFile(f"{path} is {kind_of(mode)}: adapters must be regular files")
+        raise NotRegularFile(f"the file is {kind_of(mode)}: adapters must be regular files")
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -45,7 +45,7 @@ def file_sha256(path: str | os.PathLike) -> str:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegularFile(f"{path} is {kind_of(mode)}: adapters must be regular files")
+            raise NotRegularFile(f"the file is {kind_of(mode)}: adapters must be regular files")
         h = hashlib.sha256()
         with os.fdopen(fd, "rb", closefd=False) as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):

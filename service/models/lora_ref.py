@@ -20,6 +20,7 @@ from service.config.errors import FlagError
 
 EXPERTS = ("both", "high", "low")  # Wan2.2 A14B: high-noise (transformer), low-noise (transformer_2)
 MAX_LORAS = 8  # adapters in one request
+MAX_LORAS_PER_KEY = 32  # adapters one API key may register at run time (the server's are not counted)
 MAX_SCALE = 10.0
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 

@@ -22,6 +22,7 @@ MAX_SIDE = 4096
 MAX_FRAMES = 1025
 MAX_STEPS = 1000
 MAX_PROMPT_CHARS = 10_000
+PRIORITY_RANGE = (-100, 100)  # vLLM's convention: lower is served first, 0 the default
 # ``extra`` values that only scale the guidance after the forwards: not in the compatibility key
 VALUE_ONLY_EXTRA = frozenset({"guidance_scale_2"})
 
@@ -53,6 +54,8 @@ class GenerationRequest:
     ``cache``: the step cache (service/config/cache.py); None takes the server's ``--cache`` default.
     ``resume``: the state a rerun starts from (resume.py; set by the dispatcher, never by a
     caller): the request's steps before ``resume.step`` make no forward.
+    ``priority``: when it runs, never what it makes (lower first; router/priority.py): not in
+    the compatibility key, no effect on the bytes.
     """
 
     prompt: str
@@ -70,6 +73,7 @@ class GenerationRequest:
     image: bytes | None = field(default=None, repr=False)
     cache: CacheSpec | None = None
     resume: StepState | None = field(default=None, repr=False, compare=False, hash=False)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.cache, dict | str):  # a batch line's object, a CLI spec
@@ -131,6 +135,7 @@ class GenerationRequest:
         _int_in("num_frames", self.num_frames, 1, MAX_FRAMES)
         _int_in("fps", self.fps, 1, 240)
         _int_in("num_inference_steps", self.num_inference_steps, 1, MAX_STEPS)
+        _int_in("priority", self.priority, *PRIORITY_RANGE)
         for name in ("prompt", "negative_prompt"):
             value = getattr(self, name)
             if not isinstance(value, str):

@@ -11,7 +11,8 @@ for free; a costlier one slows every rank down for as long as it runs. The rule:
 3. Otherwise the costliest request that fits under the slowest running forward goes (the
    most work done for free); if none fits, the cheapest one (the least slowdown).
 Ties go to the older request. A rank that makes no collectives has no "others": it takes
-the oldest request (rule 2).
+the oldest request (rule 2). With ``priority`` given, only requests of that priority are
+considered (the scheduler asks for the best one queued: router/priority.py).
 """
 
 from __future__ import annotations
@@ -70,22 +71,29 @@ class ContinuousQueue:
         self._q.insert(place(self._q, t), t)
         self._ids.add(t.id)
 
-    def pick(self, running: list[float], now: float | None = None) -> Ticket | None:
+    def best_priority(self) -> int | None:
+        """The best (lowest) priority queued here, None if empty."""
+        return min((t.priority for t in self._q), default=None)
+
+    def pick(self, running: list[float], now: float | None = None,
+             priority: int | None = None) -> Ticket | None:
         """Remove and return the ticket a freed rank should start, given the forward costs
-        of what the group's other ranks are running (empty if nothing)."""
-        if not self._q:
+        of what the group's other ranks are running (empty if nothing); only one of
+        ``priority`` when given."""
+        q = [t for t in self._q if priority is None or t.priority == priority]
+        if not q:
             return None
         now = time.monotonic() if now is None else now
-        head = self._q[0]
+        head = q[0]
         slowest = max(running, default=0.0)
         if now - head.enqueued_at >= self.starve_s or slowest <= 0:
             chosen = head
         else:
-            fits = [t for t in self._q if t.cost <= slowest]
+            fits = [t for t in q if t.cost <= slowest]
             if fits:
                 chosen = max(fits, key=lambda t: (t.cost, -t.enqueued_at))
             else:
-                chosen = min(self._q, key=lambda t: (t.cost, t.enqueued_at))
+                chosen = min(q, key=lambda t: (t.cost, t.enqueued_at))
         self._q.remove(chosen)
         self._ids.discard(chosen.id)
         return chosen

@@ -19,6 +19,9 @@ milliseconds.
   ``state``, engine/state.py); the dispatcher keeps the last one of each request it holds,
   in memory, while it holds it or has queued it again. A rerun goes on from that step
   (models/resume.py) and says so: ``resumed_from_step`` in what the sink's ``on_start`` gets.
+- Priorities (continuous scheduling): a queued request of a better (lower) priority than
+  one a rank forwards pauses that one at its next forward (``preempt``: queued again with
+  its state, not a rerun), at most ``max_preemptions`` times per request (router/priority.py).
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
@@ -42,6 +45,7 @@ from service.engine.metrics import metrics
 from service.engine.outcome import Outcome
 from service.router.health import Availability, Track, Unavailable, backoff_s, failure_kind
 from service.router.policy import DeadlinePolicy
+from service.router.priority import DEFAULT_MAX_PREEMPTIONS, Running, victims
 from service.router.queue import Ticket
 from service.router.scheduler import Pick, Scheduler
 
@@ -75,6 +79,11 @@ class Held:
     paused: bool = False  # preempt(): it stops at its next forward and is queued again
 
 
+def priority_of(req: Any) -> int:
+    """A request's priority (lower first; a payload without one: 0)."""
+    return int(getattr(req, "priority", 0) or 0)
+
+
 def request_cost(req: Any) -> float:
     """Relative cost of one forward: pixels x frames (tokens, up to the model's constant)."""
     return float(req.width * req.height * req.num_frames)
@@ -92,6 +101,7 @@ class Dispatcher:
     max_attempts: int | None = None  # failed attempts in a row before giving up (None: never)
     # reruns of the request on a rank whose process died (0: none reruns)
     job_retries: int = SchedulerConfig.job_retries
+    max_preemptions: int = DEFAULT_MAX_PREEMPTIONS  # pauses per request for better priorities (0: none)
     clock: Callable[[], float] = time.monotonic
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
     assignments: int = 0
@@ -150,7 +160,8 @@ class Dispatcher:
             availability, why = self._availability()
             if availability is Availability.DOWN:
                 raise Unavailable(why, self._retry_after_down())
-            t = self.scheduler.submit(ticket_id, key, payload, request_cost(payload), self.clock(), tenant)
+            t = self.scheduler.submit(ticket_id, key, payload, request_cost(payload), self.clock(), tenant,
+                                      priority_of(payload))
             self._depth()
             self._cv.notify_all()
             return t
@@ -166,13 +177,18 @@ class Dispatcher:
 
     def adopt(self, ticket_id: str, key: str, payload: Any, tenant: str | None = None) -> bool:
         """Queue a request that a lost group held (another replica's), past the bounds and
-        quotas: it was admitted once. This is its rerun (``reruns`` 1). False if this
-        dispatcher has it already (its own group was only silent, not gone)."""
+        quotas: it was admitted once. This is its rerun (``reruns`` 1). A payload resumed from
+        a kept state (after a restart) goes on from it. False if this dispatcher has it
+        already (its own group was only silent, not gone)."""
         with self._cv:
             if ticket_id in self._held or self.scheduler.has(ticket_id):
                 return False
+            state = getattr(payload, "resume", None)
+            if state is not None:  # kept like a state its rank handed off here
+                self._states[ticket_id] = state
+                payload = payload.resumed(None)
             t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1,
-                       requeues=1)
+                       requeues=1, priority=priority_of(payload))
             self.scheduler.requeue(t)
             self._depth()
             self._cv.notify_all()
@@ -198,7 +214,7 @@ class Dispatcher:
         from its last kept step (the same state a rerun after a rank death uses; not counted
         as a rerun). False if it is not running, is being cancelled, has run its last
         forward, or has no state kept (it would lose its work: not resumable, or no step
-        done yet). The policy that calls this (priorities) is not written yet (issue 35)."""
+        done yet). Priorities call it (``_preempt_for_queue``)."""
         with self._cv:
             h = self._held.get(ticket_id)
             if h is None or h.cancelled or h.paused or not h.forwarding or ticket_id not in self._states:
@@ -289,6 +305,7 @@ class Dispatcher:
         self._send_cancels()
         with self._cv:
             self._assign(now)
+            self._preempt_for_queue()
             self._expire_queue(now)
             self._depth()
         for ev in self.executor.poll(min(timeout, self.scheduler.wake_in(now))):
@@ -336,6 +353,26 @@ class Dispatcher:
             if not self._requeue(h, why, counted=False):  # it never ran
                 self._end(h, Outcome(g.first_rank + pick.rank, error=why))
 
+    def _preempt_for_queue(self) -> None:
+        """Pause the running requests that better-priority queued ones should displace
+        (router/priority.py; the caller holds _cv). Continuous scheduling only: a wave
+        starts when its whole group is free, so one pause would free nothing."""
+        if self.max_preemptions < 1 or self.scheduler.name != "continuous" or not self.scheduler.depth:
+            return
+        tenants = self.scheduler.tenants
+        waiting = [t.priority for t in self.scheduler.queued()
+                   if not self.scheduler.fair or tenants.may_run(t.tenant)]
+        if not waiting:
+            return
+        pausing = sum(h.paused and h.forwarding for h in self._held.values())  # ranks about to free
+        running = [Running(h.ticket.id, h.ticket.priority, h.ticket.preemptions, h.assigned_at)
+                   for h in self._held.values()
+                   if h.forwarding and not h.cancelled and not h.paused and h.ticket.id in self._states
+                   and self._tracks[h.group.id].ready]
+        for job in victims(waiting, running, pausing, self.max_preemptions):
+            if self.preempt(job):
+                log.info("%s paused for a better-priority request", job)
+
     def _send_cancels(self) -> None:
         with self._cv:
             ids, self._cancel_list = self._cancel_list, []
@@ -364,6 +401,9 @@ class Dispatcher:
             kept = self._states.get(h.ticket.id)
             if ev.state is not None and (kept is None or ev.state.step > kept.step):
                 self._states[h.ticket.id] = ev.state  # (a GPU copy may land after the next step's)
+                on_state = getattr(self.sink, "on_state", None)  # a sink that keeps it durably (the API)
+                if on_state is not None:
+                    on_state(h.ticket.id, ev.state)
             on_preview = getattr(self.sink, "on_preview", None)  # a sink that shows previews (the API)
             if ev.preview is not None and on_preview is not None:
                 on_preview(h.ticket.id, ev.step, ev.total, ev.preview)
@@ -466,6 +506,7 @@ class Dispatcher:
             return False
         t.reruns += counted
         t.requeues += not h.paused
+        t.preemptions += h.paused
         with self._cv:
             self.scheduler.finished(t)
             self.scheduler.requeue(t)
@@ -474,6 +515,8 @@ class Dispatcher:
         log.info("%s queued again (%s): %s", t.id, "paused" if h.paused else
                  f"rerun {t.reruns} of {self.job_retries}" if counted else "it stood by", why)
         metrics()["requeued"].inc(1, tags={"reason": "preempted" if h.paused else failure_kind(why)})
+        if h.paused:
+            metrics()["preemptions"].inc(1, tags={"group": h.group.id})
         self.sink.on_requeue(t, why)
         return True
 

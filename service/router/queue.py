@@ -33,6 +33,8 @@ class Ticket:
     tenant: str | None = None  # the API key's owner id (tenants.py shares ranks between them)
     reruns: int = 0  # times it was queued again as the suspect of a death (bounded by job_retries)
     requeues: int = 0  # times it was queued again, for any cause (it then goes ahead of later arrivals)
+    priority: int = 0  # lower is served first (router/priority.py)
+    preemptions: int = 0  # times it was paused for a better-priority request (bounded)
 
 
 def place(q: deque[Ticket], t: Ticket) -> int:

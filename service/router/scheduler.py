@@ -6,9 +6,11 @@
 - ``WaveScheduler``: request-level waves as before: a group takes up to N requests of one
   compatibility key, only when none of its ranks is forwarding (``WaveRouter``).
 
-Both share ranks fairly between tenants (API keys, ``tenants.py``) and hold each to its
-quota; ``fair=False`` keeps the policy of before (one queue for everyone, no quotas), for
-the fairness benchmark (loadtest/bench_fairness.py) to compare against.
+Continuous scheduling serves the best (lowest) ``priority`` queued first (router/priority.py);
+waves keep their own order and ignore it. Both share ranks fairly between tenants (API keys,
+``tenants.py``), within a priority, and hold each to its quota; ``fair=False`` keeps the
+policy of before (one queue for everyone, no quotas), for the fairness benchmark
+(loadtest/bench_fairness.py) to compare against.
 
 Pure Python with the clock passed in, so the dispatcher's tests drive it in milliseconds.
 """
@@ -60,13 +62,14 @@ class Scheduler(ABC):
         return len(self._tenant_of)
 
     def submit(self, ticket_id: str, key: str, payload: Any, cost: float, now: float,
-               tenant: str | None = None) -> Ticket:
+               tenant: str | None = None, priority: int = 0) -> Ticket:
         """Queue a request: QuotaExceeded when the tenant's own queue is full, QueueFull
         when the whole queue is."""
         if ticket_id in self._tenant_of:
             raise ValueError(f"duplicate ticket id {ticket_id}")
         self.admit(tenant)
         t = self._enqueue(ticket_id, key, payload, cost, now, tenant)
+        t.priority = priority
         self._tenant_of[ticket_id] = tenant
         self._queued[tenant] += 1
         return t
@@ -178,11 +181,14 @@ class ContinuousScheduler(Scheduler):
         lane.put_back(t)
 
     def _pick(self, costs: list[float], now: float) -> Ticket | None:
+        """The best priority queued among the tenants that may run goes first; within it,
+        whose turn it is picks the queue."""
         lanes = [lane for lane, q in self._lanes.items() if q.depth]
         turn = [x for x in self.tenants.order(lanes) if self.tenants.may_run(x)] if self.fair else lanes
+        best = min((p for lane in turn if (p := self._lanes[lane].best_priority()) is not None), default=None)
         for lane in turn:
             q = self._lanes[lane]
-            t = q.pick(costs, now=now)
+            t = q.pick(costs, now=now, priority=best)
             if t is None:
                 continue
             if not q.depth:

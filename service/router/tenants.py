@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Quota:
-    """Per-tenant bounds; None: no bound of its own (the global queue and the ranks bound it)."""
+    """Per-tenant bounds; None: no bound of its own (the global queue and the ranks bound it).
+    ``min_priority``: the best (lowest) priority its requests may ask for (checked at the
+    edge: 422 naming ``priority``), so a key cannot promote itself past what it was given."""
 
     max_queued: int | None = None
     max_running: int | None = None
+    min_priority: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_queued", "max_running"):

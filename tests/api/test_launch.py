@@ -93,22 +93,26 @@ def test_the_key_file_gives_keys_their_own_limits(tmp_path: Path) -> None:
     from service.api.keys import key_hash, owner_id
 
     keys = tmp_path / "keys"
-    keys.write_text("# tenants\nsk-plain\n\nsk-big max_queued=8 max_running=2\n  sk-small max_queued=1\n")
+    keys.write_text("# tenants\nsk-plain\n\nsk-big max_queued=8 max_running=2\n  sk-small max_queued=1\n"
+                    "sk-urgent min_priority=-5\n")
     cfg = config_from_args(parse("/m", "--api-key-file", str(keys), "--max-queued-per-key", "4"), 0.0)
-    assert sorted(cfg.api_key_hashes) == sorted(key_hash(k) for k in ("sk-plain", "sk-big", "sk-small"))
+    assert sorted(cfg.api_key_hashes) == sorted(key_hash(k) for k in ("sk-plain", "sk-big", "sk-small",
+                                                                        "sk-urgent"))
     assert cfg.key_quotas == {key_hash("sk-big"): {"max_queued": 8, "max_running": 2},
-                              key_hash("sk-small"): {"max_queued": 1}}
+                              key_hash("sk-small"): {"max_queued": 1},
+                              key_hash("sk-urgent"): {"min_priority": -5}}
     tenants = cfg.tenants()
     assert tenants.quota(owner_id(key_hash("sk-plain"))).max_queued == 4
     big = tenants.quota(owner_id(key_hash("sk-big")))
     assert (big.max_queued, big.max_running) == (8, 2)
     assert tenants.quota(owner_id(key_hash("sk-small"))).max_running is None
+    assert tenants.quota(owner_id(key_hash("sk-urgent"))).min_priority == -5
+    assert tenants.quota(owner_id(key_hash("sk-plain"))).min_priority == 0  # no promotion unless given
 
 
 @pytest.mark.parametrize("line", ["sk-x max_queued", "sk-x max_queued=0", "sk-x burst=3",
-                                  "sk-x max_running=two"])
-def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsys, tmp_path: Path,
-                                                                # noqa: ANN001
+                                  "sk-x max_running=two", "sk-x min_priority=-101", "sk-x min_priority=top"])
+def test_a_key_file_line_it_cannot_read_exits_2_naming_the_line(line: str, capsys, tmp_path: Path,  # noqa: ANN001
                                                                   demo_model: str) -> None:
     import socket
 

@@ -8,6 +8,7 @@ reaches a rank, and the compatibility key that ignores the adapter set.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,9 +132,14 @@ def test_register_use_delete_at_run_time(service, lora_dir: Path) -> None:  # no
         svc.create({**BODY, "loras": [{"name": "distill"}]})
 
 
+def keyed(demo_model: str, lora_dir: Path, tmp: Path, **cfg: object) -> tuple[VideoService, FakeExecutor,
+                                                                           JobStore]:
+    return make(demo_model, tmp, loras={"style": str(lora_dir / "style.safetensors")},
+                lora_dirs=[str(lora_dir)], api_key_hashes=[hashlib.sha256(b"k").hexdigest()], **cfg)
+
+
 def test_owners_see_their_own(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
-    svc, _, store = make(demo_model, tmp_path, loras={"style": str(lora_dir / "style.safetensors")},
-                         lora_dirs=[str(lora_dir)], api_key_hashes=[hashlib.sha256(b"k").hexdigest()])
+    svc, _, store = keyed(demo_model, lora_dir, tmp_path)
     try:
         svc.add_lora("mine", str(lora_dir / "distill.safetensors"), owner="alice")
         assert {e.name for e in svc.list_loras("alice")} == {"style", "mine"}
@@ -145,6 +151,96 @@ def test_owners_see_their_own(demo_model: str, lora_dir: Path, tmp_path: Path) -
     finally:
         svc.close()
         store.close()
+
+
+def test_adapter_names_are_per_key(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
+    """Two keys both register ``mine``, each from its own file: neither learns of the other's
+    (no 409), each job resolves to its own key's file, and a delete removes only the caller's.
+    The server's names (registered at start, usable by every key) cannot be taken."""
+    svc, ex, store = keyed(demo_model, lora_dir, tmp_path)
+    try:
+        files = {"alice": lora_dir / "distill.safetensors", "bob": lora_dir / "style.safetensors"}
+        for owner, f in files.items():
+            assert svc.add_lora("mine", str(f), owner=owner).owner == owner
+        digests = {o: hashlib.sha256(f.read_bytes()).hexdigest() for o, f in files.items()}
+        for owner in files:
+            assert [(e.name, e.sha256) for e in svc.list_loras(owner)] == [
+                ("style", digests["bob"]), ("mine", digests[owner])]
+        jobs = {o: svc.create({**BODY, "loras": [{"name": "mine"}]}, o).id for o in files}
+        for job in jobs.values():
+            ex.wait_assigned(job)
+            ex.run(job)
+        refs = {job: req.loras for _, _, job, req in ex.assigned}
+        for owner, job in jobs.items():  # what the rank loads: this key's file, by its digest
+            [ref] = refs[job]
+            assert (ref.name, ref.source, ref.sha256) == ("mine", str(files[owner]), digests[owner])
+        with pytest.raises(KeyError, match="one of the server's"):
+            svc.add_lora("style", str(files["alice"]), owner="alice")
+        with pytest.raises(KeyError, match="already registered"):
+            svc.add_lora("mine", str(files["bob"]), owner="alice")
+        assert svc.delete_lora("mine", "alice")
+        assert [e.sha256 for e in svc.list_loras("bob") if e.name == "mine"] == [digests["bob"]]
+        with pytest.raises(BodyError, match="unknown adapter 'mine'"):
+            svc.create({**BODY, "loras": [{"name": "mine"}]}, "alice")
+    finally:
+        svc.close()
+        store.close()
+
+
+def test_a_key_registers_at_most_max_loras_per_key(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:
+    """The server's adapters do not count; another key has its own allowance; a delete frees one."""
+    from service.models.lora_registry import LoraLimit
+
+    svc, _, store = keyed(demo_model, lora_dir, tmp_path, max_loras_per_key=2)
+    try:
+        for name in ("a", "b"):
+            svc.add_lora(name, str(lora_dir / "distill.safetensors"), owner="alice")
+        with pytest.raises(LoraLimit, match=r"has 2 adapters registered, the most it may have \(2\)"):
+            svc.add_lora("c", str(lora_dir / "distill.safetensors"), owner="alice")
+        svc.add_lora("c", str(lora_dir / "distill.safetensors"), owner="bob")
+        assert svc.delete_lora("a", "alice")
+        svc.add_lora("c", str(lora_dir / "distill.safetensors"), owner="alice")
+        assert [e.name for e in svc.list_loras("alice")] == ["style", "b", "c"]
+    finally:
+        svc.close()
+        store.close()
+
+
+def test_the_list_comes_in_pages(service, lora_dir: Path) -> None:  # noqa: ANN001
+    svc, _ = service
+    for name in ("b", "c", "d"):
+        svc.add_lora(name, str(lora_dir / "distill.safetensors"))
+    seen, after, more = [], None, True
+    while more:
+        page, more = svc.loras.page(None, after, 2)
+        assert 0 < len(page) <= 2
+        seen += [e.name for e in page]
+        after = page[-1].name
+    assert seen == ["style", "b", "c", "d"]
+    assert [e.name for e in svc.loras.page(None, None, 3, "desc")[0]] == ["d", "c", "b"]
+    assert svc.loras.page(None, "nope", 2) == ([], False)  # as GET /v1/videos answers an unknown id
+
+
+def test_refusals_carry_no_server_path(service, lora_dir: Path, tmp_path: Path) -> None:  # noqa: ANN001
+    """What a caller reads back names the adapter and its own ``source``, never a folder of the
+    server's (the --lora-dir, where the file was found)."""
+    svc, _ = service
+    (lora_dir / "junk.safetensors").write_bytes(b"not safetensors at all")
+    os.mkfifo(lora_dir / "pipe.safetensors")
+    (lora_dir / "loop.safetensors").symlink_to(lora_dir / "loop.safetensors")  # resolving it raises
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes(b"x")
+    errors = []
+    for name, source in (("junk", lora_dir / "junk.safetensors"), ("pipe", lora_dir / "pipe.safetensors"),
+                         ("loop", lora_dir / "loop.safetensors"), ("out", outside)):
+        with pytest.raises((LoraError, PermissionError)) as e:
+            svc.add_lora(name, str(source))
+        errors.append(str(e.value))
+    assert "not a readable safetensors file" in errors[0] and "a FIFO" in errors[1], errors
+    assert "cannot resolve it" in errors[2] and "--lora-dir folders" in errors[3], errors
+    for text in errors:
+        assert str(lora_dir) not in text and str(tmp_path) not in text, text
+    assert all(str(lora_dir) not in str(e.public()) for e in svc.list_loras())
 
 
 def test_a_bad_adapter_fails_the_start(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:

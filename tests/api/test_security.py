@@ -35,6 +35,7 @@ def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactor
         results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
         api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
         admin_key_hashes=[hashlib.sha256(ADMIN.encode()).hexdigest()],
+        key_quotas={hashlib.sha256(KEY_B.encode()).hexdigest(): {"min_priority": -5}},
         max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S, first_byte_timeout_s=1.0,
         max_uploads_per_key=UPLOADS_PER_KEY,
     )
@@ -59,6 +60,16 @@ def test_no_or_wrong_key_is_401_in_the_openai_shape(keyed: str) -> None:
     assert httpx.get(f"{keyed}/readyz").status_code == 200
 
 
+def test_a_priority_past_the_keys_floor_is_a_422_naming_it(keyed: str) -> None:
+    for key, priority in ((KEY_A, -1), (KEY_B, -6), (KEY_A, 101)):  # key-a's floor: 0; key-b's: -5
+        r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "x", "priority": priority}, headers=auth(key))
+        assert r.status_code == 422 and r.json()["error"]["param"] == "priority", r.text
+    r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "promoted", "priority": -5}, headers=auth(KEY_B))
+    assert r.status_code == 202 and r.json()["priority"] == -5, r.text
+    done = wait_final(keyed, r.json()["id"], headers=auth(KEY_B))
+    assert done["status"] == "completed" and done["priority"] == -5 and done["preemptions"] == 0
+
+
 def test_jobs_belong_to_the_key_that_made_them(keyed: str) -> None:
     r = httpx.post(f"{keyed}/v1/videos", json={"prompt": "alice's fox", "seed": 1}, headers=auth(KEY_A))
     assert r.status_code == 202, r.text
@@ -81,6 +92,30 @@ def test_jobs_belong_to_the_key_that_made_them(keyed: str) -> None:
     assert httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_B)).status_code == 404
     assert httpx.get(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A)).status_code == 200  # still there
     assert httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A)).json()["deleted"]
+
+
+def test_node_id_is_for_admin_callers_only(keyed: str, app_url: str) -> None:
+    """Which Ray node ran a job is the cluster's business (issue 31: every key read it in the
+    video object). A key's answers say null; an open service with no key of either kind has
+    no one to hide it from (every caller is its admin: keys.py), so it still says it."""
+    import ray
+
+    body = {"prompt": "where did it run", "seed": 2, "num_inference_steps": 2}
+    r = httpx.post(f"{keyed}/v1/videos", json=body, headers=auth(KEY_A))
+    assert r.status_code == 202, r.text
+    vid = r.json()["id"]
+    final = wait_final(keyed, vid, headers=auth(KEY_A))
+    page = httpx.get(f"{keyed}/v1/videos", headers=auth(KEY_A)).json()["data"]
+    listed = [v for v in page if v["id"] == vid]
+    for v in (r.json(), final, *listed):
+        assert v["node_id"] is None and v["dp_group"], v
+    assert listed and final["status"] == "completed"
+    httpx.delete(f"{keyed}/v1/videos/{vid}", headers=auth(KEY_A))
+    node = ray.get_runtime_context().get_node_id()
+    r = httpx.post(f"{app_url}/v1/videos", json=body)
+    assert r.status_code == 202 and r.json()["node_id"] == node, r.text
+    assert wait_final(app_url, r.json()["id"])["node_id"] == node
+    httpx.delete(f"{app_url}/v1/videos/{r.json()['id']}")
 
 
 def raw_post(url: str, headers: str, body: bytes = b"") -> tuple[int, float]:

@@ -6,6 +6,8 @@ The same paths through real HTTP and real rank actors are in test_http.py and te
 
 from __future__ import annotations
 
+import hashlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,8 +97,16 @@ def test_drain_fails_queued_jobs_and_lets_running_ones_finish(service) -> None: 
     svc, ex = service
     running, queued = svc.create(dict(BODY)), svc.create(dict(BODY))
     ex.wait_assigned(running.id)
+    # The running job ends only once the drain has failed the queued one: had it ended first,
+    # its freed rank could take the queued job before the drain (a race this test once lost).
+    out: dict = {}
+    drain = threading.Thread(target=lambda: out.update(svc.drain(timeout_s=10, reason="service stopped")))
+    drain.start()
+    deadline = time.monotonic() + 10
+    while status(svc, queued.id) is not JobStatus.FAILED and time.monotonic() < deadline:
+        time.sleep(0.01)
     ex.run(running.id)  # ends while the drain waits for it
-    out = svc.drain(timeout_s=10, reason="service stopped")
+    drain.join(15)
     assert out["queued_failed"] == 1 and out["running_failed"] == 0
     assert status(svc, queued.id) is JobStatus.FAILED and status(svc, running.id) is JobStatus.COMPLETED
     assert "service stopped" in svc.store.get(queued.id).error["message"]
@@ -151,7 +161,7 @@ def test_one_key_floods_its_own_quota_and_the_other_keys_first_job_runs_next(key
     # once its end is in (the fake reports the two in separate batches)
     until(lambda: status(svc, first[0].id) is JobStatus.COMPLETED)
     yours = svc.readiness_for(svc.caller(f"Bearer {KEY_A}"))["yours"]
-    assert yours == {"queued": 3, "running": 1, "max_queued": 3, "max_running": None}
+    assert yours == {"queued": 3, "running": 1, "max_queued": 3, "max_running": None, "min_priority": 0}
 
 
 @pytest.mark.parametrize("keyed", [{"deadline": {"base_s": 0.2, "per_forward_s": 0.0}}], indirect=True)
@@ -294,3 +304,62 @@ def test_a_rerun_that_goes_on_from_a_step_says_so(service) -> None:  # noqa: ANN
     ex.run(rec.id)
     until(lambda: status(svc, rec.id) is JobStatus.COMPLETED)
     assert video_object(svc.store.get(rec.id))["resumed_from_step"] == 1
+
+
+# -- priorities: a key's floor, and a paused job's video object -----------------------------
+@pytest.mark.parametrize("keyed", [{"key_quotas": {hashlib.sha256(KEY_B.encode()).hexdigest(): {
+    "min_priority": -5}}}], indirect=True)  # the key file's min_priority=-5 for key-b
+def test_a_key_cannot_ask_past_its_priority_floor(keyed) -> None:  # noqa: ANN001
+    from service.api.errors import BodyError
+
+    svc, _ = keyed
+    a = owner(svc, KEY_A)
+    for bad in (-1, -100):  # better than the default floor of a key (0)
+        with pytest.raises(BodyError) as e:
+            svc.create({**BODY, "priority": bad}, a)
+        assert e.value.field == "priority" and "floor is 0" in str(e.value)
+    with pytest.raises(BodyError) as e:
+        svc.create({**BODY, "priority": 101}, a)
+    assert e.value.field == "priority"
+    assert video_object(svc.create({**BODY, "priority": 7}, a))["priority"] == 7
+    assert video_object(svc.create(dict(BODY), a))["priority"] == 0
+    b = owner(svc, KEY_B)
+    assert video_object(svc.create({**BODY, "priority": -5}, b))["priority"] == -5
+    with pytest.raises(BodyError):
+        svc.create({**BODY, "priority": -6}, b)
+
+
+def test_an_open_service_takes_any_priority_in_range(service) -> None:  # noqa: ANN001
+    from service.api.errors import BodyError
+
+    svc, _ = service
+    assert svc.create({**BODY, "priority": -100}).priority == -100
+    with pytest.raises(BodyError) as e:
+        svc.create({**BODY, "priority": True})
+    assert e.value.field == "priority"
+
+
+def test_a_paused_job_shows_its_preemptions_and_completes(service) -> None:  # noqa: ANN001
+    import torch
+
+    from service.models.resume import StepState
+
+    svc, ex = service
+    slow = svc.create({**BODY, "priority": 5})
+    ex.wait_assigned(slow.id)
+    ex.hand_off(slow.id, StepState.of(1, 2, torch.zeros(1, 16, 2, 4, 4)))
+    until(lambda: status(svc, slow.id) is JobStatus.IN_PROGRESS)
+    urgent = svc.create({**BODY, "priority": 0})
+    ex.wait_cancelled(slow.id)  # paused at its next forward
+    ex.finish(slow.id, cancelled=True)
+    ex.wait_assigned(urgent.id)
+    until(lambda: video_object(svc.store.get(slow.id))["preemptions"] == 1)
+    assert status(svc, slow.id) is JobStatus.QUEUED
+    ex.run(urgent.id)
+    until(lambda: sum(a[2] == slow.id for a in ex.assigned) == 2)
+    assert [a[3] for a in ex.assigned][-1].resume.step == 1
+    ex.run(slow.id)
+    until(lambda: status(svc, slow.id) is JobStatus.COMPLETED)
+    v = video_object(svc.store.get(slow.id))
+    assert (v["priority"], v["preemptions"], v["resumed_from_step"]) == (5, 1, 1)
+    assert status(svc, urgent.id) is JobStatus.COMPLETED

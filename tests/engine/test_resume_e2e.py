@@ -8,7 +8,10 @@ model with a flow-matching Euler scheduler, the one a rerun can resume):
 - DP2 AllGather: one rank killed mid-request stops both ranks' requests; both (the suspect
   and the bystander) go on from their own last steps on the rebuilt group, bytes equal;
 - DP1, no death: a request paused by ``Dispatcher.preempt`` at a forward boundary goes on
-  from its last step on the same rank, bytes equal.
+  from its last step on the same rank, bytes equal;
+- DP1, priorities: a priority-0 request sent while a priority-5 one runs on the only rank
+  pauses it (the dispatcher's own policy), completes first, and the paused one completes
+  later from its step, bytes equal.
 """
 
 from __future__ import annotations
@@ -92,3 +95,20 @@ def test_dp1_a_paused_request_goes_on_from_its_step(dp1, reference) -> None:  # 
     assert [i for i, _ in sink.requeued] == ["paused"] and sink.started["paused"]["resumed_from_step"] >= 1
     (group,) = d.executor._groups.values()
     assert group.generation == 0  # nothing died
+
+
+def test_dp1_an_urgent_request_pauses_the_running_one_and_ends_first(dp1, reference) -> None:  # noqa: ANN001
+    import dataclasses
+
+    d, sink = dp1
+    slow = GenerationRequest(prompt="long and patient", seed=25, num_inference_steps=40, priority=5)
+    urgent = GenerationRequest(prompt="urgent", seed=26, num_inference_steps=4, priority=0)
+    submit(d, "slow", slow)
+    sink.wait_progress("slow", 2)
+    submit(d, "urgent", urgent)
+    outs = sink.wait(["slow", "urgent"], timeout=400)
+    assert list(sink.finished) == ["urgent", "slow"]  # the urgent one ended first
+    assert [i for i, _ in sink.requeued] == ["slow"] and sink.started["slow"]["resumed_from_step"] >= 1
+    assert all(o.ok for o in outs), outs
+    assert outs[0].mp4 == reference.generate(dataclasses.replace(slow, priority=0))  # priority: no bytes
+    assert outs[1].mp4 == reference.generate(urgent)

@@ -84,6 +84,20 @@ def test_unsplittable_item_is_rejected_before_ray(tmp_path: Path, demo_model: st
     assert not out.exists()  # nothing started, not even the output folder
 
 
+def test_a_lines_priority_is_read_and_one_out_of_range_fails_the_file(tmp_path: Path, demo_model: str,
+                                                                     capsys) -> None:  # noqa: ANN001
+    from service.jobs.batch import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "first", "prompt": "a", "priority": -3}\n{"id": "later", "prompt": "b"}\n')
+    assert [(i, r.priority) for i, r in read_prompts(prompts)] == [("first", -3), ("later", 0)]
+    prompts.write_text('{"id": "ok", "prompt": "a"}\n{"id": "pushy", "prompt": "b", "priority": -101}\n')
+    out = tmp_path / "o"
+    assert main(["--prompts", str(prompts), "--out", str(out), "--model", demo_model]) == 2
+    assert "item pushy: priority: must be in [-100, 100]" in capsys.readouterr().err
+    assert not out.exists()
+
+
 @pytest.mark.e2e  # the batch job as its own process on DP2, then the resident reference
 def test_batch_image_lines_two_experts_equal_resident(ray_cluster: dict, tmp_path: Path) -> None:
     """Wan2.2 A14B I2V (tiny): image lines by relative path and by fsspec URL, DP2 AllGather;

@@ -33,8 +33,12 @@ export async function loadAdapters() {
   const mine = ++generation;
   let data = [];
   try {
-    ({data} = await call("v1/loras"));
-    data = data.data || [];
+    for (let after = null, more = true; more;) { // the list comes a page at a time
+      const {data: page} = await call(after ? `v1/loras?after=${encodeURIComponent(after)}` : "v1/loras");
+      data = data.concat(page.data || []);
+      more = Boolean(page.has_more && page.last_id);
+      after = page.last_id;
+    }
   } catch (error) {
     if (mine !== generation) return;
     clear(list);
