@@ -111,7 +111,9 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     _, before = readyz(url)
     gens = {g["group"]: g.get("generation", 0) for g in before.get("groups", [])}
     vid, t_sent = request(url, {**body, "prompt": "killed mid-request"})
-    while httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()["progress"] < 10:
+    while (v := httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json())["progress"] < 10:
+        if v["status"] in ("completed", "failed", "cancelled"):
+            raise RuntimeError(f"the request to kill ended ({v['status']}) before it showed progress")
         time.sleep(0.05)
     ranks = matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
     out["rank_processes"] = len(ranks)
