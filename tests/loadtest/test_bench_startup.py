@@ -1,0 +1,41 @@
+"""The start-up benchmark on CPU: a serve to ready with its breakdown, a rank killed and back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e  # dloserve serve and a local Ray cluster in their own processes
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
+    from service.models.demo import write_demo_model
+
+    model = write_demo_model(tmp_path / "tiny")
+    out = tmp_path / "startup.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "loadtest" / "bench_startup.py"), "--device", "cpu",
+         "--model", str(model), "--starts", "kill", "--size", "64x64x5", "--steps", "3", "--module",
+         "--label", "tiny",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["machine"]["cpus"] and run["command"]
+    (start,) = run["starts"]
+    assert "error" not in start, start.get("error")
+    assert start["startup"]["from"] == "command"  # the launcher's stamps reached /readyz
+    assert {"ray_start_s", "groups_s"} <= set(start["startup"]["steps"])
+    assert start["command_to_ready_s"] >= start["startup"]["ready_s"]
+    assert start["killed_request"]["status"] == "completed"
+    assert start["next_request"]["status"] == "completed"
+    assert start["kill_to_serving_s"] > 0
+    (rebuilt,) = start["rebuild"]
+    assert rebuilt["standby"] is True  # --rank-standby: the rebuild took the standby
