@@ -88,7 +88,8 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
         while (ready := httpx.get(f"{url}/readyz")).status_code != 200 or ready.json()["rebuilds"] < 1:
             assert time.monotonic() < end, ready.text
             time.sleep(0.5)
-        assert wait_final(url, rerun, timeout=300)["status"] == "completed"
+        done = wait_final(url, rerun, timeout=300)  # on a failure: the job's reason and the log
+        assert done["status"] == "completed", json.dumps(done.get("error")) + "\n" + s.output[-6000:]
         vid = httpx.post(f"{url}/v1/videos", json={"prompt": "after the rebuild"}).json()["id"]
         assert wait_final(url, vid)["status"] == "completed"
         # ... and the replica killed while it holds a job: the job store notices the lost group
@@ -101,7 +102,7 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
         for pid in matching(s.proc.pid, "ServeReplica:dloserve"):
             os.kill(pid, signal.SIGKILL)
         lost = wait_final(url, vid, timeout=400)
-        assert lost["status"] == "completed", lost
+        assert lost["status"] == "completed", json.dumps(lost.get("error")) + "\n" + s.output[-6000:]
         end = time.monotonic() + 180  # Serve's new replica serves (and its ranks report again)
         while (r := httpx.post(f"{url}/v1/videos", json={"prompt": "after the replica"})).status_code != 202:
             assert time.monotonic() < end, r.text
