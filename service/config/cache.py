@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import FieldError
+
 METHODS = ("none", "first_block", "mag")
 PARAMS = {
     "none": {},
@@ -30,16 +32,8 @@ PARAMS = {
 MAX_RATIOS = 1000
 
 
-class CacheError(ValueError):
+class CacheError(FieldError):
     """A cache spec is invalid; ``field`` names the part (``cache.threshold``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        return type(self), (self.field, self.message)
 
 
 @dataclass(frozen=True)

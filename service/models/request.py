@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from service.config.cache import CacheError, CacheSpec
+from service.config.errors import FieldError
 
 from .lora_ref import LoraRef, lora_problem
 
@@ -27,18 +28,8 @@ PRIORITY_RANGE = (-100, 100)  # vLLM's convention: lower is served first, 0 the 
 VALUE_ONLY_EXTRA = frozenset({"guidance_scale_2"})
 
 
-class RequestError(ValueError):
+class RequestError(FieldError):
     """A request field is invalid; ``field`` names it (for HTTP 422 bodies and CLI errors)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str]]:
-        # pickled with the constructor's arguments: a rank's refusal must reach the driver as
-        # itself, never as an unpicklable error that reads as the rank's death
-        return type(self), (self.field, self.message)
 
 
 @dataclass(frozen=True)
