@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.config.scheduler import SchedulerConfig
 from service.router.queue import QueueFull, Ticket, place
 
 
@@ -30,8 +31,8 @@ from service.router.queue import QueueFull, Ticket, place
 class ContinuousQueue:
     """A bounded queue of tickets for continuous (forward-level) scheduling."""
 
-    max_queue: int = 64
-    starve_s: float = 30.0
+    max_queue: int = SchedulerConfig.queue_size
+    starve_s: float = SchedulerConfig.starve_s
     _q: deque[Ticket] = field(default_factory=deque)
     _ids: set[str] = field(default_factory=set)
     _latency_s: float = 0.0  # moving average of request latency, for Retry-After

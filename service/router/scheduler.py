@@ -23,6 +23,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from service.config.scheduler import SchedulerConfig
+
 from .continuous import ContinuousQueue
 from .queue import QueueFull, Ticket
 from .tenants import Tenants
@@ -153,7 +155,8 @@ class ContinuousScheduler(Scheduler):
 
     name = "continuous"
 
-    def __init__(self, max_queue: int = 64, starve_s: float = 30.0, tenants: Tenants | None = None,
+    def __init__(self, max_queue: int = SchedulerConfig.queue_size,
+                 starve_s: float = SchedulerConfig.starve_s, tenants: Tenants | None = None,
                  fair: bool = True) -> None:
         super().__init__(max_queue, tenants, fair)
         self.starve_s = starve_s
@@ -219,7 +222,8 @@ class ContinuousScheduler(Scheduler):
 class WaveScheduler(Scheduler):
     name = "waves"
 
-    def __init__(self, dp_size: int, max_wait_s: float = 0.05, max_queue: int = 64,
+    def __init__(self, dp_size: int, max_wait_s: float = SchedulerConfig.max_wait_ms / 1000,
+                 max_queue: int = SchedulerConfig.queue_size,
                  tenants: Tenants | None = None, fair: bool = True) -> None:
         super().__init__(max_queue, tenants, fair)
         self.router = WaveRouter(dp_size, max_wait_s, max_queue)

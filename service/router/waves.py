@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from service.config.scheduler import SchedulerConfig
 from service.router.queue import QueueFull, Ticket, place
 
 if TYPE_CHECKING:
@@ -41,8 +42,8 @@ class WaveRouter:
     """Bounded per-key FIFO queues and the wave-forming policy."""
 
     dp_size: int
-    max_wait_s: float = 0.05
-    max_queue: int = 64
+    max_wait_s: float = SchedulerConfig.max_wait_ms / 1000
+    max_queue: int = SchedulerConfig.queue_size
     _queues: OrderedDict[str, deque[Ticket]] = field(default_factory=OrderedDict)
     _ids: dict[str, str] = field(default_factory=dict)  # ticket id -> key
     _wave_s: float = 0.0  # moving average of wave latency, for Retry-After
