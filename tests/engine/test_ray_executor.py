@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
+from service.config.scheduler import SchedulerConfig
 from service.engine.executor import GroupState
 from service.models.request import GenerationRequest
 from service.router.build import build_dispatcher
@@ -89,10 +90,10 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
 def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
                         parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
-                                                encoders_per_rank=1))
+                                                encoders_per_rank=1),
+                        scheduler=SchedulerConfig(scheduler="waves", max_wait_ms=500))
     # 1,000 steps (2,000 forwards, ~20 s here) cannot finish in 2 s even on a CPU 10x faster.
-    yield from running(spec, scheduler="waves", max_wait_s=0.5,
-                       deadlines=DeadlinePolicy(base_s=2.0, per_forward_s=0.0))
+    yield from running(spec, deadlines=DeadlinePolicy(base_s=2.0, per_forward_s=0.0))
 
 
 def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> None:  # noqa: ANN001
