@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from service.offload.spawn import free_port
 
 from service.api.hostproc import matching
+from service.engine.ports import free_port
 
 KINDS = ("ready", "kill", "kill-nostandby")
 
