@@ -10,15 +10,11 @@ import asyncio
 import errno
 import os
 import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from service.api.adapter_io import AdapterIO, AdapterIOBusy, AdapterIOTimeout
-from tests.api.conftest import wait_final, wait_ready
 
 
 def release(fifo: Path) -> None:
@@ -61,49 +57,3 @@ def test_a_hung_read_times_out_holds_only_its_own_threads_and_is_undone(tmp_path
     io.close()
     io._pool.shutdown(wait=True)
     assert undone == [b"", b""]  # the reads ended after their callers gave up: undone
-
-
-@pytest.fixture(scope="module")
-def lora_app(app_url: str, demo_model: str,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A DP1 app with --lora-dir (run-time registration on), beside the shared one."""
-    from ray import serve
-
-    from service.api.app import build_app
-    from service.api.service import ServiceConfig
-
-    lora_dir = tmp_path_factory.mktemp("lora-dir")
-    cfg = ServiceConfig(model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
-                        results_url=str(tmp_path_factory.mktemp("lora-results")), pg_timeout_s=60,
-                        lora_dirs=[str(lora_dir)])
-    serve.run(build_app(cfg.model_dump()), name="loras", route_prefix="/loras")
-    url = f"{app_url}/loras"
-    wait_ready(url, 180)
-    yield url, lora_dir
-    serve.delete("loras")
-
-
-def test_fifo_registrations_are_refused_and_do_not_stop_job_submission(lora_app: tuple[str, Path]) -> None:
-    """Twelve registrations of a FIFO under --lora-dir at once (each used to block a thread of
-    the pool POST /v1/videos shares, for good): each is a 422 naming ``source`` (or a 503 when
-    the registration threads are all busy), and a job posted meanwhile is accepted and completes."""
-    url, lora_dir = lora_app
-    fifo = lora_dir / "pipe.safetensors"
-    os.mkfifo(fifo)
-    try:
-        with ThreadPoolExecutor(12) as pool:
-            regs = [pool.submit(httpx.post, f"{url}/v1/loras", json={"name": f"p{i}", "source": str(fifo)},
-                                timeout=30) for i in range(12)]
-            body = {"prompt": "a fox", "seed": 3, "num_inference_steps": 2}
-            job = httpx.post(f"{url}/v1/videos", json=body, timeout=15)
-            answers = [f.result() for f in regs]
-        assert job.status_code == 202, job.text
-        for r in answers:  # refused unopened, or (every reading thread busy) at once with Retry-After
-            assert r.status_code in (422, 503) and r.json()["error"]["param"] == "source", r.text
-            assert r.status_code == 503 and "retry-after" in r.headers or \
-                "a FIFO: adapters must be regular files" in r.json()["error"]["message"], r.text
-        assert any(r.status_code == 422 for r in answers)
-        assert httpx.get(f"{url}/v1/loras").json()["data"] == []
-        assert wait_final(url, job.json()["id"])["status"] == "completed"
-    finally:
-        release(fifo)

@@ -1,5 +1,5 @@
 """Adapters with API keys, over real HTTP and real Ray: names per key, a per-key cap, the
-list in pages, and no server path in any answer.
+list in pages, no server path in any answer, and a FIFO's registrations that hold up nothing.
 
 A DP1 app with two keys, `--lora-dir` and one adapter of the server's (under /lorakeys)
 lives for this module only, beside the shared open app (tests/api/conftest.py).
@@ -8,7 +8,9 @@ lives for this module only, beside the shared open app (tests/api/conftest.py).
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ import pytest
 
 from service.models.demo.lora import write_demo_lora
 from tests.api.conftest import wait_final, wait_ready
+from tests.api.test_adapter_io import release
 
 KEY_A, KEY_B = "sk-lora-alice-0123456789", "sk-lora-bob-9876543210"
 CAP = 3  # max_loras_per_key here
@@ -176,3 +179,28 @@ def test_no_answer_about_adapters_carries_a_server_path(app: str, lora_dir: Path
             assert "/tmp" not in r.text, r.text
     finally:
         httpx.delete(f"{app}/v1/loras/ok", headers=auth(KEY_A))
+
+
+def test_fifo_registrations_are_refused_and_do_not_stop_job_submission(app: str, lora_dir: Path) -> None:
+    """Twelve registrations of a FIFO under --lora-dir at once, six per key (each used to block a thread of
+    the pool POST /v1/videos shares, for good): each is a 422 naming ``source`` (or a 503 when
+    the registration threads are all busy), and a job posted meanwhile is accepted and completes.
+    (The hung read itself: tests/api/test_adapter_io.py.)"""
+    fifo = lora_dir / "hung.safetensors"
+    os.mkfifo(fifo)
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            regs = [pool.submit(register, app, (KEY_A, KEY_B)[i % 2], f"p{i}", fifo) for i in range(12)]
+            job = httpx.post(f"{app}/v1/videos", json=JOB, headers=auth(KEY_B), timeout=15)
+            answers = [f.result() for f in regs]
+        assert job.status_code == 202, job.text
+        for r in answers:  # refused unopened, or (every reading thread busy) at once with Retry-After
+            assert r.status_code in (422, 503) and r.json()["error"]["param"] == "source", r.text
+            assert r.status_code == 503 and "retry-after" in r.headers or \
+                "a FIFO: adapters must be regular files" in r.json()["error"]["message"], r.text
+        assert any(r.status_code == 422 for r in answers)
+        assert names(app, KEY_A) == names(app, KEY_B) == ["server"]
+        assert wait_final(app, job.json()["id"], 180, headers=auth(KEY_B))["status"] == "completed"
+    finally:
+        release(fifo)
+        fifo.unlink()
