@@ -22,6 +22,7 @@ milliseconds.
 - Priorities (continuous scheduling): a queued request of a better (lower) priority than
   one a rank forwards pauses that one at its next forward (``preempt``: queued again with
   its state, not a rerun), at most ``max_preemptions`` times per request (router/priority.py).
+  Waves order by priority too (router/waves.py) but pause nothing.
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).

@@ -158,3 +158,29 @@ def test_the_best_priority_goes_first_and_keys_share_within_it() -> None:
         order.append(current)
     # -3 first; then priority 0, k1 and k2 in turn (k2 just ran: k1's oldest, then k2's); 5 last
     assert order == ["k2-hi", "k1-a", "k2-a", "k1-b", "k1-low"]
+
+
+def test_waves_start_the_best_priority_first_when_the_group_frees() -> None:
+    d, ex, sink, clock = make(sizes=(2,), waves=True)
+    for job in ("w1", "w2"):
+        submit(d, job, 0)
+    d.step(0)
+    assert {ex.on("w1"), ex.on("w2")} == {("g0", 0), ("g0", 1)}
+    submit(d, "low1", 5)
+    submit(d, "low2", 5)  # a full wave of priority 5 ...
+    clock.advance(1)
+    urgent = dataclasses.replace(at(0), width=64)  # ... and a lone later priority-0 one of another key
+    d.submit("urgent", urgent.compat_key(), urgent)
+    d.step(0)
+    assert ex.cancels == []  # a running wave is not paused
+    ex.run("w1")
+    ex.run("w2")
+    d.step(0)
+    clock.advance(0.1)  # the lone one's wait for a partner (0.05)
+    d.step(0)
+    d.step(0)
+    assert [a[2] for a in ex.assigned][2:] == ["urgent"]
+    ex.run("urgent")
+    d.step(0)
+    d.step(0)
+    assert [a[2] for a in ex.assigned][3:] == ["low1", "low2"]
