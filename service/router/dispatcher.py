@@ -189,7 +189,7 @@ class Dispatcher:
                 self._states[ticket_id] = state
                 payload = payload.resumed(None)
             t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1,
-                       requeues=1, priority=priority_of(payload))
+                       requeues=1, priority=priority_of(payload), requeued_for="adopted")
             self.scheduler.requeue(t)
             self._depth()
             self._cv.notify_all()
@@ -345,7 +345,9 @@ class Dispatcher:
         metrics()["assignments"].inc(1, tags={"scheduler": pick.info["scheduler"],
                                               "reason": pick.info["reason"]})
         self.sink.on_start(t, rec)
-        payload = t.payload if state is None else t.payload.resumed(state)  # goes on from its step
+        if state is not None:  # it goes on from its step: after a pause, a rerun or a takeover
+            metrics()["resumes"].inc(1, tags={"group": g.id, "cause": t.requeued_for or "rerun"})
+        payload = t.payload if state is None else t.payload.resumed(state)
         try:
             self.executor.assign(g.id, pick.rank, t.id, payload)
         except RuntimeError as e:  # the group failed between the check and the call
@@ -508,6 +510,7 @@ class Dispatcher:
         t.reruns += counted
         t.requeues += not h.paused
         t.preemptions += h.paused
+        t.requeued_for = "preempted" if h.paused else "rerun"
         with self._cv:
             self.scheduler.finished(t)
             self.scheduler.requeue(t)
