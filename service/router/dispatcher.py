@@ -108,6 +108,7 @@ class Dispatcher:
     assignments: int = 0
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _stop: bool = False
+    _keep: bool = False  # stop(fail=False): held and queued requests are left as they are
     _thread: threading.Thread | None = None
     _held: dict[str, Held] = field(default_factory=dict)
     _states: dict[str, Any] = field(default_factory=dict)  # job -> its last StepState (held or requeued)
@@ -143,13 +144,16 @@ class Dispatcher:
             if self.max_attempts is not None:
                 self.gave_up = f"engine failed to start: {self._engine_error}"
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, fail: bool = True) -> None:
+        """Stop the loop and the executor. ``fail``: every held and queued request ends
+        "service stopped" (a drain's end); without it none ends here: their records stay
+        unfinished for whoever keeps them (the job store takes a silent group's jobs back)."""
         with self._cv:
-            self._stop = True
+            self._stop, self._keep = True, not fail
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        else:
+        elif fail:
             self._fail_all("service stopped")
         self.executor.close()
 
@@ -290,7 +294,8 @@ class Dispatcher:
         while True:
             with self._cv:
                 if self._stop:
-                    self._fail_all("service stopped")
+                    if not self._keep:
+                        self._fail_all("service stopped")
                     return
             try:
                 self.step()
