@@ -12,9 +12,9 @@ Priorities (lower first, router/priority.py): only a key holding a request of th
 priority queued may release a wave (a worse key waits, even when full, while a better one
 fills or times out); the rules above hold among the requests of that priority, and the
 wave takes its key's best priorities first, filling what is left with its worse ones (they
-ride along: the wave's ranks would idle otherwise). A running wave is never paused for a
-better one (its group frees only when all its requests end): the better request goes at
-the next wave.
+ride along: the wave's ranks would idle otherwise). A running wave's group frees only when
+all its requests end: a better request waiting pauses the whole wave (the dispatcher, by
+router/priority.py's ``wave_victims``) or goes at the next one.
 """
 
 from __future__ import annotations
