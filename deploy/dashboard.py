@@ -60,14 +60,16 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
      [("max by (state) (ray_dloserve_engine_availability)", "{{state}}"),
       ("sum by (outcome) (increase(ray_dloserve_group_start_attempts_total[1h]))", "starts {{outcome}}"),
       ("min by (group) (ray_dloserve_storage_ready)", "storage takes writes {{group}}")]),
-    ("Groups ready, rebuilds, requests run again, replicas lost and preemptions (1 h)", "short",
+    ("Groups ready, rebuilds, requests run again, replicas lost, preemptions and resumes (1 h)", "short",
      [("sum by (group) (ray_dloserve_group_ready)", "ready {{group}}"),
       ("sum by (reason) (increase(ray_dloserve_requests_requeued_total[1h]))", "run again: {{reason}}"),
       ("sum by (group, reason) (increase(ray_dloserve_group_rebuilds_total[1h]))", "rebuilds {{reason}}"),
       ("sum by (node) (increase(ray_dloserve_dp_groups_lost_total[1h]))", "replica lost on {{node}}"),
       # none until a better priority pauses a request: 0, so the live test's query has data
       ("sum by (group) (increase(ray_dloserve_preemptions_total[1h])) or on() vector(0)",
-       "paused for a better priority {{group}}")]),
+       "paused for a better priority {{group}}"),
+      ("sum by (cause) (increase(ray_dloserve_resumes_total[1h])) or on() vector(0)",
+       "went on from a kept step: {{cause}}")]),
     ("Webhook delivery failures by reason (1 h; retried until given_up)", "short",
      [("sum by (reason) (increase(ray_dloserve_webhook_failures_total[1h]))", "{{reason}}")]),
 ]

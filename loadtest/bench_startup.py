@@ -15,11 +15,21 @@ and torch's caches as the first left them). A start is one of:
 - ``ready``: ready, then stop;
 - ``kill`` (``--rank-standby``) / ``kill-nostandby`` (``--no-rank-standby``): once ready, one
   request runs undisturbed (its own time), the same request runs again and one rank process
-  is SIGKILLed once it has made progress; recorded: the kill to ``/readyz`` 200 with every
-  group on a new generation (serving again), the killed request's final status and its
-  submit-to-final time against its own, and a request sent after.
+  is SIGKILLed once it has made ``--kill-at`` percent progress; recorded: the kill to
+  ``/readyz`` 200 with every group on a new generation (serving again), the killed request's
+  final status, the step its rerun went on from (``resumed_from_step``: 0 reran it from the
+  start) and its submit-to-final time against its own, and a request sent after.
+
+``--euler`` serves a view of ``--model`` with a flow-matching Euler scheduler (the demo
+models have Wan2.1's UniPC, whose reruns start from step 0: models/resume.py), so the
+killed request's rerun goes on from its last step.
 
 CPU smoke run: ``--device cpu --model /tmp/tiny`` (``dloserve demo-model /tmp/tiny``).
+The kill to the resumed request's end on one H200 (``/tmp/wan12``: ``dloserve demo-model
+/tmp/wan12 --preset wan14b-shape --layers 12``):
+
+    python loadtest/bench_startup.py --model /tmp/wan12 --euler --starts kill --size 832x480x81 \
+        --steps 8 --kill-at 50 --label 12-bf16-resume --out $OUT/h200-resume-kill.json
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,8 +112,10 @@ def request(url: str, body: dict[str, Any]) -> tuple[str, float]:
     return httpx.post(f"{url}/v1/videos", json=body, timeout=60).json()["id"], t
 
 
-def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One request undisturbed, then the same again with a rank SIGKILLed at >= 10% progress."""
+def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: float,
+             kill_at: int = 10) -> dict[str, Any]:
+    """One request undisturbed, then the same again with a rank SIGKILLed at >= ``kill_at`` %
+    progress."""
     out: dict[str, Any] = {}
     vid, t = request(url, body)
     own = final(url, vid, timeout)
@@ -111,7 +124,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     _, before = readyz(url)
     gens = {g["group"]: g.get("generation", 0) for g in before.get("groups", [])}
     vid, t_sent = request(url, {**body, "prompt": "killed mid-request"})
-    while (v := httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json())["progress"] < 10:
+    while (v := httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json())["progress"] < kill_at:
         if v["status"] in ("completed", "failed", "cancelled"):
             raise RuntimeError(f"the request to kill ended ({v['status']}) before it showed progress")
         time.sleep(0.05)
@@ -119,6 +132,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     out["rank_processes"] = len(ranks)
     t_kill = time.monotonic()
     os.kill(ranks[-1], signal.SIGKILL)
+    out["kill_at_progress"] = v["progress"]
     out["kill_to_serving_s"] = round(wait_ready(url, proc, timeout, gens), 2)
     killed = final(url, vid, timeout)
     t_done = time.monotonic()
@@ -126,7 +140,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
         "status": killed["status"], "reason": (killed.get("error") or {}).get("message"),
         "resumed_from_step": killed.get("resumed_from_step"), "kill_at_s": round(t_kill - t_sent, 2),
         "kill_to_final_s": round(t_done - t_kill, 2), "sent_to_final_s": round(t_done - t_sent, 2),
-        "over_own_s": round(t_done - t_sent - out["own_request"]["s"], 2)}
+        "over_own_s": round(t_done - t_sent - out["own_request"]["s"], 2), "timings": killed.get("timings")}
     vid, t = request(url, {**body, "prompt": "after", "num_inference_steps": 2})
     nxt = final(url, vid, timeout)
     out["next_request"] = {"status": nxt["status"], "s": round(time.monotonic() - t, 2)}
@@ -141,7 +155,7 @@ def one_start(args: argparse.Namespace, kind: str, logdir: Path, n: int) -> dict
     url = f"http://127.0.0.1:{port}"
     serve = ([shutil.which("dloserve")] if shutil.which("dloserve") and not args.module
              else [sys.executable, "-m", "service.cli"])
-    cmd = [*serve, "serve", args.model, "--enable-distributed-layerwise-offload", "--port", str(port),
+    cmd = [*serve, "serve", args.served, "--enable-distributed-layerwise-offload", "--port", str(port),
            *shlex.split(args.serve_args)]
     if args.device == "cpu":
         cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
@@ -164,7 +178,7 @@ def one_start(args: argparse.Namespace, kind: str, logdir: Path, n: int) -> dict
                 w, h, f = (int(x) for x in args.size.split("x"))
                 req = {"prompt": "own time", "seed": 1, "width": w, "height": h, "num_frames": f,
                        "num_inference_steps": args.steps}
-                res.update(kill_run(url, proc, req, args.timeout))
+                res.update(kill_run(url, proc, req, args.timeout, args.kill_at))
         except Exception as e:  # noqa: BLE001 - recorded, the next start still runs
             res["error"] = f"{type(e).__name__}: {e}"
         finally:
@@ -193,7 +207,8 @@ def summary(s: dict[str, Any]) -> dict[str, Any]:
     out = {k: s.get(k) for k in ("kind", "command_to_ready_s", "kill_to_serving_s", "error") if s.get(k)}
     out.update(steps=st.get("steps"), unaccounted_s=st.get("unaccounted_s"))
     if "killed_request" in s:
-        out["killed"] = {k: s["killed_request"][k] for k in ("status", "sent_to_final_s", "over_own_s")}
+        out["killed"] = {k: s["killed_request"][k] for k in ("status", "resumed_from_step", "kill_to_final_s",
+                                                              "sent_to_final_s", "over_own_s")}
         out["own_s"] = s["own_request"]["s"]
     return out
 
@@ -208,6 +223,9 @@ def main() -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--size", default="832x480x33", help="WIDTHxHEIGHTxFRAMES of the requests")
     p.add_argument("--steps", type=int, default=10, help="steps of the timed and the killed request")
+    p.add_argument("--kill-at", type=int, default=10, help="the killed request's progress (%%) at the kill")
+    p.add_argument("--euler", action="store_true",
+                   help="serve MODEL with a flow-matching Euler scheduler: the killed request resumes")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--module", action="store_true", help="python -m service.cli even if dloserve is on PATH")
     p.add_argument("--out", required=True, help="JSON file (appended to: one entry per call)")
@@ -221,10 +239,17 @@ def main() -> int:
                            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                            "machine": machine(), "model": args.model, "starts": []}
     doc["runs"].append(run)
-    for n, kind in enumerate(kinds):
-        run["starts"].append(one_start(args, kind, out.parent, n))
-        out.write_text(json.dumps(doc, indent=1))  # each start kept even if a later one hangs
-        print(json.dumps({"label": args.label, "start": n, **summary(run["starts"][-1])}), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        args.served = args.model
+        if args.euler:
+            from service.models.demo.euler import euler_view
+
+            args.served = str(euler_view(args.model, Path(tmp) / "euler"))
+            run["scheduler"] = "FlowMatchEulerDiscreteScheduler"
+        for n, kind in enumerate(kinds):
+            run["starts"].append(one_start(args, kind, out.parent, n))
+            out.write_text(json.dumps(doc, indent=1))  # each start kept even if a later one hangs
+            print(json.dumps({"label": args.label, "start": n, **summary(run["starts"][-1])}), flush=True)
     return 0
 
 

@@ -1,20 +1,32 @@
-"""What keeping a request's per-step state costs a rank (engine/state.py): the pipeline
-thread's time in ``StateTap.take`` per step (it runs between two forwards, where the tick
-thread waits), the pickle that carries the state to the driver (off that thread), and the
-write that keeps it in the results folder for a restart (``store_ms``: ``<id>.state`` through
-ResultStorage, off the dispatcher thread, at most every ``STATE_EVERY_S`` per job; api/durable.py).
+"""What keeping a request's per-step state costs a rank (engine/state.py), in two parts.
 
-    python loadtest/bench_state.py --shape 1,16,21,60,104 --reps 50 --out loadtest/results/cpu-state-cost.json
+``tap``: the hand-off alone, on a latent of ``--shape``: the pipeline thread's time in
+``StateTap.take`` per step (it runs between two forwards, where the tick thread waits), the
+time until the state is on the host (``landed_ms``: a GPU copy lands on a side stream), the
+pickle that carries it to the driver (off that thread), and the write that keeps it in the
+results folder for a restart (``store_ms``: ``<id>.state`` through ResultStorage, off the
+dispatcher thread, at most every ``STATE_EVERY_S`` per job; api/durable.py).
+
+``steps`` (with ``--model``): a real request (default 832x480x81, CFG) through
+``PipelineRunner`` with DLO AllGather at DP1, run alternately without and with the state
+kept, the same bytes expected: the time of steps 2 .. n on the compute stream (CUDA events
+at each step's end; host time on CPU) with the state kept against without (its median
+difference is the cost per step), and the tap's own numbers in place. The model runs with a
+flow-matching Euler scheduler (``euler_view``: Wan2.1's UniPC is not resumable, so it keeps
+no state).
+
+    python loadtest/bench_state.py --reps 50 --out loadtest/results/cpu-state-cost.json
+    python loadtest/bench_state.py --device cuda --model /tmp/wan12 --out $OUT/h200-state.json
+        # /tmp/wan12: dloserve demo-model /tmp/wan12 --preset wan14b-shape --layers 12
 
 The default shape is a 480p x 81 Wan latent (16 channels, 21 latent frames, 60 x 104).
-On a CUDA machine ``--device cuda`` measures the asynchronous path (the caller's time is
-queuing the copy; ``landed_ms`` is until the state is on the host).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import pickle
@@ -24,7 +36,9 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,9 +46,16 @@ from service.api.durable import state_bytes
 from service.api.results import ResultStorage
 from service.engine.state import StateTap
 
+PARTS = ("tap", "steps")
+
+
+def median_ms(xs: list[float]) -> float | None:
+    return round(1000 * statistics.median(xs), 3) if xs else None
+
 
 def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int,
             storage: ResultStorage) -> dict:
+    """The tap alone on one latent, ``reps`` times after 3 warm-up rounds."""
     latents = torch.randn(shape, dtype=torch.float32).to(device, dtype)
     tap = StateTap()
     take, landed, pickled, stored, size = [], [], [], [], 0
@@ -57,37 +78,147 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int,
         landed.append(t2 - t0)
         pickled.append(t3 - t2)
     tap.close()
-    ms = lambda xs: round(1000 * statistics.median(xs[3:]), 3)  # noqa: E731
     return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "device": device,
             "bytes": latents.numel() * latents.element_size(), "pickled_bytes": size,
-            "take_ms_median": ms(take), "landed_ms_median": ms(landed), "pickle_ms_median": ms(pickled),
-            "store_ms_median": ms(stored),
+            "take_ms_median": median_ms(take[3:]), "landed_ms_median": median_ms(landed[3:]),
+            "pickle_ms_median": median_ms(pickled[3:]), "store_ms_median": median_ms(stored[3:]),
             "take_ms_max": round(1000 * max(take[3:]), 3)}
+
+
+def run_once(runner: Any, req: Any, dev: torch.device, tap: StateTap | None) -> dict[str, Any]:
+    """One request; with ``tap`` (one per rank, as in the service) every step but the last
+    hands its latents to it."""
+    ends: list[Any] = []  # each step's end: a CUDA event on the compute stream, or a host time
+    landed: list[float] = []
+    took: list[float] = []  # the pipeline thread's time in each take
+
+    def on_step(done: int, total: int) -> None:
+        if dev.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ends.append(ev)
+        else:
+            ends.append(time.perf_counter())
+
+    def on_latents(step: int, total: int, latents: torch.Tensor) -> None:
+        t = time.perf_counter()
+        tap.take(step, total, latents, lambda st, t=t: landed.append(time.perf_counter() - t))
+        took.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    frames = runner.frames(req, on_step, on_latents if tap else None)  # returns synchronized
+    seconds = time.perf_counter() - t0
+    end = time.monotonic() + 60
+    while len(landed) < len(took) and time.monotonic() < end:  # the tap's thread emits the last
+        time.sleep(0.001)
+    if dev.type == "cuda":
+        gaps = [a.elapsed_time(b) / 1000 for a, b in zip(ends, ends[1:], strict=False)]
+    else:
+        gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    # steps 2 .. n, each from the previous one's end (step 1's includes the text encoder). A
+    # state is taken at the end of steps 1 .. n-1: on CPU its copy is in the step it ends, on
+    # a GPU its copy runs on a side stream beside the next step's compute
+    return {"keep": tap is not None, "seconds": round(seconds, 3), "states": len(took),
+            "step_ms": [round(1000 * g, 2) for g in gaps],
+            "take_ms_median": median_ms(took),
+            "landed_ms_median": median_ms(landed), "sha256": hashlib.sha256(frames.tobytes()).hexdigest(),
+            "take_s": took, "landed_s": landed}
+
+
+def steps(args: argparse.Namespace) -> dict[str, Any]:
+    """The real request alternately without and with the state kept (after a warm-up)."""
+    from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
+    from service.models.demo.euler import euler_view
+    from service.models.pipeline import PipelineRunner
+    from service.models.request import GenerationRequest
+
+    if args.steps < 3:
+        raise SystemExit("--steps: at least 3 (the first step's time has no start, the last keeps no state)")
+    dev = torch.device(args.device)
+    w, h, f = (int(v) for v in args.size.split("x"))
+    req = GenerationRequest(prompt="a red fox running through snow", seed=7, width=w, height=h, num_frames=f,
+                            num_inference_steps=args.steps, guidance_scale=5.0)
+    config = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER), model=ModelConfig(dtype=args.dtype))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = euler_view(args.model, Path(tmp) / "euler")
+        t0 = time.perf_counter()
+        runner = PipelineRunner.load(str(model), dev, config=config)
+        load_s = time.perf_counter() - t0
+        tap = StateTap()
+        try:
+            if not runner.resumable(req):
+                raise SystemExit(f"{args.model}: its requests are not resumable here (models/resume.py)")
+            run_once(runner, replace(req, num_inference_steps=3), dev, tap)  # warm-up: kernels, allocator
+            runs = [run_once(runner, req, dev, t) for _ in range(args.rounds) for t in (None, tap)]
+        finally:
+            tap.close()
+            runner.close()
+    off = [ms for r in runs if not r["keep"] for ms in r["step_ms"]]
+    on = [ms for r in runs if r["keep"] for ms in r["step_ms"]]
+    med_off, med_on = statistics.median(off), statistics.median(on)
+    took = [t for r in runs for t in r.pop("take_s")]  # every take and landing, over the runs
+    landed = [t for r in runs for t in r.pop("landed_s")]
+    kept = [r for r in runs if r["keep"]]
+    return {"model": args.model, "size": args.size, "steps": args.steps, "rounds": args.rounds,
+            "tokens": ((f - 1) // 4 + 1) * (h // 16) * (w // 16), "load_s": round(load_s, 1),
+            "summary": {
+                "step_ms_median_without": round(med_off, 2), "step_ms_median_with": round(med_on, 2),
+                "step_cost_ms": round(med_on - med_off, 2),
+                "step_cost_pct": round(100 * (med_on - med_off) / med_off, 3),
+                "take_ms_median": median_ms(took), "landed_ms_median": median_ms(landed),
+                "states_per_run": kept[0]["states"],
+                "bytes_equal": len({r["sha256"] for r in runs}) == 1},
+            "runs": runs}
+
+
+def machine(device: str) -> dict[str, Any]:
+    out = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(), "loadavg": list(os.getloadavg()), "torch": torch.__version__}
+    if device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="1,16,21,60,104")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--parts", default=None, help=f"comma-separated of {PARTS} (default: tap, and steps "
+                    "with --model)")
+    ap.add_argument("--shape", default="1,16,21,60,104", help="tap: the latent's shape")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="tap: the latent's dtypes")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--reps", type=int, default=50, help="tap: hand-offs timed")
+    ap.add_argument("--results-url", help="tap: where the state files go (default: a temporary folder)")
+    ap.add_argument("--model", help="steps: a Wan pipeline folder (its scheduler is swapped for Euler)")
+    ap.add_argument("--size", default="832x480x81", help="steps: WIDTHxHEIGHTxFRAMES")
+    ap.add_argument("--steps", type=int, default=4, help="steps: per request (states: steps - 1)")
+    ap.add_argument("--rounds", type=int, default=2, help="steps: pairs of runs (without, with)")
+    ap.add_argument("--dtype", default=None, help="steps: the transformer's dtype (default: the "
+                    "checkpoint's)")
     ap.add_argument("--out")
-    ap.add_argument("--results-url", help="where the state files go (default: a temporary folder)")
     a = ap.parse_args()
-    shape = tuple(int(x) for x in a.shape.split(","))
-    with tempfile.TemporaryDirectory() as tmp:
-        storage = ResultStorage(a.results_url or tmp)
-        runs = [measure(shape, getattr(torch, d), a.device, a.reps, storage) for d in a.dtypes.split(",")]
-    machine = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-               "cpus": os.cpu_count(), "loadavg": list(os.getloadavg()), "torch": torch.__version__}
-    if a.device == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name()
-    out = {"command": "python loadtest/bench_state.py " + " ".join(sys.argv[1:]),
-           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine,
-           "reps": a.reps, "runs": runs}
+    parts = (a.parts or ("tap,steps" if a.model else "tap")).split(",")
+    if bad := [p for p in parts if p not in PARTS]:
+        ap.error(f"--parts: {bad} not in {PARTS}")
+    if "steps" in parts and not a.model:
+        ap.error("--parts steps needs --model")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    out: dict[str, Any] = {"command": "python loadtest/bench_state.py " + " ".join(sys.argv[1:]),
+                           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                           "machine": machine(a.device)}
+    if "tap" in parts:
+        shape = tuple(int(x) for x in a.shape.split(","))
+        with tempfile.TemporaryDirectory() as tmp:
+            storage = ResultStorage(a.results_url or tmp)
+            out["reps"] = a.reps
+            out["runs"] = [measure(shape, getattr(torch, d), a.device, a.reps, storage)
+                           for d in a.dtypes.split(",")]
+    if "steps" in parts:
+        out["steps"] = steps(a)
     text = json.dumps(out, indent=2)
     print(text)
     if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text + "\n")
     return 0
 

@@ -113,18 +113,6 @@ def resident(demo_model: str):  # noqa: ANN201 - PipelineRunner
 def euler_model(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The demo model with a flow-matching Euler scheduler (shift 3.0), the one a rerun can
     resume (models/resume.py); the other components are the demo model's own files."""
-    import json
-    from pathlib import Path
+    from service.models.demo.euler import euler_view
 
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    src, out = Path(demo_model), tmp_path_factory.mktemp("euler") / "model"
-    out.mkdir()
-    for part in src.iterdir():
-        if part.name not in ("scheduler", "model_index.json"):
-            (out / part.name).symlink_to(part)
-    index = json.loads((src / "model_index.json").read_text())
-    index["scheduler"] = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
-    (out / "model_index.json").write_text(json.dumps(index))
-    FlowMatchEulerDiscreteScheduler(shift=3.0).save_config(out / "scheduler")
-    return str(out)
+    return str(euler_view(demo_model, tmp_path_factory.mktemp("euler") / "model"))

@@ -379,9 +379,15 @@ class VideoService:
         return [tenant_record(r) for r in hist if r.get("tenant") == caller.owner]
 
     def close(self) -> None:
+        """Stop without a drain, ending none of the jobs held: a replica deleted, or SIGTERMed
+        by the watchdog after ``serve`` itself was SIGKILLed (a Ray actor's ``__del__`` runs
+        on SIGTERM), must leave its jobs as a crash would, unfinished, for the job store to
+        hand to another replica or to the next ``serve`` (api/jobs.py); failing them here
+        "service stopped" lost them whenever the store outlived the replica. ``drain`` (the
+        launcher's stop) is what ends jobs."""
         self._closed.set()
         self.adapter_io.close()
-        self.dispatcher.stop()
+        self.dispatcher.stop(fail=False)
         self._finisher.shutdown(wait=True)
         self._beat.join(timeout=5)
 

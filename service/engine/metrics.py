@@ -85,6 +85,11 @@ def metrics() -> dict[str, Any]:
             "dloserve_preemptions_total", "Running requests paused at a step for a better-priority one "
             "(each goes on later from its step)", ("group",)
         ),
+        "resumes": Counter(
+            "dloserve_resumes_total", "Requests that went on from a kept step instead of step 0, by why they "
+            "stopped (preempted; rerun: their rank group died; adopted: a lost replica's or a restart's)",
+            ("group", "cause")
+        ),
         "group_ready": Gauge("dloserve_group_ready", "1 when the DP group serves", ("group",)),
         "storage_ready": Gauge(
             "dloserve_storage_ready", "1 while the results storage takes this replica's writes, 0 after one "

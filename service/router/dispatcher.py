@@ -19,9 +19,10 @@ milliseconds.
   ``state``, engine/state.py); the dispatcher keeps the last one of each request it holds,
   in memory, while it holds it or has queued it again. A rerun goes on from that step
   (models/resume.py) and says so: ``resumed_from_step`` in what the sink's ``on_start`` gets.
-- Priorities (continuous scheduling): a queued request of a better (lower) priority than
+- Priorities: a queued request of a better (lower) priority than
   one a rank forwards pauses that one at its next forward (``preempt``: queued again with
   its state, not a rerun), at most ``max_preemptions`` times per request (router/priority.py).
+  Under waves a whole wave is paused, its group freeing only when all of it ends.
 - Queued requests wait for a group to come back, each up to ``max_queue_wait_s``.
 - A failed start or rebuild is tried again at once, then with capped backoff, for as long
   as the dispatcher runs (or ``max_attempts`` in a row, for one-shot front ends).
@@ -45,7 +46,7 @@ from service.engine.metrics import metrics
 from service.engine.outcome import Outcome
 from service.router.health import Availability, Track, Unavailable, backoff_s, failure_kind
 from service.router.policy import DeadlinePolicy
-from service.router.priority import DEFAULT_MAX_PREEMPTIONS, Running, victims
+from service.router.priority import DEFAULT_MAX_PREEMPTIONS, Running, victims, wave_victims
 from service.router.queue import Ticket
 from service.router.scheduler import Pick, Scheduler
 
@@ -107,6 +108,7 @@ class Dispatcher:
     assignments: int = 0
     _cv: threading.Condition = field(default_factory=threading.Condition)
     _stop: bool = False
+    _keep: bool = False  # stop(fail=False): held and queued requests are left as they are
     _thread: threading.Thread | None = None
     _held: dict[str, Held] = field(default_factory=dict)
     _states: dict[str, Any] = field(default_factory=dict)  # job -> its last StepState (held or requeued)
@@ -142,13 +144,16 @@ class Dispatcher:
             if self.max_attempts is not None:
                 self.gave_up = f"engine failed to start: {self._engine_error}"
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 30.0, fail: bool = True) -> None:
+        """Stop the loop and the executor. ``fail``: every held and queued request ends
+        "service stopped" (a drain's end); without it none ends here: their records stay
+        unfinished for whoever keeps them (the job store takes a silent group's jobs back)."""
         with self._cv:
-            self._stop = True
+            self._stop, self._keep = True, not fail
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        else:
+        elif fail:
             self._fail_all("service stopped")
         self.executor.close()
 
@@ -188,7 +193,7 @@ class Dispatcher:
                 self._states[ticket_id] = state
                 payload = payload.resumed(None)
             t = Ticket(ticket_id, key, payload, self.clock(), request_cost(payload), tenant, reruns=1,
-                       requeues=1, priority=priority_of(payload))
+                       requeues=1, priority=priority_of(payload), requeued_for="adopted")
             self.scheduler.requeue(t)
             self._depth()
             self._cv.notify_all()
@@ -289,7 +294,8 @@ class Dispatcher:
         while True:
             with self._cv:
                 if self._stop:
-                    self._fail_all("service stopped")
+                    if not self._keep:
+                        self._fail_all("service stopped")
                     return
             try:
                 self.step()
@@ -344,7 +350,9 @@ class Dispatcher:
         metrics()["assignments"].inc(1, tags={"scheduler": pick.info["scheduler"],
                                               "reason": pick.info["reason"]})
         self.sink.on_start(t, rec)
-        payload = t.payload if state is None else t.payload.resumed(state)  # goes on from its step
+        if state is not None:  # it goes on from its step: after a pause, a rerun or a takeover
+            metrics()["resumes"].inc(1, tags={"group": g.id, "cause": t.requeued_for or "rerun"})
+        payload = t.payload if state is None else t.payload.resumed(state)
         try:
             self.executor.assign(g.id, pick.rank, t.id, payload)
         except RuntimeError as e:  # the group failed between the check and the call
@@ -355,9 +363,9 @@ class Dispatcher:
 
     def _preempt_for_queue(self) -> None:
         """Pause the running requests that better-priority queued ones should displace
-        (router/priority.py; the caller holds _cv). Continuous scheduling only: a wave
-        starts when its whole group is free, so one pause would free nothing."""
-        if self.max_preemptions < 1 or self.scheduler.name != "continuous" or not self.scheduler.depth:
+        (router/priority.py; the caller holds _cv): single requests under continuous
+        scheduling, a whole wave under waves (its group frees only when all of it ends)."""
+        if self.max_preemptions < 1 or not self.scheduler.depth:
             return
         tenants = self.scheduler.tenants
         waiting = [t.priority for t in self.scheduler.queued()
@@ -365,11 +373,22 @@ class Dispatcher:
         if not waiting:
             return
         pausing = sum(h.paused and h.forwarding for h in self._held.values())  # ranks about to free
-        running = [Running(h.ticket.id, h.ticket.priority, h.ticket.preemptions, h.assigned_at)
-                   for h in self._held.values()
-                   if h.forwarding and not h.cancelled and not h.paused and h.ticket.id in self._states
-                   and self._tracks[h.group.id].ready]
-        for job in victims(waiting, running, pausing, self.max_preemptions):
+
+        def running(h: Held) -> Running | None:  # None: it cannot be paused (no state kept, ...)
+            if h.cancelled or h.paused or h.ticket.id not in self._states:
+                return None
+            return Running(h.ticket.id, h.ticket.priority, h.ticket.preemptions, h.assigned_at)
+
+        if self.scheduler.name == "waves":
+            busy = {gid: [running(h) for h in self._of(gid) if h.forwarding]
+                    for gid, tr in self._tracks.items() if tr.ready}
+            if not all(busy.values()):
+                return  # a free group takes the next wave without a pause
+            jobs = wave_victims(waiting, busy.values(), pausing, self.max_preemptions)
+        else:
+            held = [h for h in self._held.values() if h.forwarding and self._tracks[h.group.id].ready]
+            jobs = victims(waiting, [r for h in held if (r := running(h))], pausing, self.max_preemptions)
+        for job in jobs:
             if self.preempt(job):
                 log.info("%s paused for a better-priority request", job)
 
@@ -507,6 +526,7 @@ class Dispatcher:
         t.reruns += counted
         t.requeues += not h.paused
         t.preemptions += h.paused
+        t.requeued_for = "preempted" if h.paused else "rerun"
         with self._cv:
             self.scheduler.finished(t)
             self.scheduler.requeue(t)

@@ -14,7 +14,11 @@ or not resumable: another scheduler, a step cache, two experts) is never paused:
 lose its work. One pause per waiting request: pauses already under way count as ranks
 about to free.
 
-Pure Python, like the schedulers: the dispatcher calls ``victims`` under its lock.
+Waves (``--scheduler waves``): a wave's group frees only when all its requests end, so one
+pause frees nothing; a better request waiting pauses a whole wave instead (``wave_victims``),
+and only one whose every request is strictly worse and preemptible; one wave at a time.
+
+Pure Python, like the schedulers: the dispatcher calls these under its lock.
 """
 
 from __future__ import annotations
@@ -53,3 +57,21 @@ def victims(waiting: Iterable[int], running: Iterable[Running], pausing: int,
             break
         out.append(pool.pop(0).id)
     return out
+
+
+def wave_victims(waiting: Iterable[int], waves: Iterable[list[Running | None]], pausing: int,
+                 max_preemptions: int = DEFAULT_MAX_PREEMPTIONS) -> list[str]:
+    """Waves scheduling: the ids of the one wave to pause now, or none. ``waves``: per busy
+    group, the requests it forwards (None for one that cannot be paused: no state kept);
+    ``pausing``: pauses under way (then none: their group frees first). A wave is paused
+    only when all its requests are preemptible and strictly worse than the best waiting
+    one; of those, the one whose best priority is the worst (then the latest started)."""
+    best = min(waiting, default=None)
+    if pausing or best is None:
+        return []
+    whole = [[r for r in w if r is not None] for w in waves if w and None not in w]
+    fit = [w for w in whole if all(r.priority > best and r.preemptions < max_preemptions for r in w)]
+    if not fit:
+        return []
+    worst = max(fit, key=lambda w: (min(r.priority for r in w), max(r.assigned_at for r in w)))
+    return [r.id for r in worst]

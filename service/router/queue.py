@@ -35,6 +35,7 @@ class Ticket:
     requeues: int = 0  # times it was queued again, for any cause (it then goes ahead of later arrivals)
     priority: int = 0  # lower is served first (router/priority.py)
     preemptions: int = 0  # times it was paused for a better-priority request (bounded)
+    requeued_for: str = ""  # why it was last queued again: preempted, rerun, adopted (resumes' cause)
 
 
 def place(q: deque[Ticket], t: Ticket) -> int:

@@ -6,11 +6,12 @@
 - ``WaveScheduler``: request-level waves as before: a group takes up to N requests of one
   compatibility key, only when none of its ranks is forwarding (``WaveRouter``).
 
-Continuous scheduling serves the best (lowest) ``priority`` queued first (router/priority.py);
-waves keep their own order and ignore it. Both share ranks fairly between tenants (API keys,
-``tenants.py``), within a priority, and hold each to its quota; ``fair=False`` keeps the
-policy of before (one queue for everyone, no quotas), for the fairness benchmark
-(loadtest/bench_fairness.py) to compare against.
+Both serve the best (lowest) ``priority`` queued first (router/priority.py): continuous
+scheduling at every freed rank, waves at every wave (a better request pauses one running
+request, or under waves a whole wave: its group frees only when all of it ends). Both
+share ranks fairly between tenants (API keys, ``tenants.py``), within a priority, and hold
+each to its quota; ``fair=False`` keeps the policy of before (one queue for everyone, no
+quotas), for the fairness benchmark (loadtest/bench_fairness.py) to compare against.
 
 Pure Python with the clock passed in, so the dispatcher's tests drive it in milliseconds.
 """

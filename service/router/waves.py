@@ -7,6 +7,14 @@ of a key wait or when the oldest has waited ``max_wait_s``; across keys the olde
 goes first, so no key starves. With tenants (API keys, ``tenants.py``) whose turn it is
 comes first: the key of that tenant's oldest ready request goes, and a wave is filled a
 tenant at a time.
+
+Priorities (lower first, router/priority.py): only a key holding a request of the best
+priority queued may release a wave (a worse key waits, even when full, while a better one
+fills or times out); the rules above hold among the requests of that priority, and the
+wave takes its key's best priorities first, filling what is left with its worse ones (they
+ride along: the wave's ranks would idle otherwise). A running wave's group frees only when
+all its requests end: a better request waiting pauses the whole wave (the dispatcher, by
+router/priority.py's ``wave_victims``) or goes at the next one.
 """
 
 from __future__ import annotations
@@ -59,13 +67,14 @@ class WaveRouter:
         return len(self._ids)
 
     def submit(self, ticket_id: str, key: str, payload: Any, now: float | None = None,
-               tenant: str | None = None) -> Ticket:
+               tenant: str | None = None, priority: int = 0) -> Ticket:
         """Queue a request, or raise QueueFull so nothing unbounded piles up."""
         if ticket_id in self._ids:
             raise ValueError(f"duplicate ticket id {ticket_id}")
         if self.depth >= self.max_queue:
             raise QueueFull(self.depth, self.retry_after_s())
-        t = Ticket(ticket_id, key, payload, time.monotonic() if now is None else now, tenant=tenant)
+        t = Ticket(ticket_id, key, payload, time.monotonic() if now is None else now, tenant=tenant,
+                   priority=priority)
         self._queues.setdefault(key, deque()).append(t)
         self._ids[ticket_id] = key
         return t
@@ -102,38 +111,43 @@ class WaveRouter:
             return "timeout"
         return None
 
+    def best_priority(self, tenants: Tenants | None = None) -> int | None:
+        """The best (lowest) priority queued, of the tenants that may run when given."""
+        return min((t.priority for q in self._queues.values() for t in q
+                    if tenants is None or tenants.may_run(t.tenant)), default=None)
+
     def next_wave(self, now: float | None = None, size: int | None = None,
                   tenants: Tenants | None = None) -> Wave | None:
-        """Release the ready key whose head waited longest (at most ``size`` requests, default
-        ``dp_size``), or None if no key is ready. With ``tenants``, whose turn it is decides
-        instead (``_fair_wave``)."""
+        """Release the ready key whose oldest request of the best priority waited longest (at
+        most ``size`` requests, default ``dp_size``), or None if no such key is ready. With
+        ``tenants``, whose turn it is decides instead (``_fair_wave``)."""
         now = time.monotonic() if now is None else now
         size = size or self.dp_size
         if tenants is not None:
             return self._fair_wave(now, size, tenants)
-        best: tuple[float, str, str] | None = None
+        best = self.best_priority()
+        pick: tuple[float, str, str] | None = None
         for key, q in self._queues.items():
-            reason = self._ready(q, now, size)
-            if reason and (best is None or q[0].enqueued_at < best[0]):
-                best = (q[0].enqueued_at, key, reason)
-        if best is None:
+            head = next((t for t in q if t.priority == best), None)
+            reason = self._ready(q, now, size) if head else None
+            if reason and (pick is None or head.enqueued_at < pick[0]):
+                pick = (head.enqueued_at, key, reason)
+        if pick is None:
             return None
-        _, key, reason = best
-        q = self._queues[key]
-        tickets = [q.popleft() for _ in range(min(size, len(q)))]
-        if not q:
-            del self._queues[key]
-        for t in tickets:
-            del self._ids[t.id]
-        return Wave(key, tickets, reason)
+        _, key, reason = pick
+        lane = sorted(self._queues[key], key=lambda t: t.priority)  # stable: arrival order within one
+        return self._release(key, lane[:size], reason)
 
     def _fair_wave(self, now: float, size: int, tenants: Tenants) -> Wave | None:
-        """The tenant whose turn it is (tenants.py) picks the key: its oldest request whose key
-        is ready. The wave is then filled from that key's requests a tenant at a time, in
-        turn order, each tenant's oldest first and within its ``max_running``."""
+        """The tenant whose turn it is (tenants.py) picks the key: its oldest request of the
+        best priority whose key is ready. The wave is then filled from that key's requests,
+        the best priority first, a tenant at a time within one priority, in turn order, each
+        tenant's oldest first and within its ``max_running``."""
+        best = self.best_priority(tenants)
         mine: dict[str | None, list[Ticket]] = {}
         for t in self.tickets():
-            mine.setdefault(t.tenant, []).append(t)
+            if t.priority == best:
+                mine.setdefault(t.tenant, []).append(t)
         for tenant in tenants.order(mine):
             if not tenants.may_run(tenant):
                 continue
@@ -144,24 +158,27 @@ class WaveRouter:
         return None
 
     def _fill(self, key: str, size: int, first: str | None, tenants: Tenants, reason: str) -> Wave:
-        q = self._queues[key]
         lanes: dict[str | None, deque[Ticket]] = {}
-        for t in q:
+        for t in sorted(self._queues[key], key=lambda t: t.priority):  # stable: arrival within one
             lanes.setdefault(t.tenant, deque()).append(t)
         turn = [first] + [x for x in tenants.order(lanes) if x != first]
         chosen: list[Ticket] = []
         taken: dict[str | None, int] = {}
         while len(chosen) < size:
-            before = len(chosen)
-            for tenant in turn:
-                lane = lanes.get(tenant)
-                if lane and len(chosen) < size and tenants.may_run(tenant, taken.get(tenant, 0)):
-                    chosen.append(lane.popleft())
-                    taken[tenant] = taken.get(tenant, 0) + 1
-            if len(chosen) == before:
+            open_ = [x for x in turn if lanes.get(x) and tenants.may_run(x, taken.get(x, 0))]
+            if not open_:
                 break
+            best = min(lanes[x][0].priority for x in open_)  # a round serves one priority
+            for tenant in open_:
+                if len(chosen) < size and lanes[tenant][0].priority == best:
+                    chosen.append(lanes[tenant].popleft())
+                    taken[tenant] = taken.get(tenant, 0) + 1
+        return self._release(key, chosen, reason)
+
+    def _release(self, key: str, chosen: list[Ticket], reason: str) -> Wave:
+        """Take ``chosen`` (tickets of ``key``) off the queue as one wave."""
         ids = {t.id for t in chosen}
-        self._queues[key] = deque(t for t in q if t.id not in ids)
+        self._queues[key] = deque(t for t in self._queues[key] if t.id not in ids)
         if not self._queues[key]:
             del self._queues[key]
         for t in chosen:
@@ -169,10 +186,14 @@ class WaveRouter:
         return Wave(key, chosen, reason)
 
     def wake_in(self, now: float | None = None) -> float | None:
-        """Seconds until some key becomes ready on its own (0 if one is ready, None if empty)."""
+        """Seconds until a key that may release a wave (one holding the best priority queued)
+        becomes ready on its own (0 if one is ready, None if empty)."""
         now = time.monotonic() if now is None else now
+        best = self.best_priority()
         waits = []
         for q in self._queues.values():
+            if not any(t.priority == best for t in q):
+                continue
             if self._ready(q, now):
                 return 0.0
             waits.append(q[0].enqueued_at + self.max_wait_s - now)

@@ -9,7 +9,10 @@ SIGKILLed and started again is tests/api/test_restart_e2e.py (e2e).
 - a store started on the folder of a crashed instance shows every unfinished job
   ``queued`` at once; a replica takes them over, the one with a state goes on from its step,
   and their files go when they end; a job whose request is torn fails with the reason, and
-  a state file of no job is swept.
+  a state file of no job is swept;
+- a replica closed without a drain (deleted, or SIGTERMed by the watchdog after ``serve``
+  was SIGKILLed) ends none of its jobs: the store takes them back and another replica runs
+  them, the running one from its step.
 """
 
 from __future__ import annotations
@@ -143,3 +146,34 @@ def test_a_job_whose_request_cannot_be_read_fails_with_the_reason_after_a_restar
         assert not (after / "video_gone.state").exists()  # swept at the start: no job of its own
     finally:
         again.close()
+
+
+def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(demo_model: str,
+                                                                        tmp_path: Path) -> None:
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 0.5)  # a group silent for 0.5 s is lost
+    config = ServiceConfig(model=demo_model, results_url=str(tmp_path))
+    ex, ex2 = FakeExecutor((1,)), FakeExecutor((1,))
+    first = VideoService(config, executor=ex, store=store, node_id="node")
+    second = None
+    try:
+        running = first.create(dict(BODY))
+        queued = first.create({**BODY, "seed": 2})
+        ex.wait_assigned(running.id)
+        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0)))
+        until(lambda: (tmp_path / f"{running.id}.state").exists())
+        first.close()  # what a Ray actor's __del__ does on SIGTERM
+        for job, status in ((running, JobStatus.IN_PROGRESS), (queued, JobStatus.QUEUED)):
+            assert store.get(job.id).status is status, store.get(job.id)  # not failed "service stopped"
+        second = VideoService(config, executor=ex2, store=store, node_id="node")
+        ex2.wait_assigned(running.id)
+        again = [a[3] for a in ex2.assigned if a[2] == running.id][-1]
+        assert again.resume is not None and again.resume.step == 2
+        ex2.run(running.id)
+        ex2.wait_assigned(queued.id)
+        ex2.run(queued.id)
+        until(lambda: all(store.get(j.id).status is JobStatus.COMPLETED for j in (running, queued)))
+    finally:
+        first.close()  # (again: a no-op)
+        if second is not None:
+            second.close()
+        store.close()

@@ -58,7 +58,10 @@ def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
     while first.survivors():  # the watchdog takes its cluster down
         assert time.monotonic() < end, first.survivors()
         time.sleep(0.5)
-    assert record(folder, running)["status"] == "in_progress"  # as the kill left it
+    # unfinished, as the kill left it: in_progress, or queued where the watchdog's SIGTERMs let
+    # its replica see the rank die first; never failed "service stopped" (VideoService.close)
+    assert record(folder, running)["status"] in ("in_progress", "queued"), record(folder, running)
+    assert record(folder, queued)["status"] == "queued"
 
     second = Serve(fresh, *args)  # a Ray temp folder of its own: nothing of the killed cluster's
     second.watch_until(lambda: record(folder, running).get("status") != "in_progress", timeout=300)

@@ -187,7 +187,8 @@ def test_submit_watch_play_download_remix_delete(tab: Any, service: str) -> None
                   ".filter(e => e.type !== 'file').map(e => [e.name, e.value]))")
     assert values == {"prompt": "a red fox running through snow", "negative_prompt": "blurry", "width": "48",
                       "height": "32", "num_frames": "9", "fps": str(api["fps"]), "num_inference_steps": "40",
-                      "guidance_scale": "4.5", "seed": "11", "cache": "", "cache_threshold": ""}
+                      "guidance_scale": "4.5", "seed": "11", "cache": "", "cache_threshold": "",
+                      "priority": "0"}
     assert p.js("document.activeElement.id") == "f-prompt"
 
     p.page.click("#job-delete")
@@ -248,6 +249,43 @@ def test_adapters_and_a_cache_are_sent_shown_and_remixed(tab: Any, service: str)
     p.shot("adapters")
     for v in (vid, direct, plain):
         httpx.delete(f"{service}/v1/videos/{v}", headers=auth(KEY_A))
+
+
+def test_a_priority_is_sent_shown_on_the_card_and_remixed(tab: Any, service: str) -> None:
+    p = tab(key=KEY_B)
+    assert "-100–100" in p.text("#hint-priority") and "lower runs first" in p.text("#hint-priority")
+    assert p.js("[document.getElementById('f-priority').min, document.getElementById('f-priority').max]") \
+        == ["-100", "100"]
+    fields = {"prompt": "an urgent fox", "width": 32, "height": 32, "num_frames": 5, "num_inference_steps": 2}
+    with p.page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/v1/videos")) as sent:
+        vid = p.submit(**fields, priority=3)
+    assert 'name="priority"\r\n\r\n3\r\n' in sent.value.post_data
+    p.wait_completed()
+    assert httpx.get(f"{service}/v1/videos/{vid}", headers=auth(KEY_B)).json()["priority"] == 3
+    meta = p.js("Object.fromEntries([...document.querySelectorAll('#job-meta dt')]"
+                ".map(dt => [dt.textContent, dt.nextElementSibling.textContent]))")
+    assert meta["priority"] == "3", meta
+    card = f"#jobs-list li[data-id=\"{vid}\"] .sub"
+    p.until(f"document.querySelector({card!r})?.textContent.includes('priority 3')")
+    p.page.click("#clear-form")
+    p.page.click("#job-remix")
+    assert p.js("document.getElementById('f-priority').value") == "3"
+    # better than the key's floor (0): the server's 422 beside the field, nothing queued
+    p.page.fill("#f-priority", "-1")
+    p.page.click("#submit")
+    p.until("document.getElementById('err-priority').textContent !== ''")
+    form = {**{k: str(v) for k, v in fields.items()}, "priority": "-1"}
+    refused = httpx.post(f"{service}/v1/videos", data=form, headers=auth(KEY_B)).json()["error"]
+    assert refused["param"] == "priority" and p.text("#err-priority") == refused["message"]
+    assert p.js("document.activeElement.id") == "f-priority"
+    # empty: not sent (the service's default, 0 for this key)
+    p.page.fill("#f-priority", "")
+    with p.page.expect_request(lambda r: r.method == "POST" and r.url.endswith("/v1/videos")) as sent:
+        plain = p.submit()
+    assert 'name="priority"' not in sent.value.post_data
+    assert wait_final(service, plain, KEY_B)["priority"] == 0
+    for v in (vid, plain):
+        httpx.delete(f"{service}/v1/videos/{v}", headers=auth(KEY_B))
 
 
 def test_a_late_refusal_sent_before_the_key_leaves_the_key_and_the_form(tab: Any, service: str) -> None:
@@ -371,7 +409,7 @@ def test_keyboard_only(tab: Any, service: str) -> None:
         assert style[0] != "none" and style[1] >= 2, (order[-1], style)  # focus is visible
     assert order == ["skip", "api-key", "key-use", "key-forget", "f-prompt", "f-negative_prompt",
                      "f-width", "f-height", "f-num_frames", "f-fps", "f-num_inference_steps",
-                     "f-guidance_scale", "f-seed", "f-cache", "submit", "clear-form"], order
+                     "f-guidance_scale", "f-seed", "f-cache", "f-priority", "submit"], order
     p.page.focus("body")
     p.js("document.activeElement.blur()")
     tab_to("api-key")

@@ -147,3 +147,17 @@ def test_experts_bench_cpu_smoke(tmp_path: Path) -> None:
     assert rows["dp2-offset"]["held_ticks"] > 0 and rows["dp2-offset"]["ticks"] > len(plan)
     assert rows["dp2-ranklocal"]["held_ticks"] == 0 and rows["dp2-ranklocal"]["prefetch_redirects"] == 0
     assert len(rows["dp1"]["switch_ms"]) >= 1
+
+
+def test_state_bench_cpu_smoke(tmp_path: Path, demo_model: str) -> None:
+    """The tap alone and a real request with and without its state kept: the same bytes, a
+    state for every step but the last, each step's time on both sides."""
+    args = ["--model", demo_model, "--size", "32x32x5", "--steps", "3", "--rounds", "1", "--reps", "2",
+            "--shape", "1,16,2,4,4", "--dtypes", "float32"]
+    report = _run("bench_state.py", args, tmp_path)
+    (tap,) = report["runs"]
+    assert tap["bytes"] == 16 * 2 * 4 * 4 * 4 and tap["store_ms_median"] > 0
+    st = report["steps"]
+    assert st["summary"]["bytes_equal"] and st["summary"]["states_per_run"] == 2
+    assert [(r["keep"], r["states"], len(r["step_ms"])) for r in st["runs"]] == [(False, 0, 2), (True, 2, 2)]
+    assert st["summary"]["take_ms_median"] > 0 and st["summary"]["landed_ms_median"] > 0

@@ -1,4 +1,5 @@
-"""The start-up benchmark on CPU: a serve to ready with its breakdown, a rank killed and back."""
+"""The start-up benchmark on CPU: a serve to ready with its breakdown, a rank killed and back,
+the killed request going on from its step (``--euler``)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     out = tmp_path / "startup.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "loadtest" / "bench_startup.py"), "--device", "cpu",
-         "--model", str(model), "--starts", "kill", "--size", "64x64x5", "--steps", "3", "--module",
-         "--label", "tiny",
+         "--model", str(model), "--starts", "kill", "--size", "64x64x5", "--steps", "8", "--kill-at", "30",
+         "--euler", "--module", "--label", "tiny",
          "--out", str(out)],
         capture_output=True, text=True, timeout=900,
         env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -34,7 +35,9 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert start["startup"]["from"] == "command"  # the launcher's stamps reached /readyz
     assert {"ray_start_s", "groups_s"} <= set(start["startup"]["steps"])
     assert start["command_to_ready_s"] >= start["startup"]["ready_s"]
-    assert start["killed_request"]["status"] == "completed"
+    killed = start["killed_request"]
+    assert killed["status"] == "completed" and killed["resumed_from_step"] >= 1, killed
+    assert start["kill_at_progress"] >= 30 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
     assert start["next_request"]["status"] == "completed"
     assert start["kill_to_serving_s"] > 0
     (rebuilt,) = start["rebuild"]

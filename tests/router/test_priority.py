@@ -7,7 +7,9 @@ tests/api/test_priority_http.py).
   request (pauses under way count), at most ``max_preemptions`` per request;
 - the dispatcher: the paused request is queued again with its state (not a rerun), the
   urgent one takes the rank, the paused one goes on from its step and is never lost;
-  a request with no state kept, an equal priority, or waves scheduling pause nothing.
+  a request with no state kept or an equal priority pauses nothing;
+- waves: the best priority starts first; a better one waiting pauses a whole wave, only
+  one all of whose requests can be paused, and none while a group is free.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from service.models.request import GenerationRequest
 from service.models.resume import StepState
-from service.router.priority import Running, victims
+from service.router.priority import Running, victims, wave_victims
 from service.router.tenants import Tenants
 from tests.router.test_dispatcher import make
 
@@ -54,6 +56,17 @@ def test_the_policy_pauses_the_worst_strictly_worse_once_per_waiting_request() -
     assert victims([0], tired, 0, max_preemptions=2) == ["c"]  # least paused, then latest started
     assert victims([0, 0, 0], tired, 0, max_preemptions=2) == ["c", "b"]
     assert victims([0], tired, 0, max_preemptions=1) == []
+
+
+def test_the_wave_policy_pauses_one_whole_wave_all_of_it_worse_and_preemptible() -> None:
+    a, b, c = Running("a", 5, 0, 1.0), Running("b", 3, 0, 2.0), Running("c", 7, 0, 3.0)
+    assert wave_victims([0], [[a, c], [b]], 0) == ["a", "c"]  # its best (5) is worse than 3
+    assert wave_victims([0], [[a, c], [b]], 1) == []  # a pause under way: its group frees first
+    assert wave_victims([4], [[a, c], [b]], 0) == ["a", "c"]
+    assert wave_victims([5], [[a, c], [b]], 0) == []  # a (5) is not strictly worse
+    assert wave_victims([0], [[a, None], [b]], 0) == ["b"]  # a wave with a member that cannot pause
+    assert wave_victims([0], [[Running("t", 5, 2, 1.0)]], 0) == []  # paused twice already
+    assert wave_victims([], [[a]], 0) == []
 
 
 def test_an_urgent_request_pauses_the_worse_one_on_the_only_rank_which_goes_on_later() -> None:
@@ -111,7 +124,7 @@ def test_a_request_is_paused_at_most_max_preemptions_times() -> None:
     assert sink.finished["slow"].ok and ex.on("u2") == ("g0", 0)
 
 
-def test_nothing_is_paused_without_a_state_for_an_equal_priority_or_under_waves() -> None:
+def test_nothing_is_paused_without_a_state_or_for_an_equal_priority() -> None:
     d, ex, sink, _ = make(sizes=(1,))
     submit(d, "fresh", 5)
     d.step(0)
@@ -130,14 +143,6 @@ def test_nothing_is_paused_without_a_state_for_an_equal_priority_or_under_waves(
     d2.step(0)
     d2.step(0)
     assert ex2.cancels == []
-    d3, ex3, _, _ = make(sizes=(1,), waves=True)
-    submit(d3, "a", 5)
-    d3.step(0)
-    ex3.hand_off("a", st(1))
-    submit(d3, "b", 0)
-    d3.step(0)
-    d3.step(0)
-    assert ex3.cancels == []  # a wave starts on a whole free group: one pause frees nothing
 
 
 def test_the_best_priority_goes_first_and_keys_share_within_it() -> None:
@@ -158,3 +163,79 @@ def test_the_best_priority_goes_first_and_keys_share_within_it() -> None:
         order.append(current)
     # -3 first; then priority 0, k1 and k2 in turn (k2 just ran: k1's oldest, then k2's); 5 last
     assert order == ["k2-hi", "k1-a", "k2-a", "k1-b", "k1-low"]
+
+
+def test_waves_start_the_best_priority_first_when_the_group_frees() -> None:
+    d, ex, sink, clock = make(sizes=(2,), waves=True)
+    for job in ("w1", "w2"):
+        submit(d, job, 0)
+    d.step(0)
+    assert {ex.on("w1"), ex.on("w2")} == {("g0", 0), ("g0", 1)}
+    submit(d, "low1", 5)
+    submit(d, "low2", 5)  # a full wave of priority 5 ...
+    clock.advance(1)
+    urgent = dataclasses.replace(at(0), width=64)  # ... and a lone later priority-0 one of another key
+    d.submit("urgent", urgent.compat_key(), urgent)
+    d.step(0)
+    assert ex.cancels == []  # a running wave of the same priority is not paused
+    ex.run("w1")
+    ex.run("w2")
+    d.step(0)
+    clock.advance(0.1)  # the lone one's wait for a partner (0.05)
+    d.step(0)
+    d.step(0)
+    assert [a[2] for a in ex.assigned][2:] == ["urgent"]
+    ex.run("urgent")
+    d.step(0)
+    d.step(0)
+    assert [a[2] for a in ex.assigned][3:] == ["low1", "low2"]
+
+
+def test_under_waves_a_better_request_pauses_a_whole_wave_which_goes_on_later() -> None:
+    d, ex, sink, clock = make(sizes=(2,), waves=True, job_retries=0)
+    submit(d, "w1", 5)
+    submit(d, "w2", 5)
+    d.step(0)
+    ex.hand_off("w1", st(2))
+    d.step(0)
+    urgent = dataclasses.replace(at(0), width=64)
+    d.submit("urgent", urgent.compat_key(), urgent)
+    for _ in range(3):
+        d.step(0)
+    assert ex.cancels == []  # w2 kept no state yet: the wave cannot be paused whole
+    ex.hand_off("w2", st(1))
+    for _ in range(3):
+        d.step(0)
+    assert sorted(c[2] for c in ex.cancels) == ["w1", "w2"]  # the whole wave, once
+    ex.finish("w1", cancelled=True)
+    ex.finish("w2", cancelled=True)
+    d.step(0)
+    assert sorted(j for j, _ in sink.requeued) == ["w1", "w2"]
+    clock.advance(0.1)  # the lone urgent one's wait for a partner (0.05)
+    d.step(0)
+    d.step(0)
+    assert [a[2] for a in ex.assigned][2:] == ["urgent"]
+    ex.run("urgent")
+    d.step(0)
+    d.step(0)
+    assert {a[2]: a[3].resume.step for a in ex.assigned[3:]} == {"w1": 2, "w2": 1}  # from their steps
+    ex.run("w1")
+    ex.run("w2")
+    d.step(0)
+    assert all(sink.finished[j].ok for j in ("urgent", "w1", "w2")) and list(sink.finished)[0] == "urgent"
+
+
+def test_under_waves_nothing_is_paused_while_a_group_is_free() -> None:
+    d, ex, _, clock = make(sizes=(1, 1), waves=True)
+    submit(d, "slow", 5)
+    d.step(0)
+    ex.hand_off("slow", st(1))
+    d.step(0)
+    submit(d, "urgent", 0)
+    for _ in range(3):
+        d.step(0)
+    assert ex.cancels == []  # the other group takes it (once its partial wave's wait is over)
+    clock.advance(0.1)
+    d.step(0)
+    d.step(0)
+    assert ex.on("urgent")[0] != ex.on("slow")[0]

@@ -9,13 +9,19 @@ tests/engine/test_resume_e2e.py).
 - a state is dropped when its request ends (completed, failed, cancelled while queued),
   and a STEP of a request no longer held (its group failed) keeps nothing;
 - ``preempt`` pauses a running request that has a state (a cancel to its rank), queues it
-  again uncounted, and it goes on from that state; a user's cancel wins over a pause.
+  again uncounted, and it goes on from that state; a user's cancel wins over a pause;
+- each start from a kept state counts in ``dloserve_resumes_total`` with why it stopped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+import pytest
 import torch
 
+from service.engine.metrics import metrics
 from service.models.request import GenerationRequest
 from service.models.resume import StepState
 from tests.router.test_dispatcher import make
@@ -123,3 +129,48 @@ def test_a_cancel_wins_over_a_pause_and_a_finished_request_is_not_paused() -> No
     ex.run("b")  # it ended before the pause reached its rank (decode cannot be paused)
     d.step(0)
     assert sink.finished["a"].cancelled and sink.finished["b"].ok and not sink.requeued
+
+
+class Counted:
+    """Stands in for one Ray counter: what the dispatcher counted, with its tags."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, dict[str, Any]]] = []
+
+    def inc(self, value: int = 1, tags: dict[str, Any] | None = None) -> None:
+        self.seen.append((value, dict(tags or {})))
+
+
+def test_each_start_from_a_kept_step_counts_as_a_resume_with_its_cause(monkeypatch: pytest.MonkeyPatch,
+                                                                        ) -> None:
+    resumes = Counted()
+    monkeypatch.setitem(metrics(), "resumes", resumes)
+    d, ex, sink, _ = make(sizes=(1,))
+    give(d, "a")
+    ex.hand_off("a", st(1))
+    d.step(0)
+    ex.kill("g0")  # its rank died: a rerun from step 1
+    d.step(0)
+    d.step(0)
+    d.step(0)
+    assert payload(ex, "a").resume.step == 1
+    ex.hand_off("a", st(2))
+    d.step(0)
+    assert d.preempt("a")
+    d.step(0)
+    ex.finish("a", cancelled=True)  # paused: it goes on from step 2
+    d.step(0)
+    d.step(0)
+    assert payload(ex, "a").resume.step == 2
+    ex.run("a")
+    restored = dataclasses.replace(REQ, resume=st(3))  # a restart's: its request and its saved step
+    assert d.adopt("b", REQ.compat_key(), restored)
+    give(d, "fresh")  # from step 0: no resume
+    d.step(0)
+    assert sink.started["b"]["resumed_from_step"] == 3
+    ex.run("b")
+    d.step(0)
+    d.step(0)
+    assert sink.started["fresh"]["resumed_from_step"] == 0
+    causes = [(n, tags["group"], tags["cause"]) for n, tags in resumes.seen]
+    assert causes == [(1, "g0", "rerun"), (1, "g0", "preempted"), (1, "g0", "adopted")]

@@ -6,7 +6,7 @@ import {$, setText} from "./dom.js";
 import * as extras from "./extras.js";
 
 export const FIELDS = ["prompt", "negative_prompt", "width", "height", "num_frames", "fps",
-  "num_inference_steps", "guidance_scale", "seed", "input_reference"];
+  "num_inference_steps", "guidance_scale", "seed", "priority", "input_reference"];
 // Params the server may name that belong to a group or another control.
 const PARAM_TO_ERROR = {size: "size", seconds: "num_frames", max_sequence_length: "prompt"};
 const PARAM_TO_FOCUS = {size: "width", seconds: "num_frames", max_sequence_length: "prompt"};
@@ -89,6 +89,11 @@ export async function loadLimits() {
     attrs(name, rules[name], name === "guidance_scale" ? "any" : 1);
   }
   if (rules.seed) hint("seed", `${range(rules.seed)}; empty: a random seed.`);
+  if (rules.priority) {
+    hint("priority", `${range(rules.priority)}; lower runs first and may pause a worse running job; `
+      + "empty: 0 (or your key's floor).");
+    attrs("priority", rules.priority, 1);
+  }
   // a model that takes no image states it as {"not": {}}: no value is valid
   const image = rules.input_reference;
   $("field-input_reference").hidden = !image || (image.not && Object.keys(image.not).length === 0);
@@ -155,7 +160,8 @@ export function remix(video, negativePrompt) {
   const [width, height] = String(video.size || "x").split("x");
   const values = {prompt: video.prompt, negative_prompt: video.negative_prompt ?? negativePrompt ?? "",
     width, height, num_frames: video.num_frames, fps: video.fps,
-    num_inference_steps: video.num_inference_steps, guidance_scale: video.guidance_scale, seed: video.seed};
+    num_inference_steps: video.num_inference_steps, guidance_scale: video.guidance_scale, seed: video.seed,
+    priority: video.priority};
   for (const [name, value] of Object.entries(values)) {
     $(`f-${name}`).value = value === undefined || value === null ? "" : String(value);
   }

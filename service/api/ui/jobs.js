@@ -91,6 +91,8 @@ function renderCurrent() {
     ["steps", video.num_inference_steps], ["guidance", video.guidance_scale], ["seed", video.seed],
     ["adapters", (video.loras || []).map((u) => `${u.name} × ${u.scale}`).join(", ")],
     ["cache", video.cache ? [video.cache.method, video.cache.threshold].filter((x) => x != null).join(" ") : null],
+    ["priority", video.priority], ["paused", video.preemptions ? `${video.preemptions} ×` : null],
+    ["resumed from step", video.resumed_from_step || null],
     ["model", video.model], ["created", when(video.created_at)], ["accepted to done", took],
     ["in queue", secs(assigned.queued_s)], ["on the rank", secs(assigned.latency_s)],
     ["rank", video.dp_rank], ["expires", when(video.expires_at)],
@@ -246,7 +248,8 @@ function fillItem(item, video) {
     el("span", {class: `status ${statusClass(video.status)}`}, video.status.replaceAll("_", " ")),
     el("span", {class: "title"}, video.prompt ?? ""),
     el("span", {class: "sub"}, [video.size, `${video.num_frames} frames`, `${video.num_inference_steps} steps`,
-      `seed ${video.seed}`, when(video.created_at)].filter(Boolean).join(" · ")),
+      `seed ${video.seed}`, video.priority != null ? `priority ${video.priority}` : null,
+      when(video.created_at)].filter(Boolean).join(" · ")),
   );
   const bar = item.querySelector("progress");
   bar.hidden = !UNFINISHED.has(video.status);

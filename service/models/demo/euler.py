@@ -1,0 +1,33 @@
+"""A view of a Wan pipeline folder with a flow-matching Euler scheduler, the one a rerun can go
+on from (models/resume.py): Wan2.1's published UniPC keeps model outputs between steps that
+the per-step state does not hold, so a request on it reruns from step 0. For the tests and
+the benchmarks that measure resuming on a demo (or any local) model: the other components
+are symlinks to the source folder's files, nothing is copied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DEFAULT_SHIFT = 3.0  # Wan2.1 at 480p
+
+
+def euler_view(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write ``out``: ``src``'s components linked, its scheduler replaced by
+    ``FlowMatchEulerDiscreteScheduler`` with ``src``'s flow shift (3.0 if it states none)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    src, out = Path(src).resolve(), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for part in src.iterdir():
+        if part.name not in ("scheduler", "model_index.json") and not (out / part.name).exists():
+            (out / part.name).symlink_to(part)
+    index = json.loads((src / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+    (out / "model_index.json").write_text(json.dumps(index))
+    config = src / "scheduler" / "scheduler_config.json"
+    shift = json.loads(config.read_text()).get("flow_shift") if config.exists() else None
+    FlowMatchEulerDiscreteScheduler(shift=shift or DEFAULT_SHIFT).save_config(out / "scheduler")
+    return out
