@@ -107,8 +107,8 @@ class EngineArgs:
     attention: str = flag(
         ModelConfig.attention, OFFLOAD,
         "self-attention kernel: exact (default: SDPA, cuDNN first) or an approximate one, opt-in, Wan "
-        "on Hopper GPUs only: fp8 (Q/K/P/V in e4m3; 1.15x cuDNN at 32,760 tokens, mean relative error "
-        "0.05-0.10) or int8-fp8 (Q/K int8; 1.10x, 0.04); docs/benchmarks.md", choices=ATTENTIONS)
+        "on Hopper GPUs only: fp8 (Q/K/P/V in e4m3; 1.13x cuDNN at 32,760 tokens, mean relative error "
+        "0.05-0.10) or int8-fp8 (Q/K int8; 1.09x, 0.04); docs/benchmarks.md", choices=ATTENTIONS)
     cache: str | None = flag(
         None, OFFLOAD,
         "step cache of requests that name none (generate: the request's): none (default), "

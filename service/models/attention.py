@@ -9,10 +9,11 @@ attention of one block at 32,760 tokens): cuDNN 39.4 ms, flash 61.8 ms, memory-e
 (the log, ``describe()``, and ``/readyz``'s last start).
 
 Approximate kernels are opt-in (``--attention fp8`` / ``int8-fp8``, service.models.fp8_attention):
-our own 8-bit flash-attention forward for Wan's self-attention on Hopper GPUs, 1.15x (fp8) /
-1.10x (int8-fp8) cuDNN at 32,760 tokens with a mean relative error of 0.05-0.10 / 0.04
+our own 8-bit flash-attention forward for Wan's self-attention on Hopper GPUs, 1.13x (fp8) /
+1.09x (int8-fp8) cuDNN at 32,760 tokens with a mean relative error of 0.05-0.10 / 0.04
 (docs/benchmarks.md). ``chosen`` routes Wan's self-attention to it; cross-attention (other
-lengths), masks and sequence parallelism stay exact. SageAttention 1 was slower than cuDNN.
+lengths) and masked attention stay exact; sequence parallelism refuses it (engine config).
+SageAttention 1 was slower than cuDNN.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ WHY = ("exact kernels, fastest first as measured on an H200 at 40 heads x 128 bf
 APPROXIMATE = {"fp8": False, "int8-fp8": True}  # --attention -> the kernel's qk_int8
 ERROR = {"fp8": "mean relative error 0.053 (random q, k, v) to 0.10 (sharper attention, q x 4) against "
                 "the exact fp32 output; cuDNN bf16: 0.002",
-         "int8-fp8": "mean relative error 0.039 (random q, k, v) to 0.036 (sharper attention, q x 4) "
+         "int8-fp8": "mean relative error 0.036-0.039 (random q, k, v; sharper attention, q x 2 and x 4) "
                      "against the exact fp32 output; cuDNN bf16: 0.002"}
 
 

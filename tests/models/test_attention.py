@@ -3,6 +3,8 @@ reported: what torch's own dispatcher picks for the model's heads under that ord
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
@@ -84,3 +86,18 @@ def test_the_kernels_quantization_round_trips() -> None:
         assert ((scaled - q).abs().mean() / q.abs().mean()).item() < bound
     v_back = (vt.float()[..., :300] * vs[..., None]).permute(0, 3, 1, 2)
     assert ((v_back - v).abs().mean() / v.abs().mean()).item() < 0.04
+
+
+def test_the_kernel_is_one_opaque_op_under_tracing() -> None:
+    """What torch.compile sees of the approximate path on the GPU: the quantization as plain ops
+    (for inductor to fuse) and the kernel as one custom op whose fake gives the output's shape
+    and dtype, so a compiled block traces without running Triton."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = torch.randn(2, 300, 3, 64, dtype=torch.bfloat16)
+    for int8 in (False, True):
+        graph = make_fx(partial(fp8_attention.attend, qk_int8=int8), tracing_mode="fake")(q, q, q)
+        ops = [n for n in graph.graph.nodes if n.target is torch.ops.dloserve.lowp_attention.default]
+        assert len(ops) == 1
+        out = ops[0].meta["val"]
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
