@@ -10,7 +10,8 @@ Parts (``--parts``, comma-separated):
   the block's attention alone (SDPA as torch picks it, and each exact backend forced) plus its
   GEMMs alone (bf16 and FP8), ``kernel_floor_ms``, and the ratios.
 - ``model40``: the whole 40-layer transformer resident at 832x480x81: one CFG step as two
-  batch-1 forwards and as one batch-2 forward, eager, compiled and compiled FP8.
+  batch-1 forwards and as one batch-2 forward, eager, compiled and compiled FP8; with
+  ``--attention fp8|int8-fp8`` Wan's self-attention runs our 8-bit kernel (GPU only).
 - ``dlo``: the service's own PipelineRunner on a ``wan14b-shape`` demo checkpoint (``--model``),
   DLO DP1 (AllGather) and resident: seconds per step and requests/s at 4,096 tokens
   (1024x1024, one frame: transfer-bound) and 32,760 tokens, ``--cfg-batch`` off/on,
@@ -34,6 +35,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from bench_offload import SHAPES, _machine
 from torch import nn
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
+from service.models import attention
 
 WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
@@ -213,7 +216,14 @@ def part_model40(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.devic
     """One CFG step of the whole transformer at ``args.step_tokens``: 2 x batch 1 and 1 x batch 2."""
     model = build(args.layers, cfg, dev)
     fp8 = to_fp8(model) if dev.type == "cuda" else None  # copied before any forward is patched
-    out: dict[str, Any] = {"layers": args.layers, "tokens": args.step_tokens}
+    out: dict[str, Any] = {"layers": args.layers, "tokens": args.step_tokens, "attention": args.attention}
+    routed = attention.chosen(args.attention) if args.attention != "exact" else nullcontext()
+    with routed:
+        return _model40_variants(args, cfg, dev, model, fp8, out)
+
+
+def _model40_variants(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.device, model: nn.Module,
+                      fp8: nn.Module | None, out: dict[str, Any]) -> dict[str, Any]:
     variants = [("eager", model, False), ("compiled", model, True)]
     if fp8 is not None:
         variants.append(("compiled_fp8", fp8, True))
@@ -252,7 +262,8 @@ def part_dlo(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         h, w, f = sizes[int(tokens)]
         settings = EngineConfig(offload=OffloadConfig(OffloadMode(mode), probe_shape=(h, w, f)
                                    if mode != "resident" else None), model=ModelConfig(cfg_batch=cfgb,
-                                                                                       compile=comp))
+                                                                                       compile=comp,
+                                                                                       attention=args.attention))
         t0 = time.perf_counter()
         runner = PipelineRunner.load(args.model, dev, config=settings)
         load_s = time.perf_counter() - t0
@@ -325,6 +336,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--attention", default="exact", help="model40 and dlo: exact, fp8 or int8-fp8")
     p.add_argument("--step-tokens", type=int, default=32760)
     p.add_argument("--step-reps", type=int, default=2)
     p.add_argument("--model", default="/tmp/wan12")

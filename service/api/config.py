@@ -38,7 +38,8 @@ class ServiceConfig(BaseModel):
                                     description="where the weights live, one flat mapping: mode (resident, "
                                                 "allgather, rank-local, auto: the default), resident_layers, "
                                                 "device_memory_gb, components, probe_shape, dtype, "
-                                                "quantization, cfg_batch, compile, lora_cache_gb, cache "
+                                                "quantization, cfg_batch, compile, attention, lora_cache_gb, "
+                                                "cache "
                                                 "(service.config.engine.OFFLOAD_KEYS)")
     cpus_per_rank: float = P.cpus_per_rank
     cpus_per_rank_why: str = Field("set", description="where cpus_per_rank came from (/readyz)")

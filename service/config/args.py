@@ -17,7 +17,7 @@ from service.offload.mode import OffloadMode
 from .engine import EngineConfig, step_cache
 from .errors import FlagError
 from .lora import LoraConfig
-from .model import DTYPES, QUANTIZATIONS, SWITCHES, ModelConfig
+from .model import ATTENTIONS, DTYPES, QUANTIZATIONS, SWITCHES, ModelConfig
 from .offload import (
     COMPONENTS,
     NEEDS_OFFLOAD,
@@ -104,6 +104,11 @@ class EngineArgs:
         ModelConfig.compile, OFFLOAD,
         "torch.compile the repeated transformer block (regional; the offload's weight swaps do not "
         "recompile): auto: on CUDA, off on CPU; warm-up is a start-up stage", choices=SWITCHES)
+    attention: str = flag(
+        ModelConfig.attention, OFFLOAD,
+        "self-attention kernel: exact (default: SDPA, cuDNN first) or an approximate one, opt-in, Wan "
+        "on Hopper GPUs only: fp8 (Q/K/P/V in e4m3; 1.13x cuDNN at 32,760 tokens, mean relative error "
+        "0.05-0.10) or int8-fp8 (Q/K int8; 1.09x, 0.04); docs/benchmarks.md", choices=ATTENTIONS)
     cache: str | None = flag(
         None, OFFLOAD,
         "step cache of requests that name none (generate: the request's): none (default), "
@@ -229,7 +234,8 @@ class EngineArgs:
         )
         model = ModelConfig(dtype=None if self.dtype == "auto" else self.dtype,
                             quantization=None if self.quantization in (None, "auto") else self.quantization,
-                            cfg_batch=self.cfg_batch, compile=self.compile)
+                            cfg_batch=self.cfg_batch, compile=self.compile,
+                            attention=self.attention)
         scheduler = SchedulerConfig(scheduler=self.scheduler,  # type: ignore[arg-type]
                                     queue_size=self.queue_size, starve_s=self.starve_s,
                                     max_wait_ms=self.max_wait_ms,

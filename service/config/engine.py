@@ -60,6 +60,8 @@ class EngineConfig:
             refused.append("--quantization")
         if self.step_cache is not None:
             refused.append("--cache")
+        if model.attention != "exact":
+            refused.append(f"--attention {model.attention}")
         refused += [f"--{k.replace('_', '-')} on" for k in ("cfg_batch", "compile")
                     if getattr(model, k) == "on"]
         if refused:
@@ -178,5 +180,5 @@ def offload_mapping(config: EngineConfig) -> dict[str, Any]:
             "device_memory_gb": off.device_memory_gb, "components": list(off.components),
             "probe_shape": list(off.probe_shape) if off.probe_shape else None,
             "dtype": model.dtype, "quantization": model.quantization, "cfg_batch": model.cfg_batch,
-            "compile": model.compile, "lora_cache_gb": config.lora.cache_gb,
+            "compile": model.compile, "attention": model.attention, "lora_cache_gb": config.lora.cache_gb,
             "cache": config.step_cache.as_dict() if config.step_cache else None}

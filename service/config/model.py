@@ -1,5 +1,5 @@
 """How the model's weights are read and its forward runs: ``--dtype``, ``--quantization``,
-``--cfg-batch``, ``--compile``."""
+``--cfg-batch``, ``--compile``, ``--attention``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from .errors import FlagError
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8", "none")  # None: the checkpoint's own (a `dloserve quantize` folder: fp8)
 SWITCHES = ("auto", "on", "off")  # --cfg-batch, --compile
+ATTENTIONS = ("exact", "fp8", "int8-fp8")  # --attention: exact SDPA, or an approximate kernel (opt-in)
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,17 @@ class ModelConfig:
     folder); "none" refuses an fp8 folder. ``cfg_batch``: a CFG request's conditional and
     unconditional rows in one transformer forward of batch 2 (auto: on CUDA devices, off on CPU,
     where frames stay bitwise diffusers'). ``compile``: torch.compile of the repeated block
-    class (auto: on CUDA, off on CPU).
+    class (auto: on CUDA, off on CPU). ``attention``: "exact" (SDPA, the default) or an
+    approximate self-attention kernel of our own for Wan on Hopper GPUs (service.models.fp8_attention):
+    "fp8" (Q, K, P, V in e4m3) or "int8-fp8" (Q, K in int8, P, V in e4m3); refused at load where
+    it cannot run (CPU, no Triton, not sm90).
     """
 
     dtype: str | None = None
     quantization: str | None = None
     cfg_batch: str = "auto"
     compile: str = "auto"
+    attention: str = "exact"
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES[1:]:
@@ -39,6 +44,8 @@ class ModelConfig:
             if getattr(self, key) not in SWITCHES:
                 raise FlagError(f"--{key.replace('_', '-')} must be one of {list(SWITCHES)}, "
                                 f"got {getattr(self, key)!r}")
+        if self.attention not in ATTENTIONS:
+            raise FlagError(f"--attention must be one of {list(ATTENTIONS)}, got {self.attention!r}")
 
     def cfg_batching(self, device_type: str) -> bool:
         """Whether CFG requests run both rows in one forward on this server (a setting of the

@@ -127,6 +127,7 @@ class PipelineRunner:
         dtype = dtype_of(config)
         adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
+        attention.check(config.model.attention, expert_of(module)[0], dev)  # before any weights move
         ckpt = adapter.transformer_checkpoint()
         config = with_checkpoint_quantization(config, ckpt)
         marks["build"] = time.perf_counter()
@@ -186,9 +187,13 @@ class PipelineRunner:
                     handle.close()
                 raise
         marks["transformer"] = time.perf_counter()
-        attn = attention.report(expert_of(module)[0], dev, dtype)
-        log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
-                 attn["why"])
+        attn = attention.report(expert_of(module)[0], dev, dtype, config.model.attention)
+        if attn.get("approximate"):
+            log.warning("attention: self-attention runs %s, approximate (%s); the rest SDPA %s",
+                        attn["backend"], attn["error"], attn["cross_attention"])
+        else:
+            log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
+                     attn["why"])
         compiled = None
         if compile_on(config.model, dev, adapter):
             compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
@@ -197,7 +202,7 @@ class PipelineRunner:
                 first = expert_of(module)[0]
                 batch = 2 if cfg_batch_on(config, dev, adapter) else 1
                 inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
-                with attention.chosen():  # the kernels the requests' forwards will trace
+                with attention.chosen(config.model.attention):  # the kernels the forwards will trace
                     compiled.warm_up(lambda: first(**inputs))
             marks["compile"] = time.perf_counter()
         adapter.load_components(dev, off.components)
@@ -239,7 +244,7 @@ class PipelineRunner:
             self._plan = list(self.adapter.expert_plan(req))
         cache = self.caches.resolve(req.cache)
         eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
-        with eager, attention.chosen(), self.loras.applied(req.loras), \
+        with eager, attention.chosen(self.config.model.attention), self.loras.applied(req.loras), \
                 self.caches.applied(cache, req.num_inference_steps):
             return self.adapter.run(self.transformer, req, on_step,
                                     on_latents if self.resumable(req) else None)

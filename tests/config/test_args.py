@@ -83,6 +83,7 @@ def test_auto_resolves_once_and_is_not_usable_before() -> None:
     (["--sequence-parallel-size", "2", "--dlo-mode", "auto"], "--dlo-mode auto: not yet with"),
     (["--sequence-parallel-size", "2", "--dlo-resident-layers", "2"], "--dlo-resident-layers: not yet with"),
     (["--sequence-parallel-size", "2", "--cfg-batch", "on"], "--cfg-batch on: not yet with"),
+    (["--sequence-parallel-size", "2", "--attention", "fp8"], "--attention fp8: not yet with"),
     (["--sequence-parallel-size", "2", "--compile", "on"], "--compile on: not yet with"),
 ])
 @pytest.mark.filterwarnings("ignore:--dlo-no-use-allgather is deprecated")
@@ -136,3 +137,17 @@ def test_cfg_batch_and_compile_switches() -> None:
         ModelConfig(compile=True)  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         parse("--cfg-batch", "sometimes")
+
+
+def test_attention_flag() -> None:
+    """exact by default; the approximate kernels are opt-in, from the CLI and a config mapping
+    alike; a bad value names the flag."""
+    assert config().model.attention == "exact"
+    fp8 = config("--attention", "fp8")
+    assert fp8.model.attention == "fp8"
+    assert mapped(offload_mapping(fp8)) == fp8
+    assert mapped({"attention": "int8-fp8"}).model.attention == "int8-fp8"
+    with pytest.raises(FlagError, match=r"--attention must be one of \['exact', 'fp8', 'int8-fp8'\], got 's"):
+        mapped({"attention": "sage"})
+    with pytest.raises(SystemExit):
+        parse("--attention", "fp4")
