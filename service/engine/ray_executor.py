@@ -98,6 +98,20 @@ class RayExecutor(GroupExecutor):
                                 scheduling_strategy=strategy).remote(self.config)
         return ray.get(ref, timeout=self.config.parallel.setup_timeout_s)
 
+    def _probe_host(self) -> tuple[str, float] | None:
+        """Bundle 0's node: its GPU model (Ray's ``accelerator_type:`` resource; "cpu" on a
+        node without GPUs) and its GPU count."""
+        assert self.placement is not None
+        node = ray.util.placement_group_table(self.placement).get("bundles_to_node_id", {}).get(0)
+        res = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node), None)
+        if res is None:
+            return None
+        gpus = res.get("GPU", 0.0)
+        kinds = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+        if gpus and not kinds:
+            return None  # a GPU Ray could not name: nothing to key the timings by
+        return (kinds[0] if gpus else "cpu", gpus)
+
     # -- the transport ----------------------------------------------------------------
     def _open(self, g: Group) -> None:
         assert self.placement is not None, "start() places the groups first"

@@ -28,27 +28,28 @@ class NoTransport(GroupExecutor):
         return []
 
 
-def auto(dp: int = 2) -> EngineConfig:
-    return EngineConfig("unused", parallel=ParallelConfig(dp_size=dp),
+def auto(model: str, dp: int = 2, gpus: float = 1.0) -> EngineConfig:
+    return EngineConfig(model, parallel=ParallelConfig(dp_size=dp, gpus_per_rank=gpus),
                         offload=OffloadConfig(OffloadMode.AUTO))
 
 
-def test_auto_is_probed_once_and_the_config_carries_the_typed_choice() -> None:
+def test_auto_is_probed_once_and_the_config_carries_the_typed_choice(demo_model: str) -> None:
     calls: list[int] = []
 
     def probe() -> ModeChoice:
         calls.append(1)
         return ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill")
 
-    ex = NoTransport(auto())
+    ex = NoTransport(auto(demo_model))
     ex._resolve_auto(probe)
     ex._resolve_auto(probe)  # resolved: no second probe
-    assert calls == [1]
+    assert calls == [1] and ex.probes == 1
     assert ex.config.offload.mode is OffloadMode.RANK_LOCAL
-    assert ex.config.choice == ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill")
+    assert ex.config.choice == ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill", source="probe")
     ex._lay_out()
     assert [(g.size, g.collective) for g in ex.groups()] == [(1, False), (1, False)]  # rank-local: two groups
-    assert ex.status()["offload_mode"] == {"mode": "rank-local", "reason": "compute covers the fill"}
+    assert ex.status()["offload_mode"] == {"mode": "rank-local", "reason": "compute covers the fill",
+                                           "source": "probe"}
     d = build_dispatcher(ex.config, RecordingSink(), executor=ex)
     assert d.choice is ex.config.choice  # what generate and the batch job print
 
@@ -60,12 +61,27 @@ def test_a_mode_set_by_flags_is_not_probed_and_says_so() -> None:
     assert ex.status()["offload_mode"] == {"mode": "allgather", "reason": "set by flags"}
 
 
-def test_a_failed_probe_names_the_flag() -> None:
+def test_a_failed_probe_names_the_flag(demo_model: str) -> None:
     def probe() -> ModeChoice:
         raise OSError("no device")
 
     with pytest.raises(RuntimeError, match="--dlo-mode auto probe failed: .*no device"):
-        NoTransport(auto())._resolve_auto(probe)
+        NoTransport(auto(demo_model))._resolve_auto(probe)
+
+
+def test_one_gpu_rank_is_decided_without_a_probe_and_says_why(demo_model: str) -> None:
+    """World 1 on CUDA: AllGather gathers nothing, its pinned fill is the fastest there is;
+    no probe process (the run_probe callable is never called) and /readyz says so."""
+    ex = NoTransport(auto(demo_model, dp=1))
+    ex._resolve_auto(lambda: pytest.fail("no probe for one rank"))
+    assert ex.probes == 0
+    choice = ex.status()["offload_mode"]
+    assert choice["mode"] == "allgather" and choice["source"] == "rule", choice
+    assert "one rank" in choice["reason"] and "no probe" in choice["reason"]
+    # two ranks are measured: the rule does not reach them
+    two = NoTransport(auto(demo_model, dp=2))
+    two._resolve_auto(lambda: ModeChoice(OffloadMode.ALLGATHER, "measured"))
+    assert two.probes == 1
 
 
 def test_the_choice_is_allgather_or_rank_local_only() -> None:
