@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -19,34 +19,8 @@ from service.models.pipeline import PipelineRunner
 from service.offload.mode import ProbeTimings
 
 from .encoder import Encoder
+from .place import RankPlace, rank_encoder
 from .rank import RankWorker
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """Where one rank process sits: process ``rank`` of the ``world`` processes of group
-    ``group_id``, whose first process is ``first`` among the engine's (for metrics and logs)."""
-
-    group_id: str
-    rank: int
-    world: int
-    first: int = 0
-
-    @property
-    def lead(self) -> bool:
-        """Reports its request's MP4: every rank of a DP group (each runs its own request);
-        in an SP group (one request on S processes) only process 0."""
-        return self.rank == 0
-
-    @property
-    def label(self) -> str:
-        return str(self.first + self.rank)
-
-
-def rank_encoder(config: EngineConfig, place: RankPlace) -> Encoder:
-    """The rank's MP4 encoder pool (its processes start now): only the lead of an SP group
-    encodes."""
-    return Encoder(config.parallel.encoders_per_rank if config.parallel.sp_size == 1 or place.lead else 0)
 
 
 def start_rank(config: EngineConfig, place: RankPlace, init_method: str | None, device: torch.device,

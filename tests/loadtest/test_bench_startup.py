@@ -34,6 +34,13 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert start["startup"]["from"] == "command"  # the launcher's stamps reached /readyz
     assert {"ray_start_s", "groups_s"} <= set(start["startup"]["steps"])
     assert start["command_to_ready_s"] >= start["startup"]["ready_s"]
+    # the rank process started right after Ray, imported beside Serve's start, and was adopted
+    (first,) = start["last_start"]
+    assert first["prestarted"] is True and "prestart.import_s" in first["stages"], first
+    span = start["startup"]["parallel"]["rank_processes_s"]
+    assert span["s"] > 0 and span["began_s"] == pytest.approx(
+        sum(start["startup"]["steps"][k] for k in ("launcher_checks_s", "ray_start_s")), abs=0.01)
+    assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
     assert start["killed_request"]["status"] == "completed"
     assert start["next_request"]["status"] == "completed"
     assert start["kill_to_serving_s"] > 0
