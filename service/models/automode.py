@@ -6,12 +6,17 @@ Where no probe is needed (``rule_choice``):
 - a family with no probe inputs: AllGather, the default;
 - CPU ranks without ``--dlo-probe-size``: rank-local (no PCIe link to share: a rank-local fill
   is a read of the page cache, and compute on the CPU covers it);
-- one rank on CUDA: AllGather. With N=1 it gathers nothing: its fill is the whole block from
-  a pinned host copy over the rank's own link, the fastest source there is; rank-local can at
-  best match it (page-cache DMA: 13.3 vs 12.9 ms per 703 MB block on an H200) and its pack
-  thread is slower (487 vs 6.4 ms per 352 MB FP8 block, loadtest/results/
-  h200-startup-2026-12-02-again.json). The cost is host memory: the pinned copy
-  (``--dlo-mode rank-local`` streams from the page cache without one, where it can).
+- one rank on CUDA: with N=1 AllGather gathers nothing: its fill is the whole block from a
+  pinned host copy over the rank's own link, the fastest source there is. Rank-local matches
+  it where the copy engine can read the checkpoint's page cache as stored (13.3 vs 12.9 ms per
+  703 MB block, 152.1 vs 153.6 ms per forward on an H200) and then copies and pins nothing at
+  load (0.4-1.0 s for 12-40 layers, against a pinned copy of the whole transformer): so
+  rank-local where the blocks can be DMA'd from the files (``pagecache_problem``, checked on
+  the host, no device), else AllGather (rank-local's pack thread: 487 vs 6.4 ms per 352 MB FP8
+  block, loadtest/results/h200-startup-2026-12-02-again.json). It is ``choose_mode``'s rule
+  at N=1 with the source known before anything is measured; the probe chose the same in
+  both of those H200 starts. Should the registration itself fail at load, rank-local falls
+  back to its pack thread and says so (``offload.rank_local_source``).
 
 Every choice says where it came from (``source``: ``rule``, ``probe`` or ``cached``, the
 executor's probe cache: service.engine.probe_cache).
@@ -60,12 +65,35 @@ def rule_choice(adapter: ModelAdapter, device_type: str, config: EngineConfig,
                           "CPU ranks: a rank-local fill reads the shared page cache and compute covers it "
                           "(no probe; give --dlo-probe-size to measure)", source="rule")
     if device_type == "cuda" and world == 1:
+        one = "one rank, no probe: AllGather gathers nothing, it fills each block from a pinned host copy"
+        problem = pagecache_problem(adapter, config)
+        if problem is None:
+            return ModeChoice(OffloadMode.RANK_LOCAL,
+                              f"{one}; rank-local's copy engine reads the checkpoint's page cache as fast "
+                              "and copies and pins nothing at load", source="rule")
         return ModeChoice(OffloadMode.ALLGATHER,
-                          "one rank: AllGather gathers nothing and fills each block from its pinned host "
-                          "copy over the rank's own link, which rank-local can at best match (page-cache "
-                          "DMA) and its pack thread cannot; no probe (--dlo-mode rank-local streams from "
-                          "the page cache without the pinned copy)", source="rule")
+                          f"{one}; rank-local could not DMA the page cache ({problem}): its pack thread "
+                          "is slower", source="rule")
     return None
+
+
+def pagecache_problem(adapter: ModelAdapter, config: EngineConfig) -> str | None:
+    """Why a rank-local fill could not DMA the blocks from the checkpoint's files as stored
+    (a cast, FP8 quantized at load, an odd offset), or None: the blocks of a throw-away
+    rank-local handle on the host (mmap only: nothing is copied, no device)."""
+    only = adapter.experts[0]  # experts have one block layout
+    module = adapter.build_transformer(only)
+    try:
+        h = enable_layerwise_offload(module, adapter.transformer_checkpoint(only), device=torch.device("cpu"),
+                                     mode=OffloadMode.RANK_LOCAL, block_attrs=list(adapter.block_attrs),
+                                     dtype=dtype_of(config), keep_fp32=adapter.keep_fp32,
+                                     quantization=config.model.quantization or adapter.stored_quantization())
+    except Exception as e:  # noqa: BLE001 - the load says it properly; here: not DMA-able
+        return f"not checked: {e}"
+    try:
+        return h.host.dma_problem()
+    finally:
+        h.close()
 
 
 def choice_from(adapter: ModelAdapter, config: EngineConfig, timings: ProbeTimings,

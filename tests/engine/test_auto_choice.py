@@ -4,6 +4,7 @@ the probe runs once, the config carries the typed choice, the groups are laid ou
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -70,14 +71,25 @@ def test_a_failed_probe_names_the_flag(demo_model: str) -> None:
 
 
 def test_one_gpu_rank_is_decided_without_a_probe_and_says_why(demo_model: str) -> None:
-    """World 1 on CUDA: AllGather gathers nothing, its pinned fill is the fastest there is;
-    no probe process (the run_probe callable is never called) and /readyz says so."""
-    ex = NoTransport(auto(demo_model, dp=1))
-    ex._resolve_auto(lambda: pytest.fail("no probe for one rank"))
-    assert ex.probes == 0
-    choice = ex.status()["offload_mode"]
-    assert choice["mode"] == "allgather" and choice["source"] == "rule", choice
-    assert "one rank" in choice["reason"] and "no probe" in choice["reason"]
+    """World 1 on CUDA: AllGather gathers nothing, so the choice is rank-local where its copy
+    engine reads the page cache as fast (the files as served), else AllGather (a cast or FP8
+    quantized at load need the slower pack thread). No probe process (run_probe is never
+    called) and /readyz says why; checked on the host, without a device."""
+    def one(**model: str) -> dict:
+        config = auto(demo_model, dp=1)
+        config = replace(config, model=replace(config.model, **model))
+        ex = NoTransport(config)
+        ex._resolve_auto(lambda: pytest.fail("no probe for one rank"))
+        assert ex.probes == 0
+        return ex.status()["offload_mode"]
+
+    stored = one()
+    assert stored["mode"] == "rank-local" and stored["source"] == "rule", stored
+    assert "one rank, no probe" in stored["reason"] and "page cache as fast" in stored["reason"]
+    cast = one(dtype="bfloat16")  # the demo's blocks are stored in float32
+    assert cast["mode"] == "allgather" and "a cast needs the pack" in cast["reason"], cast
+    fp8 = one(quantization="fp8")
+    assert fp8["mode"] == "allgather" and "computed at load" in fp8["reason"], fp8
     # two ranks are measured: the rule does not reach them
     two = NoTransport(auto(demo_model, dp=2))
     two._resolve_auto(lambda: ModeChoice(OffloadMode.ALLGATHER, "measured"))
