@@ -232,13 +232,18 @@ def _prestart(cfg: ServiceConfig, args: argparse.Namespace) -> list[str]:
     its proxy and the ingress replica start; the replica's executor adopts them. Only on a
     cluster of our own with one replica (its one node runs every rank); ``--no-rank-prestart``
     leaves them to the executor."""
-    if not (_own_cluster["started"] and args.rank_prestart and cfg.num_replicas == 1):
+    if not prestarts(cfg, args, _own_cluster["started"]):
         return []
     from service.engine.place import NAMESPACE
     from service.engine.standby import prestart
 
     _prestarted.update(prestart(cfg.engine_config(cfg.model), cfg.instance or "x", NAMESPACE))
     return list(_prestarted)
+
+
+def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -> bool:
+    """Whether the launcher starts the rank processes: where it knows the one node they run on."""
+    return own_cluster and args.rank_prestart and cfg.num_replicas == 1
 
 
 _prestarted: dict[str, object] = {}  # their handles, held for the service's life (Ray ends unheld actors)

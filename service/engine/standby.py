@@ -77,6 +77,7 @@ class WarmRankActor(RankActor):
             self._stop.set()
             self._gauge_thread.join(timeout=5)
         self.created = time.time()
+        self.adopted = False
         self.import_s = warm_imports(config)
         # A standby's encoder processes start now too (a new rank's start while it loads).
         self._encoder = rank_encoder(config, place) if standby else None
@@ -91,7 +92,13 @@ class WarmRankActor(RankActor):
     def adopt(self, config: EngineConfig, place: RankPlace, visible_devices: str | None) -> dict[str, Any]:
         """A pre-started process becomes process ``place`` of a group: the executor's config
         (auto resolved), and the GPUs of the bundle it stands in (set before anything
-        initialises CUDA here: nothing has). Its encoder pool is resized if the place's differs."""
+        initialises CUDA here: nothing has). Its encoder pool is resized if the place's differs.
+        Once only: the launcher owns these processes, so one outlives a replica that crashed
+        after adopting it; the next replica's executor is refused here and stops it (its GPU
+        memory with it) instead of loading a second pipeline into it."""
+        if self.adopted:
+            raise RuntimeError(f"already adopted as rank {self.place.label} of group {self.place.group_id}")
+        self.adopted = True
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         self.config, self.place = config, place

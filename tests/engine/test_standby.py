@@ -108,7 +108,7 @@ def test_the_first_groups_adopt_the_pre_started_ranks(ray_cluster: dict, demo_mo
     import time reported apart. One that died before adoption is replaced by a new process."""
     import uuid
 
-    from service.engine.place import NAMESPACE
+    from service.engine.place import NAMESPACE, RankPlace
     from service.engine.standby import prestart
 
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL),
@@ -132,6 +132,9 @@ def test_the_first_groups_adopt_the_pre_started_ranks(ray_cluster: dict, demo_mo
         assert "actors.import_s" in second.started["stages"]  # a new process: its imports were this start's
         assert d.executor.startup["prestart_imported_at"] > 0
         assert d.executor._prestarted == {}  # each name used once
+        # a process outliving a replica that crashed is refused by the next one (which stops it)
+        with pytest.raises(ray.exceptions.RayTaskError, match="already adopted as rank 0"):
+            ray.get(actors[0].adopt.remote(spec, RankPlace("again", 0, 1), None), timeout=60)
         req = GenerationRequest(prompt="on an adopted rank", seed=5)
         for i in range(2):
             submit(d, f"r{i}", req)

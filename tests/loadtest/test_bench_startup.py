@@ -41,6 +41,7 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert span["s"] > 0 and span["began_s"] == pytest.approx(
         sum(start["startup"]["steps"][k] for k in ("launcher_checks_s", "ray_start_s")), abs=0.01)
     assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
+    assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["killed_request"]["status"] == "completed"
     assert start["next_request"]["status"] == "completed"
     assert start["kill_to_serving_s"] > 0
