@@ -205,7 +205,8 @@ def stop(proc: subprocess.Popen) -> None:
 def summary(s: dict[str, Any]) -> dict[str, Any]:
     st = s.get("startup") or {}
     out = {k: s.get(k) for k in ("kind", "command_to_ready_s", "kill_to_serving_s", "error") if s.get(k)}
-    out.update(steps=st.get("steps"), unaccounted_s=st.get("unaccounted_s"))
+    out.update(steps=st.get("steps"), unaccounted_s=st.get("unaccounted_s"), parallel=st.get("parallel"))
+    out["offload_mode"] = {k: (s.get("offload_mode") or {}).get(k) for k in ("mode", "source")}
     if "killed_request" in s:
         out["killed"] = {k: s["killed_request"][k] for k in ("status", "resumed_from_step", "kill_to_final_s",
                                                               "sent_to_final_s", "over_own_s")}

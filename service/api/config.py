@@ -71,6 +71,8 @@ class ServiceConfig(BaseModel):
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
     launch_marks: dict[str, float] = Field(default_factory=dict, description="set by the launcher: "
                                            "when its start-up steps ended, wall-clock (/readyz startup)")
+    prestarted: list[str] = Field(default_factory=list, description="set by the launcher: the rank "
+                                  "processes it started before Serve, by bundle; the first groups adopt them")
     api_key_hashes: list[str] = Field(default_factory=list,
                                       description="SHA-256 (hex) of the accepted API keys; empty = open")
     admin_key_hashes: list[str] = Field(default_factory=list,

@@ -16,8 +16,10 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -29,6 +31,9 @@ from service.api.serve_flags import (
     results_url,
     webhook_settings,
 )
+
+if TYPE_CHECKING:
+    from service.api.config import ServiceConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         _signals["count"] = 0
         _own_cluster["started"] = _own_cluster["ray"] = False
+        _prestarted.clear()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -165,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
               f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
         return 2
     marks["checked"] = time.time()
+    app_import = _import_app()  # its seconds overlap Ray's start
     if args.address:
         err = _join(args.address, args.join_timeout_s)
         if err:
@@ -175,15 +182,17 @@ def _run(args: argparse.Namespace) -> int:
 
     import ray
 
-    from service.api.app import deploy
-
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     _size_ranks(args)
     cfg = config_from_args(args, gpus, args.engine_config)
     marks["ray_up"] = time.time()
-    cfg = cfg.model_copy(update={"launch_marks": marks})
+    prestarted = _prestart(cfg, args)  # they start and import while Serve starts
+    cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted})
+    app_import.join()
+    from service.api.app import deploy
+
     _store_url["url"] = cfg.results_url
     mode = cfg.offload["mode"]
     print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "
@@ -201,6 +210,43 @@ def _run(args: argparse.Namespace) -> int:
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
+
+
+def _import_app() -> threading.Thread:
+    """Import the Serve app's module (FastAPI, Serve, the service) on a thread while Ray
+    starts: ``ray.init`` mostly waits for its daemons. A failed import is raised again by
+    the ``import`` after ``join``."""
+    def load() -> None:
+        try:
+            import service.api.app  # noqa: F401
+        except BaseException:  # noqa: BLE001 - the main thread's import reports it
+            pass
+
+    t = threading.Thread(target=load, name="import-app", daemon=True)
+    t.start()
+    return t
+
+
+def _prestart(cfg: ServiceConfig, args: argparse.Namespace) -> list[str]:
+    """The rank processes, started now (engine.standby.prestart) so they import while Serve,
+    its proxy and the ingress replica start; the replica's executor adopts them. Only on a
+    cluster of our own with one replica (its one node runs every rank); ``--no-rank-prestart``
+    leaves them to the executor."""
+    if not prestarts(cfg, args, _own_cluster["started"]):
+        return []
+    from service.engine.place import NAMESPACE
+    from service.engine.standby import prestart
+
+    _prestarted.update(prestart(cfg.engine_config(cfg.model), cfg.instance or "x", NAMESPACE))
+    return list(_prestarted)
+
+
+def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -> bool:
+    """Whether the launcher starts the rank processes: where it knows the one node they run on."""
+    return own_cluster and args.rank_prestart and cfg.num_replicas == 1
+
+
+_prestarted: dict[str, object] = {}  # their handles, held for the service's life (Ray ends unheld actors)
 
 
 def _size_ranks(args: argparse.Namespace) -> None:
@@ -285,7 +331,6 @@ def _report_listeners(host: str) -> None:
 
 def _join(address: str, timeout_s: float) -> str | None:
     """Join ``address`` within ``timeout_s``; an error naming it if that cannot be done."""
-    import threading
 
     import ray
 
@@ -321,8 +366,6 @@ def _join(address: str, timeout_s: float) -> str | None:
 def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> None:
     """Drain, then stop what we started, within ``drain_s + timeout_s`` whatever hangs; a
     second signal forces it at once."""
-    import threading
-
     from service.api.hostproc import descendants, kill_tree
 
     watchdog = threading.Timer(drain_s + timeout_s, _force_exit, args=(1,))

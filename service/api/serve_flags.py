@@ -79,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
                    help="on SIGTERM: how long running jobs may take to finish")
     p.add_argument("--ready-timeout-s", type=float, default=1800.0)
+    p.add_argument("--rank-prestart", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a cluster of its own with one replica: start the rank processes right after "
+                        "Ray, so they import while Serve and the ingress start (default on)")
     p.add_argument("--join-timeout-s", type=float, default=60.0,
                    help="with --address: give up joining the cluster after this long")
 

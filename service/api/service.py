@@ -91,7 +91,7 @@ class VideoService:
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             self.engine, self, placement=placement_group, executor=executor,
-            deadlines=DeadlinePolicy(**cfg.deadline), tenants=cfg.tenants(),
+            deadlines=DeadlinePolicy(**cfg.deadline), tenants=cfg.tenants(), prestarted=cfg.prestarted,
         )
         self.started_at = time.time()
         self._draining: str | None = None

@@ -7,6 +7,12 @@ stamps when it began; the executor when it began, its placement and auto probe, 
 each group was first ready (each group's own breakdown is ``groups[].last_start``: actor
 start and imports, rendezvous, load). A replica that Serve started from a config file has
 no launcher marks: its breakdown starts at the replica.
+
+``parallel``: what ran beside the steps, not in their sum: ``rank_processes_s``, the rank
+processes the launcher started right after Ray (``--rank-prestart``), from then until the
+last of them had imported, and when that began (``began_s``, from the command); the steps
+it overlaps are named. If they were still importing when the executor adopted them, that
+wait is the groups' ``actors_s``.
 """
 
 from __future__ import annotations
@@ -37,8 +43,14 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
     start = marks.get("command", replica_at) if marks else replica_at
     total = _between(start, t_ready)
     known = [v for v in steps.values() if v is not None]
+    parallel: dict[str, Any] = {}
+    imported = engine.get("prestart_imported_at")
+    if marks.get("ray_up") and imported:
+        parallel["rank_processes_s"] = {"began_s": _between(start, marks["ray_up"]),
+                                        "s": _between(marks["ray_up"], imported),
+                                        "beside": ["serve_and_replica_start_s", "replica_init_s", "groups_s"]}
     return {"from": "command" if marks else "replica", "ready_s": total, "steps": steps,
-            "unaccounted_s": None if total is None else round(total - sum(known), 3)}
+            "unaccounted_s": None if total is None else round(total - sum(known), 3), "parallel": parallel}
 
 
 def _between(a: float | None, b: float | None) -> float | None:

@@ -24,7 +24,7 @@ class OffloadConfig:
     """Where the weights live, checked when made (FlagError names the flag).
 
     ``mode``: RESIDENT (nothing streams, the default), ALLGATHER, RANK_LOCAL or AUTO (resolved
-    once at load by the probe: ``service.models.pipeline.decide_auto``).
+    once at load by the probe: ``service.models.automode.decide_auto``).
     ``resident_layers`` / ``device_memory_gb``: transformer blocks kept on the device.
     ``components``: what offload covers besides the transformer (text encoder, VAE).
     ``probe_shape``: (height, width, frames) of the load-time probe forward (auto mode and

@@ -157,6 +157,7 @@ class GroupExecutor(Executor):
         # Before the groups start (the transport's: when, placement, auto's probe) and when
         # each group was first ready: /readyz's ``startup`` (service.api.startup).
         self.startup: dict[str, float] = {}
+        self.probes = 0  # auto probes this executor ran (a rule or the probe cache runs none)
         self._first_ready: dict[str, float] = {}
 
     # -- the transport's part ---------------------------------------------------------
@@ -182,17 +183,38 @@ class GroupExecutor(Executor):
 
     # -- auto -------------------------------------------------------------------------
     def _resolve_auto(self, run_probe: Callable[[], ModeChoice]) -> None:
-        """``--dlo-mode auto``, once for the engine, before the groups are laid out: the
-        transport runs ``start.probe_mode`` where a rank would (``run_probe``); the config
-        carries the choice from then on (one AllGather group of N, or N rank-local ranks)."""
+        """``--dlo-mode auto``, once for the engine, before the groups are laid out: a rule
+        where no probe can change the answer (``start.rule_mode``: one rank on CUDA, here, no
+        process), else an earlier start's timings for the same facts (``probe_cache``), else
+        the transport runs ``start.probe_mode`` where a rank would (``run_probe``) and its
+        timings are kept. The config carries the choice from then on (one AllGather group of
+        N, or N rank-local ranks)."""
         if self.config.offload.mode is not OffloadMode.AUTO:
             return
+        from . import probe_cache
+        from .start import cached_mode, rule_mode
+
         try:
-            choice = run_probe()
+            choice = rule_mode(self.config)
+            host = self._probe_host() if choice is None else None
+            facts = probe_cache.probe_facts(self.config, *host) if host else None
+            hit = probe_cache.lookup(facts) if facts else None
+            if hit is not None:
+                choice = cached_mode(self.config, *hit)
+            if choice is None:
+                choice = replace(run_probe(), source="probe")
+                self.probes += 1
+                if facts and choice.timings is not None:
+                    probe_cache.store(facts, choice.timings)
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
-        log.info("--dlo-mode auto chose %s: %s", choice.mode.value, choice.reason)
+        log.info("--dlo-mode auto chose %s (%s): %s", choice.mode.value, choice.source, choice.reason)
         self.config = self.config.resolved(choice)
+
+    def _probe_host(self) -> tuple[str, float] | None:
+        """The GPU model a probe would run on and how many the node has (the probe cache's
+        key); None: not known here, so nothing is cached."""
+        return None
 
     # -- layout -----------------------------------------------------------------------
     def _lay_out(self) -> None:

@@ -26,8 +26,9 @@ from service.config import EngineConfig
 
 from .events import Event, EventKind
 from .executor import Group, GroupExecutor, GroupState, Reply, log_start, short
+from .place import RankPlace
 from .rank import RankWorker
-from .start import RankPlace, load_facts, probe_mode, start_rank, stop_rank
+from .start import load_facts, probe_mode, start_rank, stop_rank
 
 log = logging.getLogger("dloserve.engine")
 

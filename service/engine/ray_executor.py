@@ -30,11 +30,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.config import EngineConfig, ModeChoice, OffloadMode
 
 from .executor import Group, GroupExecutor, Reply, log_start, short
+from .place import NAMESPACE, RankPlace
 from .standby import StandbyRankRemote, WarmRankActorRemote
-from .start import RankPlace, probe_mode
+from .start import probe_mode
 
 log = logging.getLogger("dloserve.engine")
-NAMESPACE = "dloserve"
 POLL_S = 1.0  # how long one events long poll waits on the rank
 
 
@@ -49,13 +49,26 @@ def _probe(config: EngineConfig) -> ModeChoice:
 ProbeTask = ray.remote(max_retries=0)(_probe)
 
 
+def _visible_devices() -> str:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+DevicesTask = ray.remote(max_retries=0)(_visible_devices)
+
+
 class RayExecutor(GroupExecutor):
     """Rank groups as Ray actors; ``placement`` is the Serve replica's placement group when
     it has our bundles (else one is made and removed on close)."""
 
-    def __init__(self, config: EngineConfig, placement: PlacementGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, placement: PlacementGroup | None = None,
+                 prestarted: list[str] | None = None) -> None:
         super().__init__(config)
         self.placement = placement
+        # Rank processes the launcher started before Serve (engine.standby.prestart), by bundle:
+        # the first groups adopt them; a name is dropped once adopted or found gone.
+        self._prestarted: dict[int, str] = dict(enumerate(prestarted or []))
         self._own_placement = False
         # ref -> (group, generation, process, op, job id)
         self._refs: dict[Any, tuple[Group, int, int, str, str]] = {}
@@ -98,11 +111,27 @@ class RayExecutor(GroupExecutor):
                                 scheduling_strategy=strategy).remote(self.config)
         return ray.get(ref, timeout=self.config.parallel.setup_timeout_s)
 
+    def _probe_host(self) -> tuple[str, float] | None:
+        """Bundle 0's node: its GPU model (Ray's ``accelerator_type:`` resource; "cpu" on a
+        node without GPUs) and its GPU count."""
+        assert self.placement is not None
+        node = ray.util.placement_group_table(self.placement).get("bundles_to_node_id", {}).get(0)
+        res = next((n.get("Resources", {}) for n in ray.nodes() if n.get("NodeID") == node), None)
+        if res is None:
+            return None
+        gpus = res.get("GPU", 0.0)
+        kinds = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+        if gpus and not kinds:
+            return None  # a GPU Ray could not name: nothing to key the timings by
+        return (kinds[0] if gpus else "cpu", gpus)
+
     # -- the transport ----------------------------------------------------------------
     def _open(self, g: Group) -> None:
         assert self.placement is not None, "start() places the groups first"
         t0 = time.monotonic()
         actors, names, started = self._take_standbys(g)
+        if not actors:
+            actors, names, started = self._adopt_prestarted(g)
         if not actors:
             actors = [self._actor(g, p, self._name(g, p)) for p in range(g.world)]
             names = [self._name(g, p) for p in range(g.world)]
@@ -115,11 +144,15 @@ class RayExecutor(GroupExecutor):
         addr = self._get(actors[0].rendezvous_address.remote()) if g.world > 1 else None
         t_addr = time.monotonic()
         facts = self._get([a.setup.remote(addr) for a in actors])
-        standby = all(s["standby"] for s in started)
-        detail = {} if standby else {"actors.import_s": max(s["import_s"] for s in started)}
+        prestarted = all(s.get("prestarted") for s in started)
+        standby = all(s["standby"] for s in started) and not prestarted
+        imports = max(s["import_s"] for s in started)
+        detail = {} if standby else {"prestart.import_s" if prestarted else "actors.import_s": imports}
+        if prestarted:  # imported while Serve started: when the last of them was done
+            self.startup["prestart_imported_at"] = max(s["imported_at"] for s in started)
         log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
                              "setup_s": time.monotonic() - t_addr}, detail,
-                  {"standby": standby, "pids": [s["pid"] for s in started]})
+                  {"standby": standby, "prestarted": prestarted, "pids": [s["pid"] for s in started]})
         self._make_standbys(g, started, facts)
         with self._lock:
             for p in range(g.world):
@@ -172,6 +205,43 @@ class RayExecutor(GroupExecutor):
             self._kill_all(actors)
             return [], [], []
         return actors, [n for _, n in standbys], started
+
+    def _adopt_prestarted(self, g: Group) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
+        """The launcher's pre-started processes of ``g``'s bundles, adopted (engine.standby):
+        told the final config, their place and their bundle's GPUs; none if one is missing
+        or gone (the caller starts new processes, and the others are stopped)."""
+        bundles = [g.info.first_rank + p for p in range(g.world)]
+        with self._lock:
+            names = [self._prestarted.pop(b, None) for b in bundles]
+        if not any(names):
+            return [], [], []
+        actors: list[Any] = []
+        try:
+            if None in names:
+                raise RuntimeError("not every bundle has one")
+            actors = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+            devices = self._bundle_devices(bundles)
+            places = [RankPlace(g.info.id, p, g.world, g.info.first_rank) for p in range(g.world)]
+            started = self._get([a.adopt.remote(self.config, place, d)
+                                 for a, place, d in zip(actors, places, devices, strict=True)])
+        except Exception as e:  # noqa: BLE001 - new processes instead
+            log.warning("group %s: pre-started rank processes unusable (%s); starting new ones",
+                        g.info.id, short(e))
+            self._kill_all(actors)
+            return [], [], []
+        return actors, [str(n) for n in names], [{**s, "prestarted": True} for s in started]
+
+    def _bundle_devices(self, bundles: list[int]) -> list[str | None]:
+        """The GPUs (CUDA_VISIBLE_DEVICES) Ray gives a rank in each bundle, read by a small
+        task there with the rank's GPUs; None for CPU ranks."""
+        par = self.config.parallel
+        if not par.gpus_per_rank:
+            return [None] * len(bundles)
+        refs = [DevicesTask.options(num_cpus=0, num_gpus=par.gpus_per_rank, scheduling_strategy=
+                                    PlacementGroupSchedulingStrategy(self.placement,
+                                                                     placement_group_bundle_index=b)).remote()
+                for b in bundles]
+        return self._get(refs)
 
     def _kill_standbys(self, gid: str) -> None:
         self._kill_all([a for a, _ in self._standbys.pop(gid, [])])
@@ -266,6 +336,12 @@ class RayExecutor(GroupExecutor):
         with self._lock:
             for gid in list(self._standbys):
                 self._kill_standbys(gid)
+            left, self._prestarted = list(self._prestarted.values()), {}
+        for name in left:  # never adopted (a start that failed before its groups)
+            try:
+                self._kill_all([ray.get_actor(name, namespace=NAMESPACE)])
+            except ValueError:
+                pass
         self._drop_placement()
 
     def _drop_placement(self) -> None:

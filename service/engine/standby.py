@@ -12,6 +12,14 @@ and no imports, only the process group and the load. Ray gives a zero-GPU actor
 ``CUDA_VISIBLE_DEVICES=""`` and one thread, so a standby is told what the rank it replaces
 had (its GPU ids, before anything initialises CUDA; its CPU share for torch's threads; the
 encoder pool's size, in its config). Its encoder processes start while it waits, too.
+
+*Pre-started* ranks (``prestart``): ``dloserve serve`` on a cluster of its own starts one
+``PrestartRankActor`` per rank process right after ``ray.init``, before Serve, so the rank
+processes start and import while the Serve controller, the proxy and the ingress replica
+come up (22 + 4.5 s on an H200, one after another before the ranks' own 24 s). They hold no
+resources (the placement group does not exist yet); the executor adopts them for its first
+groups (``adopt``: the final config, with auto resolved, the place, and the GPUs of the
+bundle the rank would have had) and starts new processes only for one that is gone.
 """
 
 from __future__ import annotations
@@ -20,13 +28,14 @@ import math
 import os
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
 
 from service.config import EngineConfig
 
-from .start import RankPlace, rank_encoder
+from .place import RankPlace, rank_encoder, rank_encoder_count
 from .worker import RankActor
 
 
@@ -68,14 +77,38 @@ class WarmRankActor(RankActor):
             self._stop.set()
             self._gauge_thread.join(timeout=5)
         self.created = time.time()
+        self.adopted = False
         self.import_s = warm_imports(config)
         # A standby's encoder processes start now too (a new rank's start while it loads).
         self._encoder = rank_encoder(config, place) if standby else None
+        self.imported_at = time.time()
 
     def started(self) -> dict[str, Any]:
         """Answers once the constructor (process start and imports) is done."""
         return {"pid": os.getpid(), "import_s": round(self.import_s, 3), "created": self.created,
-                "standby": self.standby, "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "imported_at": self.imported_at, "standby": self.standby,
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def adopt(self, config: EngineConfig, place: RankPlace, visible_devices: str | None) -> dict[str, Any]:
+        """A pre-started process becomes process ``place`` of a group: the executor's config
+        (auto resolved), and the GPUs of the bundle it stands in (set before anything
+        initialises CUDA here: nothing has). Its encoder pool is resized if the place's differs.
+        Once only: the launcher owns these processes, so one outlives a replica that crashed
+        after adopting it; the next replica's executor is refused here and stops it (its GPU
+        memory with it) instead of loading a second pipeline into it."""
+        if self.adopted:
+            raise RuntimeError(f"already adopted as rank {self.place.label} of group {self.place.group_id}")
+        self.adopted = True
+        if visible_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        self.config, self.place = config, place
+        self._tags = {"group": place.group_id, "rank": place.label}
+        want = rank_encoder_count(config, place)
+        if self._encoder is None or self._encoder.workers != want:
+            if self._encoder is not None:
+                self._encoder.close()
+            self._encoder = rank_encoder(config, place)
+        return self.started()
 
     def setup(self, init_method: str | None) -> dict[str, Any]:
         if self.standby:  # now the rank: its gauges are this process's
@@ -104,4 +137,25 @@ class StandbyRank(WarmRankActor):
 
 
 WarmRankActorRemote = ray.remote(max_concurrency=5)(WarmRankActor)
+class PrestartRankActor(WarmRankActor):
+    """A rank process started before the placement group exists (``prestart``); once adopted
+    it is a rank of the first generation (its title has "RankActor", as a rank's does)."""
+
+
 StandbyRankRemote = ray.remote(max_concurrency=5)(StandbyRank)
+PrestartRemote = ray.remote(max_concurrency=5)(PrestartRankActor)
+
+
+def prestart(config: EngineConfig, instance: str, namespace: str) -> dict[str, Any]:
+    """One pre-imported rank process per bundle of ``config``, started now with no resources:
+    name -> handle, in bundle order. The caller owns them and must keep the handles (Ray ends
+    an actor whose handles are all gone, named or not); they end with the caller."""
+    out: dict[str, Any] = {}
+    sp = config.parallel.sp_size
+    for i in range(config.parallel.processes):
+        place = RankPlace("prestart", i % sp, sp, i - i % sp)
+        name = f"dloserve-{instance}-prestart{i}"
+        par = replace(config.parallel, encoders_per_rank=rank_encoder_count(config, place))
+        out[name] = PrestartRemote.options(name=name, namespace=namespace, num_cpus=0, num_gpus=0,
+                                           max_restarts=0).remote(replace(config, parallel=par), place, True)
+    return out

@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -16,36 +16,11 @@ import torch.distributed as dist
 
 from service.config import EngineConfig, ModeChoice
 from service.models.pipeline import PipelineRunner
+from service.offload.mode import ProbeTimings
 
 from .encoder import Encoder
+from .place import RankPlace, rank_encoder
 from .rank import RankWorker
-
-
-@dataclass(frozen=True)
-class RankPlace:
-    """Where one rank process sits: process ``rank`` of the ``world`` processes of group
-    ``group_id``, whose first process is ``first`` among the engine's (for metrics and logs)."""
-
-    group_id: str
-    rank: int
-    world: int
-    first: int = 0
-
-    @property
-    def lead(self) -> bool:
-        """Reports its request's MP4: every rank of a DP group (each runs its own request);
-        in an SP group (one request on S processes) only process 0."""
-        return self.rank == 0
-
-    @property
-    def label(self) -> str:
-        return str(self.first + self.rank)
-
-
-def rank_encoder(config: EngineConfig, place: RankPlace) -> Encoder:
-    """The rank's MP4 encoder pool (its processes start now): only the lead of an SP group
-    encodes."""
-    return Encoder(config.parallel.encoders_per_rank if config.parallel.sp_size == 1 or place.lead else 0)
 
 
 def start_rank(config: EngineConfig, place: RankPlace, init_method: str | None, device: torch.device,
@@ -144,17 +119,42 @@ def compute_facts(runner: Any) -> dict[str, Any]:
 
 
 def probe_mode(config: EngineConfig, device: torch.device) -> ModeChoice:
-    """``--dlo-mode auto`` before the groups form: probe on one rank's device, choose for N.
-
-    One rank cannot time an AllGather, so the choice counts the gather as free (it runs
-    on a side stream; 1.4 ms of a 703 MB block on NVLink) and says so in its reason.
-    """
-    from service.models.pipeline import decide_auto
+    """``--dlo-mode auto`` before the groups form: probe on one rank's device, choose for N
+    (``dp_size``); no probe where a rule decides (``automode.rule_choice``)."""
+    from service.models.automode import decide_auto
     from service.models.registry import load_adapter
 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     choice = decide_auto(load_adapter(config.model_dir), device, config, None, config.parallel.dp_size)
+    return _gather_untimed(choice, config)
+
+
+def rule_mode(config: EngineConfig) -> ModeChoice | None:
+    """auto's choice where no probe can change it (one rank on CUDA, CPU ranks, a family with
+    no probe), decided in the caller's process: no rank process, no weights read."""
+    from service.models.automode import rule_choice
+    from service.models.registry import load_adapter
+
+    adapter = load_adapter(config.model_dir, sequence_parallel=config.parallel.sp_size)
+    return rule_choice(adapter, config.parallel.device, config, config.parallel.dp_size)
+
+
+def cached_mode(config: EngineConfig, timings: ProbeTimings, measured_at: str) -> ModeChoice:
+    """auto's choice for this config from timings an earlier start's probe measured."""
+    from service.models.automode import choice_from
+    from service.models.registry import load_adapter
+
+    adapter = load_adapter(config.model_dir, sequence_parallel=config.parallel.sp_size)
+    choice = choice_from(adapter, config, replace(timings, world=config.parallel.dp_size), source="cached")
+    choice = replace(choice, reason=f"{choice.reason}; timings from the probe of {measured_at} "
+                                    "(the probe cache: delete it to measure again)")
+    return _gather_untimed(choice, config)
+
+
+def _gather_untimed(choice: ModeChoice, config: EngineConfig) -> ModeChoice:
+    """One rank cannot time an AllGather, so the choice counts the gather as free (it runs on
+    a side stream; 1.4 ms of a 703 MB block on NVLink) and says so in its reason."""
     if choice.timings is not None and config.parallel.dp_size > 1:
         return replace(choice, reason=choice.reason + "; AllGather time not measured before the group forms "
                                                       "(taken as free)")

@@ -17,7 +17,7 @@ from service.config import EngineConfig
 from service.engine.metrics import metrics, pss_bytes
 
 from .events import Event, EventKind
-from .start import RankPlace
+from .place import RankPlace
 
 
 class RankActor:

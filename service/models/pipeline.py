@@ -5,7 +5,7 @@ a Wan 14B pipeline's weights and the only part run many times per request), with
 kept resident when ``resident_layers`` or a ``device_memory_gb`` budget asks for it. With
 ``components`` the text encoder streams too (its blocks through two slots that exist
 while it runs) and the VAE is staged on the device for decode only (components.py).
-``mode="auto"`` picks AllGather or rank-local from a short probe at load (offload.auto).
+``mode="auto"`` picks AllGather or rank-local by a rule or a short probe at load (automode.py).
 
 Every rank of a DP group loads the same runner; for each transformer forward of the group
 a rank either runs one of its own request's forwards or ``idle_forwards(1)``-replays the
@@ -36,19 +36,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from service.config import EngineConfig, ModeChoice, OffloadMode
-from service.config.offload import PROBE_SHAPE
+from service.config import EngineConfig, OffloadMode
 from service.offload import LayerwiseOffload, Placement, enable_layerwise_offload, load_resident
-from service.offload.auto import ProbeTimings, choose_mode, probe
 from service.offload.checkpoint import Checkpoint
 from service.offload.quant_checkpoint import prequantized_key
 
 from . import attention
 from .adapter import LatentsCallback, ModelAdapter
+from .automode import cfg_batch_on, decide_auto, dtype_of, probe_transformer
 from .cache import StepCaches
 from .checks import check_request
 from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
-from .experts import expert_of, lockstep_expert_cost
+from .experts import expert_of
 from .lora import RankAdapters
 from .progress import progress_bar
 from .registry import load_adapter
@@ -337,64 +336,10 @@ class PipelineRunner:
             torch.cuda.empty_cache()
 
 
-def cfg_batch_on(config: EngineConfig, device: torch.device, adapter: ModelAdapter) -> bool:
-    """Whether this server batches CFG rows (``--cfg-batch``): the settings and the device,
-    for a family whose pipeline makes cond/uncond pairs; refused with sequence parallelism."""
-    if adapter.sequence_parallel > 1:
-        if config.model.cfg_batch == "on":
-            raise ValueError("--cfg-batch on: not yet with --sequence-parallel-size > 1")
-        return False
-    return adapter.cfg_batchable and config.model.cfg_batching(device.type)
-
-
-def dtype_of(config: EngineConfig) -> torch.dtype | None:
-    """The torch dtype the config names (None: keep the checkpoint's)."""
-    return getattr(torch, config.model.dtype) if config.model.dtype else None
-
-
 def _durations(marks: dict[str, float]) -> dict[str, float]:
     """Consecutive marks -> seconds of each stage (named by the mark that ends it)."""
     names = list(marks)
     return {b: round(marks[b] - marks[a], 3) for a, b in zip(names, names[1:], strict=False)}
-
-
-def decide_auto(adapter: ModelAdapter, dev: torch.device, config: EngineConfig,
-                group: dist.ProcessGroup | None, world: int | None = None) -> ModeChoice:
-    """``--dlo-mode auto``, resolved: the one place the choice is made (the executors run it
-    once through ``service.engine.start.probe_mode``; ``PipelineRunner.load`` runs it for a
-    config no executor resolved). ``world`` overrides the group's size (a probe on one rank for
-    N). Without a probe to run, the choice says so: a family with no probe inputs gets
-    AllGather; CPU ranks without ``--dlo-probe-size`` get rank-local (no PCIe link to share:
-    a rank-local fill is a read of the page cache, and compute on the CPU covers it)."""
-    if not adapter.can_probe:
-        return ModeChoice(OffloadMode.ALLGATHER,
-                          f"{adapter.family} has no load-time probe: AllGather, the default")
-    if dev.type == "cpu" and config.offload.probe_shape is None:
-        return ModeChoice(OffloadMode.RANK_LOCAL,
-                          "CPU ranks: a rank-local fill reads the shared page cache and compute covers it "
-                          "(no probe; give --dlo-probe-size to measure)")
-    timings = probe_transformer(adapter, dev, config, group)
-    if world is not None:
-        timings = replace(timings, world=world)
-    return choose_mode(timings, expert_mix=expert_mix(adapter, config, timings.world))
-
-
-# The step counts auto mode's expert estimate mixes (requests of one size, steps as users vary
-# them): with equal plans a group stays in step and two experts cost nothing.
-MIX_STEPS = (20, 50, 30, 40) * 10
-
-
-def expert_mix(adapter: ModelAdapter, config: EngineConfig, world: int) -> float:
-    """What two experts cost an AllGather group of ``world`` ranks, for auto mode: the extra
-    ticks of the group's rule (``lockstep_expert_cost``) over requests at the probe size with
-    ``MIX_STEPS`` step counts (0 with one expert or one rank)."""
-    if len(adapter.experts) == 1 or world <= 1:
-        return 0.0
-    height, width, frames = config.offload.probe_shape or PROBE_SHAPE
-    plans = [adapter.expert_plan(GenerationRequest(prompt="probe", height=height, width=width,
-                                                   num_frames=frames, num_inference_steps=steps))
-             for steps in MIX_STEPS]
-    return lockstep_expert_cost(plans, world)
 
 
 def with_checkpoint_quantization(config: EngineConfig, ckpt: Any) -> EngineConfig:
@@ -411,23 +356,3 @@ def with_checkpoint_quantization(config: EngineConfig, ckpt: Any) -> EngineConfi
         finally:
             opened.close()
     return config
-
-
-def probe_transformer(adapter: ModelAdapter, dev: torch.device, config: EngineConfig,
-                      group: dist.ProcessGroup | None) -> ProbeTimings:
-    """Timings of the transformer at the config's probe shape through a throw-away rank-local
-    handle (mmap only, nothing sharded). Every rank of ``group`` calls it (it agrees)."""
-    only = adapter.experts[0]  # experts have one block shape: probing the first is enough
-    module = adapter.build_transformer(only)
-    h = enable_layerwise_offload(module, adapter.transformer_checkpoint(only), device=dev,
-                                 mode=OffloadMode.RANK_LOCAL, block_attrs=list(adapter.block_attrs),
-                                 dtype=dtype_of(config), keep_fp32=adapter.keep_fp32,
-                                 quantization=config.model.quantization)
-    try:
-        height, width, frames = config.offload.probe_shape or PROBE_SHAPE
-        batch = 2 if cfg_batch_on(config, dev, adapter) else 1  # CFG rows in one forward
-        inputs = adapter.probe_inputs(module, height, width, frames, dev, batch)
-        with torch.inference_mode():
-            return probe(h, lambda: module(**inputs), group)
-    finally:
-        h.close()

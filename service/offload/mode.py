@@ -66,6 +66,7 @@ class ModeChoice:
     allgather_s: float | None = None  # predicted time per block
     ranklocal_s: float | None = None
     timings: ProbeTimings | None = None
+    source: str | None = None  # "rule" (no probe needed), "probe" (measured now) or "cached"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", streamed_mode(self.mode))

@@ -192,3 +192,19 @@ def test_short_keys_are_warned_about_at_start(capsys, tmp_path: Path,
                          "--port", port, "--results-dir", str(tmp_path / "r"))) == 2
     err = capsys.readouterr().err
     assert "1 API key(s) shorter than 16 characters" in err and "sk-long" not in err
+
+
+def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_replica() -> None:
+    """--rank-prestart (the default) starts the ranks beside Serve only where the launcher
+    knows the one node they run on; elsewhere (a joined cluster, several replicas, the flag
+    off) the executor starts them as before. (The start itself: tests/engine/test_standby.py
+    and the start-up benchmark's e2e test.)"""
+    from service.api.launch import prestarts
+
+    on, off = parse("/m"), parse("/m", "--no-rank-prestart")
+    assert on.rank_prestart is True and off.rank_prestart is False
+    cfg = config_from_args(on, gpus_per_rank=1.0)
+    assert prestarts(cfg, on, own_cluster=True)
+    assert not prestarts(cfg, on, own_cluster=False)  # joined
+    assert not prestarts(cfg, off, own_cluster=True)
+    assert not prestarts(cfg.model_copy(update={"num_replicas": 2}), on, own_cluster=True)

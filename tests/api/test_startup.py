@@ -31,3 +31,13 @@ def test_not_ready_until_every_group_was_and_a_serve_config_start_begins_at_the_
     assert bare["from"] == "replica" and bare["ready_s"] == 27.0
     assert bare["steps"] == {"replica_init_s": 1.0, "engine.placement_s": 0.5, "groups_s": 25.5}
     assert bare["unaccounted_s"] == 0.0
+
+
+def test_pre_started_ranks_are_a_parallel_span_outside_the_sum() -> None:
+    """The rank processes started after Ray import while Serve starts: their span is reported
+    beside the steps, which still add up to the whole time without it."""
+    out = startup_breakdown(MARKS, 125.0, {**ENGINE, "prestart_imported_at": 124.0}, groups=2)
+    assert out["parallel"]["rank_processes_s"] == {
+        "began_s": 10.0, "s": 14.0, "beside": ["serve_and_replica_start_s", "replica_init_s", "groups_s"]}
+    assert out["unaccounted_s"] == 0.0 and sum(out["steps"].values()) == pytest.approx(out["ready_s"])
+    assert startup_breakdown(MARKS, 125.0, ENGINE, groups=2)["parallel"] == {}  # none adopted

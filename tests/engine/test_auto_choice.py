@@ -4,6 +4,7 @@ the probe runs once, the config carries the typed choice, the groups are laid ou
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -28,27 +29,28 @@ class NoTransport(GroupExecutor):
         return []
 
 
-def auto(dp: int = 2) -> EngineConfig:
-    return EngineConfig("unused", parallel=ParallelConfig(dp_size=dp),
+def auto(model: str, dp: int = 2, gpus: float = 1.0) -> EngineConfig:
+    return EngineConfig(model, parallel=ParallelConfig(dp_size=dp, gpus_per_rank=gpus),
                         offload=OffloadConfig(OffloadMode.AUTO))
 
 
-def test_auto_is_probed_once_and_the_config_carries_the_typed_choice() -> None:
+def test_auto_is_probed_once_and_the_config_carries_the_typed_choice(demo_model: str) -> None:
     calls: list[int] = []
 
     def probe() -> ModeChoice:
         calls.append(1)
         return ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill")
 
-    ex = NoTransport(auto())
+    ex = NoTransport(auto(demo_model))
     ex._resolve_auto(probe)
     ex._resolve_auto(probe)  # resolved: no second probe
-    assert calls == [1]
+    assert calls == [1] and ex.probes == 1
     assert ex.config.offload.mode is OffloadMode.RANK_LOCAL
-    assert ex.config.choice == ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill")
+    assert ex.config.choice == ModeChoice(OffloadMode.RANK_LOCAL, "compute covers the fill", source="probe")
     ex._lay_out()
     assert [(g.size, g.collective) for g in ex.groups()] == [(1, False), (1, False)]  # rank-local: two groups
-    assert ex.status()["offload_mode"] == {"mode": "rank-local", "reason": "compute covers the fill"}
+    assert ex.status()["offload_mode"] == {"mode": "rank-local", "reason": "compute covers the fill",
+                                           "source": "probe"}
     d = build_dispatcher(ex.config, RecordingSink(), executor=ex)
     assert d.choice is ex.config.choice  # what generate and the batch job print
 
@@ -60,12 +62,38 @@ def test_a_mode_set_by_flags_is_not_probed_and_says_so() -> None:
     assert ex.status()["offload_mode"] == {"mode": "allgather", "reason": "set by flags"}
 
 
-def test_a_failed_probe_names_the_flag() -> None:
+def test_a_failed_probe_names_the_flag(demo_model: str) -> None:
     def probe() -> ModeChoice:
         raise OSError("no device")
 
     with pytest.raises(RuntimeError, match="--dlo-mode auto probe failed: .*no device"):
-        NoTransport(auto())._resolve_auto(probe)
+        NoTransport(auto(demo_model))._resolve_auto(probe)
+
+
+def test_one_gpu_rank_is_decided_without_a_probe_and_says_why(demo_model: str) -> None:
+    """World 1 on CUDA: AllGather gathers nothing, so the choice is rank-local where its copy
+    engine reads the page cache as fast (the files as served), else AllGather (a cast or FP8
+    quantized at load need the slower pack thread). No probe process (run_probe is never
+    called) and /readyz says why; checked on the host, without a device."""
+    def one(**model: str) -> dict:
+        config = auto(demo_model, dp=1)
+        config = replace(config, model=replace(config.model, **model))
+        ex = NoTransport(config)
+        ex._resolve_auto(lambda: pytest.fail("no probe for one rank"))
+        assert ex.probes == 0
+        return ex.status()["offload_mode"]
+
+    stored = one()
+    assert stored["mode"] == "rank-local" and stored["source"] == "rule", stored
+    assert "one rank, no probe" in stored["reason"] and "page cache as fast" in stored["reason"]
+    cast = one(dtype="bfloat16")  # the demo's blocks are stored in float32
+    assert cast["mode"] == "allgather" and "a cast needs the pack" in cast["reason"], cast
+    fp8 = one(quantization="fp8")
+    assert fp8["mode"] == "allgather" and "computed at load" in fp8["reason"], fp8
+    # two ranks are measured: the rule does not reach them
+    two = NoTransport(auto(demo_model, dp=2))
+    two._resolve_auto(lambda: ModeChoice(OffloadMode.ALLGATHER, "measured"))
+    assert two.probes == 1
 
 
 def test_the_choice_is_allgather_or_rank_local_only() -> None:

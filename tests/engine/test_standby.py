@@ -100,3 +100,45 @@ def test_a_killed_rank_comes_back_as_its_standby(one_rank, resident) -> None:  #
     assert sink.wait(["after"], timeout=300)[0].mp4 == resident.generate(after)
     nxt = standby_of(d, group.info.id)  # and the next one waits
     assert nxt["pid"] not in (standby["pid"], first["pids"][0])
+
+
+def test_the_first_groups_adopt_the_pre_started_ranks(ray_cluster: dict, demo_model: str, resident) -> None:  # noqa: ANN001
+    """``dloserve serve`` starts the rank processes before Serve (engine.standby.prestart); the
+    executor adopts them for its first groups: the same process ids (no new interpreter), their
+    import time reported apart. One that died before adoption is replaced by a new process."""
+    import uuid
+
+    from service.engine.place import NAMESPACE, RankPlace
+    from service.engine.standby import prestart
+
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL),
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60, standby=False,
+                                                encoders_per_rank=0))
+    held = prestart(spec, uuid.uuid4().hex[:8], NAMESPACE)
+    names, actors = list(held), list(held.values())
+    pids = [s["pid"] for s in ray.get([a.started.remote() for a in actors], timeout=400)]
+    ray.kill(actors[1])  # gone before the executor looks for it
+    sink = RecordingSink()
+    d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=600), prestarted=names)
+    d.start()
+    try:
+        wait_ready(d, timeout=400)
+        first, second = sorted(d.executor._groups.values(), key=lambda g: g.info.first_rank)
+        assert first.started["prestarted"] and first.started["pids"] == [pids[0]]
+        assert ray.get(first.handles[0].ping.remote()) == pids[0]
+        stages = first.started["stages"]
+        assert "prestart.import_s" in stages and "actors.import_s" not in stages
+        assert not second.started["prestarted"] and second.started["pids"] != [pids[1]]
+        assert "actors.import_s" in second.started["stages"]  # a new process: its imports were this start's
+        assert d.executor.startup["prestart_imported_at"] > 0
+        assert d.executor._prestarted == {}  # each name used once
+        # a process outliving a replica that crashed is refused by the next one (which stops it)
+        with pytest.raises(ray.exceptions.RayTaskError, match="already adopted as rank 0"):
+            ray.get(actors[0].adopt.remote(spec, RankPlace("again", 0, 1), None), timeout=60)
+        req = GenerationRequest(prompt="on an adopted rank", seed=5)
+        for i in range(2):
+            submit(d, f"r{i}", req)
+        for out in sink.wait(["r0", "r1"], timeout=300):
+            assert out.ok and out.mp4 == resident.generate(req), out
+    finally:
+        d.stop()

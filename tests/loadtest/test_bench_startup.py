@@ -38,6 +38,14 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     killed = start["killed_request"]
     assert killed["status"] == "completed" and killed["resumed_from_step"] >= 1, killed
     assert start["kill_at_progress"] >= 30 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
+    # the rank process started right after Ray, imported beside Serve's start, and was adopted
+    (first,) = start["last_start"]
+    assert first["prestarted"] is True and "prestart.import_s" in first["stages"], first
+    span = start["startup"]["parallel"]["rank_processes_s"]
+    assert span["s"] > 0 and span["began_s"] == pytest.approx(
+        sum(start["startup"]["steps"][k] for k in ("launcher_checks_s", "ray_start_s")), abs=0.01)
+    assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
+    assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["next_request"]["status"] == "completed"
     assert start["kill_to_serving_s"] > 0
     (rebuilt,) = start["rebuild"]

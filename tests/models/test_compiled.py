@@ -10,6 +10,7 @@ caches (compiled) and LoRA adapters (their requests run the blocks eagerly).
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -127,3 +128,29 @@ def test_two_experts_compile_and_batch_cfg(tmp_path: Path) -> None:
         finally:
             runner.close()
     assert np.array_equal(frames["compiled"], frames["eager"])
+
+
+def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's caches go to $DLOSERVE_CACHE/inductor (not torch's /tmp default, which a new
+    container empties) unless TORCHINDUCTOR_CACHE_DIR is given; the warm-up says what came from
+    the caches (none with aot_eager, the CPU backend: only inductor caches)."""
+    import torch
+    from torch import nn
+
+    from service.models.compiled import CompiledBlocks
+
+    monkeypatch.setenv("DLOSERVE_CACHE", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    compiled = CompiledBlocks(model, ["blocks"], "inductor")  # compiles lazily: nothing runs yet
+    assert compiled.cache_dir == str(tmp_path / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == compiled.cache_dir
+    compiled.close()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert CompiledBlocks(model, ["blocks"], "inductor").cache_dir == str(tmp_path / "mine")  # given: kept
+    eager = CompiledBlocks(model, ["blocks"], "aot_eager")
+    eager.warm_up(lambda: model.blocks[1](model.blocks[0](torch.ones(1, 4))))
+    cache = eager.describe()["cache"]
+    assert cache["dir"] is None and cache["fxgraph_cache_hit"] == 0 and cache["fxgraph_cache_miss"] == 0
+    eager.close()

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from service.config import EngineConfig, LoraConfig, OffloadConfig, OffloadMode
+from service.models.automode import decide_auto, expert_mix
 from service.models.demo import ensure_demo_model
 from service.models.experts import lockstep_expert_cost, simulate
-from service.models.pipeline import PipelineRunner, decide_auto, expert_mix
+from service.models.pipeline import PipelineRunner
 from service.models.registry import load_adapter
 from service.offload.auto import ProbeTimings, choose_mode
 from service.offload.checkpoint import Checkpoint
