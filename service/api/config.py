@@ -68,6 +68,8 @@ class ServiceConfig(BaseModel):
     encoders_per_rank: int | None = Field(P.encoders_per_rank, ge=0, description="None: from the rank's CPUs")
     rank_standby: bool | None = Field(P.standby, description="a pre-imported process per rank replaces one "
                                       "that dies; None: on GPU ranks")
+    rank_standby_preload: bool = Field(P.standby_preload, description="a standby of a one-process group "
+                                       "loads the pipeline while it waits")
     instance: str | None = Field(None, description="set by the launcher; /readyz reports it")
     launch_marks: dict[str, float] = Field(default_factory=dict, description="set by the launcher: "
                                            "when its start-up steps ended, wall-clock (/readyz startup)")
@@ -169,7 +171,8 @@ class ServiceConfig(BaseModel):
         parallel = ParallelConfig(dp_size=self.dp_size, sp_size=self.sp_size,
                                   cpus_per_rank=self.cpus_per_rank, gpus_per_rank=self.gpus_per_rank,
                                   strategy=self.strategy, pg_timeout_s=self.pg_timeout_s,
-                                  encoders_per_rank=self.encoders_per_rank, standby=self.rank_standby)
+                                  encoders_per_rank=self.encoders_per_rank, standby=self.rank_standby,
+                                  standby_preload=self.rank_standby_preload)
         scheduler = SchedulerConfig(scheduler=self.scheduler, queue_size=self.queue_size,
                                     starve_s=self.starve_s, max_wait_ms=self.max_wait_ms,
                                     max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries)
@@ -183,7 +186,8 @@ class ServiceConfig(BaseModel):
         return {"dp_size": p.dp_size, "sp_size": p.sp_size, "offload": offload_mapping(config),
                 "cpus_per_rank": p.cpus_per_rank, "gpus_per_rank": p.gpus_per_rank, "strategy": p.strategy,
                 "pg_timeout_s": p.pg_timeout_s, "encoders_per_rank": p.encoders_per_rank,
-                "rank_standby": p.standby, "scheduler": s.scheduler, "queue_size": s.queue_size,
+                "rank_standby": p.standby, "rank_standby_preload": p.standby_preload,
+                "scheduler": s.scheduler, "queue_size": s.queue_size,
                 "starve_s": s.starve_s, "max_wait_ms": s.max_wait_ms, "max_queue_wait_s": s.max_queue_wait_s,
                 "job_retries": s.job_retries}
 

@@ -79,10 +79,20 @@ class EngineConfig:
             raise ValueError(f"--dlo-mode is {self.offload.mode.value}: nothing to resolve")
         return replace(self, offload=self.offload.resolved(choice.mode), choice=choice)
 
+    @property
+    def rank_decides_auto(self) -> bool:
+        """auto with one group of one process: the layout is the same for either mode, so the
+        rank decides at its load (where it opens the checkpoint anyway, its imports done)
+        instead of the engine's process importing the model's classes to decide first."""
+        return (self.offload.mode is OffloadMode.AUTO and self.parallel.dp_size == 1
+                and self.parallel.sp_size == 1)
+
     def mode_report(self) -> dict[str, Any]:
         """The mode and why, as /readyz's ``offload_mode`` says it."""
         if self.choice is not None:
             return self.choice.as_dict()
+        if self.offload.mode is OffloadMode.AUTO:
+            return {"mode": "auto", "reason": "not decided yet: the rank decides at its load (one group)"}
         return {"mode": self.offload.mode.value, "reason": "set by flags"}
 
     # -- the groups -------------------------------------------------------------------
@@ -95,7 +105,7 @@ class EngineConfig:
         """(first rank process, scheduler ranks) of each group: one AllGather group of N, N
         single ranks, or D SP groups (each one scheduler rank over S processes).
         Auto mode must be resolved first."""
-        if self.offload.mode is OffloadMode.AUTO:
+        if self.offload.mode is OffloadMode.AUTO and not self.rank_decides_auto:
             raise ValueError("resolve --dlo-mode auto before laying out the groups")
         dp, sp = self.parallel.dp_size, self.parallel.sp_size
         if sp > 1:

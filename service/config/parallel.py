@@ -31,9 +31,11 @@ class ParallelConfig:
 
     ``encoders_per_rank``: MP4 encoders per rank; None: from its CPUs (engine.encoder).
     ``standby``: a pre-imported process per rank waits to replace it (engine.standby); None:
-    on GPU ranks. ``executor``: which transport runs the ranks (``dloserve generate``: local).
-    ``pg_timeout_s`` is the last resort (request deadlines tear a group down
-    first); ``setup_timeout_s`` bounds placement, the auto probe and each group's start.
+    on GPU ranks. ``standby_preload``: a standby (and a rank process the launcher started ahead)
+    of a one-process group loads the pipeline while it waits, so it takes over without the load
+    and the compile warm-up (engine.standby). ``executor``: which transport runs the ranks
+    (``dloserve generate``: local). ``pg_timeout_s`` is the last resort (request deadlines tear a
+    group down first); ``setup_timeout_s`` bounds placement, the auto probe and each group's start.
     """
 
     dp_size: int = 1
@@ -45,6 +47,7 @@ class ParallelConfig:
     setup_timeout_s: float = 900.0
     encoders_per_rank: int | None = None
     standby: bool | None = None
+    standby_preload: bool = True
     executor: Literal["ray", "local"] = "ray"  # the transport: Ray actors, or processes of this host
 
     def __post_init__(self) -> None:

@@ -183,13 +183,18 @@ class GroupExecutor(Executor):
 
     # -- auto -------------------------------------------------------------------------
     def _resolve_auto(self, run_probe: Callable[[], ModeChoice]) -> None:
-        """``--dlo-mode auto``, once for the engine, before the groups are laid out: a rule
-        where no probe can change the answer (``start.rule_mode``: one rank on CUDA, here, no
-        process), else an earlier start's timings for the same facts (``probe_cache``), else
-        the transport runs ``start.probe_mode`` where a rank would (``run_probe``) and its
-        timings are kept. The config carries the choice from then on (one AllGather group of
-        N, or N rank-local ranks)."""
+        """``--dlo-mode auto``, once for the engine, before the groups are laid out: left to
+        the rank where there is one group of one process (``EngineConfig.rank_decides_auto``,
+        then ``_take_rank_choice``), else a rule where no probe can change the answer
+        (``start.rule_mode``: CPU ranks, a family with no probe; here, no process), else an
+        earlier start's timings for the same facts (``probe_cache``), else the transport runs
+        ``start.probe_mode`` where a rank would (``run_probe``) and its timings are kept. The
+        config carries the choice from then on (one AllGather group of N, or N rank-local
+        ranks)."""
         if self.config.offload.mode is not OffloadMode.AUTO:
+            return
+        if self.config.rank_decides_auto:
+            log.info("--dlo-mode auto: one group, laid out alike for either mode: its rank decides at load")
             return
         from . import probe_cache
         from .start import cached_mode, rule_mode
@@ -210,6 +215,16 @@ class GroupExecutor(Executor):
             raise RuntimeError(f"--dlo-mode auto probe failed: {short(e)}") from e
         log.info("--dlo-mode auto chose %s (%s): %s", choice.mode.value, choice.source, choice.reason)
         self.config = self.config.resolved(choice)
+
+    def _take_rank_choice(self, facts: list[dict[str, Any]]) -> None:
+        """auto left to the rank (``EngineConfig.rank_decides_auto``): its choice, from the
+        first group's load on, is the engine's (standbys and rebuilds load it; /readyz says it)."""
+        choice = next((f["choice"] for f in facts if f.get("choice") is not None), None)
+        with self._lock:
+            if choice is not None and self.config.offload.mode is OffloadMode.AUTO:
+                log.info("--dlo-mode auto: the rank chose %s (%s): %s", choice.mode.value, choice.source,
+                         choice.reason)
+                self.config = self.config.resolved(choice)
 
     def _probe_host(self) -> tuple[str, float] | None:
         """The GPU model a probe would run on and how many the node has (the probe cache's

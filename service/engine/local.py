@@ -69,6 +69,7 @@ class LocalExecutor(GroupExecutor):
         t0 = time.monotonic()
         facts = [h.wait_ready(self.config.parallel.setup_timeout_s) for h in handles]
         log_start(g, facts, {"setup_s": time.monotonic() - t0})
+        self._take_rank_choice(facts)
 
     def _kill(self, g: Group) -> None:
         for h in g.handles:

@@ -30,7 +30,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.config import EngineConfig, ModeChoice, OffloadMode
 
 from .executor import Group, GroupExecutor, Reply, log_start, short
+from .gpus import visible_devices
 from .place import NAMESPACE, RankPlace
+from .preload import preloadable
 from .standby import StandbyRankRemote, WarmRankActorRemote
 from .start import probe_mode
 
@@ -49,13 +51,7 @@ def _probe(config: EngineConfig) -> ModeChoice:
 ProbeTask = ray.remote(max_retries=0)(_probe)
 
 
-def _visible_devices() -> str:
-    import os
-
-    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
-
-
-DevicesTask = ray.remote(max_retries=0)(_visible_devices)
+DevicesTask = ray.remote(max_retries=0)(visible_devices)
 
 
 class RayExecutor(GroupExecutor):
@@ -86,7 +82,7 @@ class RayExecutor(GroupExecutor):
             raise RuntimeError(f"placement failed: {short(e)}") from e
         t_placed = time.monotonic()
         self.startup["placement_s"] = round(t_placed - t0, 3)
-        if self.config.offload.mode is OffloadMode.AUTO:
+        if self.config.offload.mode is OffloadMode.AUTO and not self.config.rank_decides_auto:
             self._resolve_auto(self._probe_on_bundle)
             self.startup["auto_probe_s"] = round(time.monotonic() - t_placed, 3)
         self._lay_out()
@@ -153,6 +149,7 @@ class RayExecutor(GroupExecutor):
         log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
                              "setup_s": time.monotonic() - t_addr}, detail,
                   {"standby": standby, "prestarted": prestarted, "pids": [s["pid"] for s in started]})
+        self._take_rank_choice(facts)
         self._make_standbys(g, started, facts)
         with self._lock:
             for p in range(g.world):
@@ -161,16 +158,19 @@ class RayExecutor(GroupExecutor):
     def _actor(self, g: Group, process: int, name: str, standby: bool = False,
                visible_devices: str | None = None, config: EngineConfig | None = None) -> Any:
         """Rank process ``process`` of ``g`` in its bundle; a standby holds no resources
-        (the rank it will replace holds the bundle's)."""
+        (the rank it will replace holds the bundle's) and, in a one-process group, loads the
+        pipeline while it waits (engine.preload)."""
         strategy = PlacementGroupSchedulingStrategy(
             self.placement, placement_group_bundle_index=g.info.first_rank + process)
         place = RankPlace(g.info.id, process, g.world, g.info.first_rank)
         remote = StandbyRankRemote if standby else WarmRankActorRemote
+        config = config or self.config
+        ahead = standby and g.world == 1 and preloadable(config)
         return remote.options(
             name=name, namespace=NAMESPACE, num_cpus=0 if standby else self.config.parallel.cpus_per_rank,
             num_gpus=0 if standby else self.config.parallel.gpus_per_rank, scheduling_strategy=strategy,
             max_restarts=0,
-        ).remote(config or self.config, place, standby, visible_devices)
+        ).remote(config, place, standby, visible_devices, ahead)
 
     def _make_standbys(self, g: Group, started: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
         """One standby per rank process of a ready group: the rank's GPUs and encoder pool."""
@@ -212,15 +212,18 @@ class RayExecutor(GroupExecutor):
         or gone (the caller starts new processes, and the others are stopped)."""
         bundles = [g.info.first_rank + p for p in range(g.world)]
         with self._lock:
-            names = [self._prestarted.pop(b, None) for b in bundles]
-        if not any(names):
-            return [], [], []
+            if not self._prestarted:
+                return [], [], []
         actors: list[Any] = []
+        names: list[str | None] = []
         try:
+            devices = self._bundle_devices(bundles)
+            with self._lock:
+                names = [self._prestarted.pop(self._prestart_key(b, d), None)
+                         for b, d in zip(bundles, devices, strict=True)]
             if None in names:
                 raise RuntimeError("not every bundle has one")
             actors = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-            devices = self._bundle_devices(bundles)
             places = [RankPlace(g.info.id, p, g.world, g.info.first_rank) for p in range(g.world)]
             started = self._get([a.adopt.remote(self.config, place, d)
                                  for a, place, d in zip(actors, places, devices, strict=True)])
@@ -230,6 +233,13 @@ class RayExecutor(GroupExecutor):
             self._kill_all(actors)
             return [], [], []
         return actors, [str(n) for n in names], [{**s, "prestarted": True} for s in started]
+
+    def _prestart_key(self, bundle: int, devices: str | None) -> int:
+        """Which pre-started process a bundle adopts: process i loads ahead on GPU i
+        (engine.standby.prestart), so the one of the bundle's GPU, else the bundle's own."""
+        if devices and devices.isdigit() and int(devices) in self._prestarted:
+            return int(devices)
+        return bundle
 
     def _bundle_devices(self, bundles: list[int]) -> list[str | None]:
         """The GPUs (CUDA_VISIBLE_DEVICES) Ray gives a rank in each bundle, read by a small

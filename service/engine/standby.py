@@ -36,6 +36,7 @@ import ray
 from service.config import EngineConfig
 
 from .place import RankPlace, rank_encoder, rank_encoder_count
+from .preload import Preload, preloadable
 from .worker import RankActor
 
 
@@ -58,10 +59,14 @@ def warm_imports(config: EngineConfig) -> float:
 
 class WarmRankActor(RankActor):
     """A ``RankActor`` that has imported by the time it answers ``started``; ``standby``:
-    started ahead, in a bundle whose resources the rank it will replace holds."""
+    started ahead, in a bundle whose resources the rank it will replace holds; ``preload``:
+    it loads the pipeline while it waits, too (engine.preload)."""
+
+    shares_gpu = True  # a standby's GPU is the live rank's: it keeps room for it (engine.preload)
 
     def __init__(self, config: EngineConfig, place: RankPlace, standby: bool = False,
-                 visible_devices: str | None = None) -> None:
+                 visible_devices: str | None = None, preload: bool = False) -> None:
+        self._devices = visible_devices
         if visible_devices is not None:  # before anything initialises CUDA in this process
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
         super().__init__(config, place)
@@ -82,6 +87,7 @@ class WarmRankActor(RankActor):
         # A standby's encoder processes start now too (a new rank's start while it loads).
         self._encoder = rank_encoder(config, place) if standby else None
         self.imported_at = time.time()
+        self._preload = Preload(config, standby=self.shares_gpu) if preload and standby else None
 
     def started(self) -> dict[str, Any]:
         """Answers once the constructor (process start and imports) is done."""
@@ -98,6 +104,9 @@ class WarmRankActor(RankActor):
         memory with it) instead of loading a second pipeline into it."""
         if self.adopted:
             raise RuntimeError(f"already adopted as rank {self.place.label} of group {self.place.group_id}")
+        gpu = self._devices
+        if self._preload is not None and config.parallel.device == "cuda" and visible_devices != gpu:
+            raise RuntimeError(f"loading ahead on GPU {gpu!r}, but the bundle has {visible_devices!r}")
         self.adopted = True
         if visible_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
@@ -123,11 +132,20 @@ class WarmRankActor(RankActor):
         from .start import load_facts, start_rank
 
         t0 = time.monotonic()
+        preload, self._preload = self._preload, None
+        ahead = preload.take(self.config) if preload is not None else None
         device = torch.device("cuda", 0) if self.config.parallel.device == "cuda" else torch.device("cpu")
         self.worker = start_rank(self.config, self.place, init_method, device, on_report=self._report_offload,
-                                 encoder=encoder)
+                                 encoder=encoder, preloaded=ahead)
         self._report_memory()
         return load_facts(self.worker, t0)
+
+
+    def close(self) -> None:
+        preload, self._preload = self._preload, None
+        if preload is not None:
+            preload.close()
+        super().close()
 
 
 class StandbyRank(WarmRankActor):
@@ -141,6 +159,8 @@ class PrestartRankActor(WarmRankActor):
     """A rank process started before the placement group exists (``prestart``); once adopted
     it is a rank of the first generation (its title has "RankActor", as a rank's does)."""
 
+    shares_gpu = False  # it is the rank: the GPU is its own
+
 
 StandbyRankRemote = ray.remote(max_concurrency=5)(StandbyRank)
 PrestartRemote = ray.remote(max_concurrency=5)(PrestartRankActor)
@@ -152,10 +172,15 @@ def prestart(config: EngineConfig, instance: str, namespace: str) -> dict[str, A
     an actor whose handles are all gone, named or not); they end with the caller."""
     out: dict[str, Any] = {}
     sp = config.parallel.sp_size
+    ahead = preloadable(config) and config.parallel.gpus_per_rank in (0, 1)
     for i in range(config.parallel.processes):
         place = RankPlace("prestart", i % sp, sp, i - i % sp)
         name = f"dloserve-{instance}-prestart{i}"
         par = replace(config.parallel, encoders_per_rank=rank_encoder_count(config, place))
+        # Loading ahead on a GPU needs its id before the bundle exists: process i takes GPU i
+        # of this node (the executor adopts each process for the bundle Ray gave that GPU).
+        devices = str(i) if ahead and config.parallel.gpus_per_rank == 1 else None
         out[name] = PrestartRemote.options(name=name, namespace=namespace, num_cpus=0, num_gpus=0,
-                                           max_restarts=0).remote(replace(config, parallel=par), place, True)
+                                           max_restarts=0).remote(replace(config, parallel=par), place, True,
+                                                                  devices, ahead)
     return out

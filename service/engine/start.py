@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -25,10 +25,12 @@ from .rank import RankWorker
 
 def start_rank(config: EngineConfig, place: RankPlace, init_method: str | None, device: torch.device,
                on_report: Callable[[], None] | None = None, progress: bool = False,
-               encoder: Encoder | None = None) -> RankWorker:
+               encoder: Encoder | None = None, preloaded: Preloaded | None = None) -> RankWorker:
     """Rank ``place`` of a group, loaded and looping; ``init_method`` is the TCP rendezvous of
     a group of several processes (None for one). Every process of the group calls it at once.
-    ``encoder``: a pool started ahead (a standby's); else one starts here."""
+    ``encoder``: a pool started ahead (a standby's); else one starts here. ``preloaded``: the
+    pipeline this process loaded ahead for this config (one process, no group: ``preload``)."""
+    assert preloaded is None or place.world == 1, "a group of several processes loads after its rendezvous"
     sp = config.parallel.sp_size > 1
     t0 = time.monotonic()
     if device.type == "cuda":
@@ -46,8 +48,9 @@ def start_rank(config: EngineConfig, place: RankPlace, init_method: str | None, 
         encoder = rank_encoder(config, place)  # its processes start while we load
     gather = dist.group.WORLD if config.offload.enabled and place.world > 1 else None
     try:
-        runner = PipelineRunner.load(config.model_dir, device, config=config, group=gather,
-                                     sequence_parallel=config.parallel.sp_size, progress=progress)
+        runner = preloaded.runner if preloaded is not None else PipelineRunner.load(
+            config.model_dir, device, config=config, group=gather, sequence_parallel=config.parallel.sp_size,
+            progress=progress)
     except BaseException:
         encoder.close()
         raise
@@ -55,10 +58,31 @@ def start_rank(config: EngineConfig, place: RankPlace, init_method: str | None, 
     encoder.wait_warm()
     worker = RankWorker(runner, place.rank, place.world, control, encoder, on_report=on_report,
                         sequence_parallel=sp, lead=lead)
+    ahead = {"preload_s": preloaded.seconds} if preloaded is not None else {}
     worker.start_stages = {"process_group_s": round(t_group - t0, 3), "load_s": round(t_load - t_group, 3),
-                           **{f"load.{k}_s": v for k, v in runner.load_stages.items()},
+                           **ahead, **{f"load.{k}_s": v for k, v in runner.load_stages.items()},
                            "encoders_s": round(time.monotonic() - t_load, 3)}
     return worker
+
+
+@dataclass
+class Preloaded:
+    """A pipeline loaded before its rank's group formed (engine.standby's preload): the
+    config it was loaded for, and how long that took (beside the rest of the start)."""
+
+    config: EngineConfig
+    runner: PipelineRunner
+    seconds: float
+
+
+def preload(config: EngineConfig, device: torch.device) -> Preloaded:
+    """The load of a rank of a one-process group (no process group, no gather), ahead."""
+    t0 = time.monotonic()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    runner = PipelineRunner.load(config.model_dir, device, config=config, group=None,
+                                 sequence_parallel=config.parallel.sp_size)
+    return Preloaded(config, runner, round(time.monotonic() - t0, 3))
 
 
 def rendezvous_store(init_method: str, rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
@@ -107,7 +131,7 @@ def load_facts(worker: RankWorker, t0: float) -> dict[str, Any]:
     return {"rank": worker.rank, "pid": os.getpid(), "setup_s": round(time.monotonic() - t0, 3),
             "stages": getattr(worker, "start_stages", {}), "mode": runner.config.offload.mode.value,
             "encoders": worker.encoder.workers,
-            "choice": runner.config.choice.as_dict() if runner.config.choice else None,
+            "choice": runner.config.choice,  # typed: the engine takes a rank's auto choice (one group)
             "compute": compute_facts(runner)}
 
 

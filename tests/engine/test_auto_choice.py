@@ -11,6 +11,7 @@ import pytest
 
 from service.config import EngineConfig, ModeChoice, OffloadConfig, OffloadMode, ParallelConfig
 from service.engine.executor import Group, GroupExecutor, Reply
+from service.engine.start import rule_mode
 from service.router.build import build_dispatcher
 from tests.fakes import RecordingSink
 
@@ -73,15 +74,14 @@ def test_a_failed_probe_names_the_flag(demo_model: str) -> None:
 def test_one_gpu_rank_is_decided_without_a_probe_and_says_why(demo_model: str) -> None:
     """World 1 on CUDA: AllGather gathers nothing, so the choice is rank-local where its copy
     engine reads the page cache as fast (the files as served), else AllGather (a cast or FP8
-    quantized at load need the slower pack thread). No probe process (run_probe is never
-    called) and /readyz says why; checked on the host, without a device."""
+    quantized at load need the slower pack thread). The rule (what the rank runs at its load:
+    ``decide_auto``) needs no probe and no device, and says why."""
     def one(**model: str) -> dict:
         config = auto(demo_model, dp=1)
         config = replace(config, model=replace(config.model, **model))
-        ex = NoTransport(config)
-        ex._resolve_auto(lambda: pytest.fail("no probe for one rank"))
-        assert ex.probes == 0
-        return ex.status()["offload_mode"]
+        choice = rule_mode(config)
+        assert choice is not None
+        return choice.as_dict()
 
     stored = one()
     assert stored["mode"] == "rank-local" and stored["source"] == "rule", stored
@@ -94,6 +94,24 @@ def test_one_gpu_rank_is_decided_without_a_probe_and_says_why(demo_model: str) -
     two = NoTransport(auto(demo_model, dp=2))
     two._resolve_auto(lambda: ModeChoice(OffloadMode.ALLGATHER, "measured"))
     assert two.probes == 1
+
+
+def test_one_group_leaves_auto_to_its_rank_and_takes_its_choice(demo_model: str) -> None:
+    """DP1: the layout is one group whatever the mode, so the engine's process decides
+    nothing (no model imports there, no probe); the rank's load reports its choice and the
+    engine keeps it (standbys and rebuilds load that mode; /readyz says it)."""
+    ex = NoTransport(auto(demo_model, dp=1))
+    ex._resolve_auto(lambda: pytest.fail("no probe in the engine for one group"))
+    assert ex.probes == 0 and ex.config.offload.mode is OffloadMode.AUTO
+    assert ex.status()["offload_mode"]["mode"] == "auto"
+    ex._lay_out()
+    assert [g.size for g in ex.groups()] == [1]
+    rule = rule_mode(ex.config)
+    ex._take_rank_choice([{"rank": 0, "choice": None}, {"rank": 0, "choice": rule}])
+    assert ex.config.offload.mode is OffloadMode.RANK_LOCAL and ex.config.choice == rule
+    assert ex.status()["offload_mode"]["source"] == "rule"
+    ex._take_rank_choice([{"choice": ModeChoice(OffloadMode.ALLGATHER, "later")}])  # resolved: kept
+    assert ex.config.choice == rule
 
 
 def test_the_choice_is_allgather_or_rank_local_only() -> None:

@@ -5,7 +5,9 @@ placement group, the demo model, a rank SIGKILLed mid-request.
   interpreter, no imports), and it serves the rerun and the next request with exact bytes;
 - a new standby waits after the rebuild; the rank's encoder pool size went with it;
 - the group's start breakdown shows the actor start (process and imports) apart from the
-  load on a first start, and says when a start was a standby's.
+  load on a first start, and says when a start was a standby's;
+- a standby, and a pre-started process, of a one-process group loads while it waits
+  (engine.preload: ``preload_s`` in its start's stages).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ def test_a_killed_rank_comes_back_as_its_standby(one_rank, resident) -> None:  #
     assert again["standby"] and again["pids"] == [standby["pid"]]  # no new interpreter
     assert ray.get(group.handles[0].ping.remote()) == standby["pid"]
     assert "actors.import_s" not in again["stages"]  # it imported before the kill
+    # and loaded while it waited (engine.preload): the take-over only started the rank loop
+    assert "preload_s" in again["stages"] and "preload_s" not in first["stages"]
     assert again["encoders"] == encoders
     assert d.status()["workers"] == [f"dloserve-{group.info.id}-gen0-rank0-standby"]
 
@@ -128,6 +132,8 @@ def test_the_first_groups_adopt_the_pre_started_ranks(ray_cluster: dict, demo_mo
         assert ray.get(first.handles[0].ping.remote()) == pids[0]
         stages = first.started["stages"]
         assert "prestart.import_s" in stages and "actors.import_s" not in stages
+        assert "preload_s" in stages  # rank-local ranks: it loaded while it waited (engine.preload)
+        assert "preload_s" not in second.started["stages"]
         assert not second.started["prestarted"] and second.started["pids"] != [pids[1]]
         assert "actors.import_s" in second.started["stages"]  # a new process: its imports were this start's
         assert d.executor.startup["prestart_imported_at"] > 0

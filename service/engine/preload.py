@@ -1,0 +1,119 @@
+"""A waiting rank process loads its pipeline ahead, so it takes over without the load.
+
+A standby, or a rank process the launcher started before Serve, of a *one-process* group
+(DP1, or the ranks of rank-local and resident mode) needs no process group to load: it
+loads on a thread while it waits (the checkpoint, the components, the compile warm-up),
+and its group's ``setup`` only starts the rank loop. A group of several processes (an
+AllGather group, an SP group) shards over its process group and so loads after it forms.
+
+What is loaded ahead is used only for the config it was loaded for (``take``): a config
+that differs (a replica with other flags adopting a pre-started process) is dropped and
+loaded again. A standby shares its GPU with the live rank: it keeps its load only while
+at least ``STANDBY_FREE_SHARE`` of the GPU stays free (the live rank's requests need the
+rest), else drops it and loads when it takes over, as before. Nothing here imports torch
+at module level: ``dloserve serve`` imports engine.standby before Serve starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from service.config import EngineConfig
+
+if TYPE_CHECKING:
+    from .start import Preloaded
+
+log = logging.getLogger("dloserve.engine")
+STANDBY_FREE_SHARE = 0.25  # of the GPU's memory, left free after a standby's load
+
+
+def preloadable(config: EngineConfig) -> bool:
+    """Whether ``config``'s groups are of one process (their ranks can load before a group
+    forms): no sequence parallelism, and one group or no gather between the ranks (an auto
+    mode that a DP>1 engine resolves later could still make one AllGather group)."""
+    from service.config import OffloadMode
+
+    if not config.parallel.standby_preload or config.parallel.sp_size > 1:
+        return False
+    single = (OffloadMode.RANK_LOCAL, OffloadMode.RESIDENT)
+    return config.parallel.dp_size == 1 or config.offload.mode in single
+
+
+def _same(a: EngineConfig, b: EngineConfig) -> bool:
+    """Equal but for the encoder count (the launcher sizes a pre-started process's pool)."""
+    def norm(c: EngineConfig) -> EngineConfig:
+        return replace(c, parallel=replace(c.parallel, encoders_per_rank=None))
+    return norm(a) == norm(b)
+
+
+class Preload:
+    """``start.preload`` on a thread of a waiting process; ``standby``: keep it only where the
+    GPU keeps room for the live rank."""
+
+    def __init__(self, config: EngineConfig, standby: bool) -> None:
+        self.config, self.standby = config, standby
+        self.result: Preloaded | None = None
+        self.problem: str | None = None  # why nothing is kept (logged; the load runs at setup)
+        self._thread = threading.Thread(target=self._run, name="preload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import torch
+
+        from .start import preload
+
+        try:
+            cuda = self.config.parallel.device == "cuda"
+            device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+            got = preload(self.config, device)
+            room = _room_problem(device) if self.standby else None
+            if room is not None:
+                _drop(got)
+                self.problem = room
+                return
+            self.result = got
+        except Exception as e:  # noqa: BLE001 - the load at setup says it properly
+            self.problem = f"the load ahead failed ({type(e).__name__}: {e}); it runs at set-up"
+
+    def take(self, config: EngineConfig) -> Preloaded | None:
+        """The load, for ``config`` only (waits for it to finish); None: load at set-up."""
+        self._thread.join()
+        got, self.result = self.result, None
+        if got is not None and not _same(got.config, config):
+            _drop(got)
+            self.problem = "loaded ahead for another config; loading again"
+            got = None
+        if got is None:
+            log.info("rank process: nothing loaded ahead to use: %s", self.problem)
+        return got
+
+    def close(self) -> None:
+        """Free what was loaded and not taken."""
+        self._thread.join()
+        got, self.result = self.result, None
+        if got is not None:
+            _drop(got)
+
+
+def _room_problem(device: object) -> str | None:
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)  # type: ignore[arg-type]
+    if free >= STANDBY_FREE_SHARE * total:
+        return None
+    return (f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the standby's load, under "
+            f"{STANDBY_FREE_SHARE:.0%}: dropped (the live rank's requests need it); it loads when it "
+            "takes over")
+
+
+def _drop(got: Preloaded) -> None:
+    import torch
+
+    got.runner.close()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
