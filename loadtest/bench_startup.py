@@ -14,8 +14,9 @@ and torch's caches as the first left them). A start is one of:
 
 - ``ready``: ready, then stop;
 - ``kill`` (``--rank-standby``) / ``kill-nostandby`` (``--no-rank-standby``): once ready, one
-  request runs undisturbed (its own time), the same request runs again and one rank process
-  is SIGKILLed once it has made ``--kill-at`` percent progress; recorded: the kill to
+  request runs undisturbed (its own time), the standbys settle (imported, and loaded ahead
+  where they do: ``standby_wait_s`` after that request), the same request runs again and one
+  rank process is SIGKILLed once it has made ``--kill-at`` percent progress; recorded: the kill to
   ``/readyz`` 200 with every group on a new generation (serving again), the killed request's
   final status, the step its rerun went on from (``resumed_from_step``: 0 reran it from the
   start) and its submit-to-final time against its own, and a request sent after.
@@ -121,6 +122,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     own = final(url, vid, timeout)
     out["own_request"] = {"status": own["status"], "s": round(time.monotonic() - t, 2),
                           "timings": own.get("timings")}
+    out["standby_wait_s"], out["standbys_loaded"] = standbys_settled(url, timeout)
     _, before = readyz(url)
     gens = {g["group"]: g.get("generation", 0) for g in before.get("groups", [])}
     vid, t_sent = request(url, {**body, "prompt": "killed mid-request"})
@@ -148,6 +150,20 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     out["rebuild"] = [g.get("last_start") for g in after.get("groups", [])]
     out["standbys"] = after.get("standbys")
     return out
+
+
+def standbys_settled(url: str, timeout: float) -> tuple[float, dict[str, Any]]:
+    """Seconds until every group's standby has imported and, where it does, loaded ahead
+    (``/readyz`` ``standbys_loaded``: None while loading): a rank dies at any time, most often
+    long after its group started, so the kill is timed against a standby that is ready."""
+    t0 = time.monotonic()
+    loaded: dict[str, Any] = {}
+    while time.monotonic() - t0 < timeout:
+        loaded = readyz(url)[1].get("standbys_loaded") or {}
+        if loaded and all(v is not None for v in loaded.values()):
+            break
+        time.sleep(0.5)
+    return round(time.monotonic() - t0, 2), loaded
 
 
 def one_start(args: argparse.Namespace, kind: str, logdir: Path, n: int) -> dict[str, Any]:

@@ -78,6 +78,11 @@ class Preload:
         except Exception as e:  # noqa: BLE001 - the load at setup says it properly
             self.problem = f"the load ahead failed ({type(e).__name__}: {e}); it runs at set-up"
 
+    def wait(self) -> bool:
+        """Whether the load ahead is done and kept (waits for it)."""
+        self._thread.join()
+        return self.result is not None
+
     def take(self, config: EngineConfig) -> Preloaded | None:
         """The load, for ``config`` only (waits for it to finish); None: load at set-up."""
         self._thread.join()

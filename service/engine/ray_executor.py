@@ -69,6 +69,7 @@ class RayExecutor(GroupExecutor):
         # ref -> (group, generation, process, op, job id)
         self._refs: dict[Any, tuple[Group, int, int, str, str]] = {}
         self._standbys: dict[str, list[tuple[Any, str]]] = {}  # group -> (actor, name) per process
+        self._standbys_ahead: dict[str, list[Any]] = {}  # group -> refs: each standby loaded ahead?
         self._actor_names: dict[str, list[str]] = {}
 
     # -- start ------------------------------------------------------------------------
@@ -144,6 +145,8 @@ class RayExecutor(GroupExecutor):
         standby = all(s["standby"] for s in started) and not prestarted
         imports = max(s["import_s"] for s in started)
         detail = {} if standby else {"prestart.import_s" if prestarted else "actors.import_s": imports}
+        if prestarted:  # the task that reads the bundles' GPU ids, part of actors_s
+            detail["actors.gpu_ids_s"] = max(s["gpu_ids_s"] for s in started)
         if prestarted:  # imported while Serve started: when the last of them was done
             self.startup["prestart_imported_at"] = max(s["imported_at"] for s in started)
         log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
@@ -188,12 +191,14 @@ class RayExecutor(GroupExecutor):
             self._standbys[g.info.id] = [
                 (self._actor(g, p, names[p], True, started[p]["visible_devices"], config), names[p])
                 for p in range(g.world)]
+            self._standbys_ahead[g.info.id] = [a.ahead.remote() for a, _ in self._standbys[g.info.id]]
 
     def _take_standbys(self, g: Group) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
         """The group's standbys, once they answer (they may still be importing); none if
         there are none or one of them died (the caller starts new processes)."""
         with self._lock:
             standbys = self._standbys.pop(g.info.id, [])
+            self._standbys_ahead.pop(g.info.id, None)
         if len(standbys) != g.world:
             self._kill_all([a for a, _ in standbys])
             return [], [], []
@@ -217,7 +222,9 @@ class RayExecutor(GroupExecutor):
         actors: list[Any] = []
         names: list[str | None] = []
         try:
+            t0 = time.monotonic()
             devices = self._bundle_devices(bundles)
+            gpu_ids_s = round(time.monotonic() - t0, 3)
             with self._lock:
                 names = [self._prestarted.pop(self._prestart_key(b, d), None)
                          for b, d in zip(bundles, devices, strict=True)]
@@ -232,7 +239,8 @@ class RayExecutor(GroupExecutor):
                         g.info.id, short(e))
             self._kill_all(actors)
             return [], [], []
-        return actors, [str(n) for n in names], [{**s, "prestarted": True} for s in started]
+        return actors, [str(n) for n in names], [{**s, "prestarted": True, "gpu_ids_s": gpu_ids_s}
+                                                 for s in started]
 
     def _prestart_key(self, bundle: int, devices: str | None) -> int:
         """Which pre-started process a bundle adopts: process i loads ahead on GPU i
@@ -254,6 +262,7 @@ class RayExecutor(GroupExecutor):
         return self._get(refs)
 
     def _kill_standbys(self, gid: str) -> None:
+        self._standbys_ahead.pop(gid, None)
         self._kill_all([a for a, _ in self._standbys.pop(gid, [])])
 
     @staticmethod
@@ -363,4 +372,17 @@ class RayExecutor(GroupExecutor):
     def status(self) -> dict[str, Any]:
         with self._lock:
             standbys = {gid: [n for _, n in sb] for gid, sb in self._standbys.items()}
-        return {**super().status(), "namespace": NAMESPACE, "standbys": standbys}
+            ahead = {gid: self._loaded_ahead(gid) for gid in standbys}
+        return {**super().status(), "namespace": NAMESPACE, "standbys": standbys, "standbys_loaded": ahead}
+
+    def _loaded_ahead(self, gid: str) -> bool | None:
+        """Whether every standby of ``gid`` has loaded ahead (engine.preload): None while one
+        is still importing or loading, False where one does not (or could not)."""
+        refs = self._standbys_ahead.get(gid, [])
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        if len(done) < len(refs) or not refs:
+            return None
+        try:
+            return all(ray.get(done, timeout=1))
+        except Exception:  # noqa: BLE001 - a standby that died: the rebuild starts new processes
+            return False

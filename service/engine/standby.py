@@ -141,6 +141,11 @@ class WarmRankActor(RankActor):
         return load_facts(self.worker, t0)
 
 
+    def ahead(self) -> bool:
+        """Whether it has loaded ahead and kept it (waits for the load ahead to end)."""
+        preload = self._preload
+        return preload is not None and preload.wait()
+
     def close(self) -> None:
         preload, self._preload = self._preload, None
         if preload is not None:

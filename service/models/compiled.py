@@ -61,11 +61,19 @@ def backend_for(device: torch.device) -> str:
 
 
 def keep_inductor_cache() -> str:
-    """``TORCHINDUCTOR_CACHE_DIR``, set to ``$DLOSERVE_CACHE/inductor`` unless given (torch reads
-    it when it first compiles): the folder."""
+    """``TORCHINDUCTOR_CACHE_DIR``, set to ``$DLOSERVE_CACHE/inductor`` unless it names another
+    folder than torch's default (torch reads it at each cache access): the folder. torch
+    writes its own default into the variable the first time anything asks for the folder (on
+    the H200 something had before the blocks were compiled: the warm-up's caches went to
+    /tmp/torchinductor_root), so that value is not taken for a user's choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from .demo import cache_dir
 
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given is None or os.path.abspath(given) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),

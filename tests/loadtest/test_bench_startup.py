@@ -41,6 +41,7 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     # the rank process started right after Ray, imported beside Serve's start, and was adopted
     (first,) = start["last_start"]
     assert first["prestarted"] is True and "prestart.import_s" in first["stages"], first
+    assert "preload_s" in first["stages"]  # and loaded beside Serve's start (engine.preload)
     span = start["startup"]["parallel"]["rank_processes_s"]
     assert span["s"] > 0 and span["began_s"] == pytest.approx(
         sum(start["startup"]["steps"][k] for k in ("launcher_checks_s", "ray_start_s")), abs=0.01)
@@ -50,3 +51,5 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert start["kill_to_serving_s"] > 0
     (rebuilt,) = start["rebuild"]
     assert rebuilt["standby"] is True  # --rank-standby: the rebuild took the standby
+    assert start["standbys_loaded"] and all(start["standbys_loaded"].values()), start["standbys_loaded"]
+    assert "preload_s" in rebuilt["stages"]  # which had loaded before the kill

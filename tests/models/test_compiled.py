@@ -147,6 +147,12 @@ def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert compiled.cache_dir == str(tmp_path / "inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == compiled.cache_dir
     compiled.close()
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cache_dir() == default_cache_dir()  # torch, asked first, writes its default in the variable
+    # ... which is not a choice: ours again
+    assert CompiledBlocks(model, ["blocks"], "inductor").cache_dir == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert CompiledBlocks(model, ["blocks"], "inductor").cache_dir == str(tmp_path / "mine")  # given: kept
     eager = CompiledBlocks(model, ["blocks"], "aot_eager")
