@@ -80,6 +80,12 @@ class EngineArgs:
         OffloadConfig.device_memory_gb, OFFLOAD,
         "keep as many blocks resident as fit in this many GiB beside the two slots, the non-block tensors "
         "and the probe forward's activations", type=float)
+    dlo_device_share: float = flag(
+        OffloadConfig.device_share, OFFLOAD,
+        "where neither of the two above is given, on CUDA: keep as many blocks resident as fit, with the two "
+        "slots and the non-block tensors, in this share of the GPU's memory (a model that fits streams "
+        "nothing: short clips are transfer-bound; activations and the components use the rest); 0 streams "
+        "every block", type=float)
     dlo_components: str = flag(
         ",".join(OffloadConfig.components), OFFLOAD,
         f"what offload covers, comma-separated from {','.join(COMPONENTS)}: text_encoder streams its blocks "
@@ -236,6 +242,7 @@ class EngineArgs:
             mode=self.mode(),
             resident_layers=self.dlo_resident_layers,
             device_memory_gb=self.dlo_device_memory_gb,
+            device_share=self.dlo_device_share,
             components=parse_components(self.dlo_components),
             probe_shape=parse_probe_size(self.dlo_probe_size) if self.dlo_probe_size else None,
         )

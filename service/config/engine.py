@@ -187,7 +187,8 @@ def offload_mapping(config: EngineConfig) -> dict[str, Any]:
     """The inverse: the flat ``offload`` mapping of ``config`` (plain JSON, Serve's ``args``)."""
     off, model = config.offload, config.model
     return {"mode": off.mode.value, "resident_layers": off.resident_layers,
-            "device_memory_gb": off.device_memory_gb, "components": list(off.components),
+            "device_memory_gb": off.device_memory_gb, "device_share": off.device_share,
+            "components": list(off.components),
             "probe_shape": list(off.probe_shape) if off.probe_shape else None,
             "dtype": model.dtype, "quantization": model.quantization, "cfg_batch": model.cfg_batch,
             "compile": model.compile, "attention": model.attention, "lora_cache_gb": config.lora.cache_gb,

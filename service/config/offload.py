@@ -17,6 +17,11 @@ NEEDS_OFFLOAD = "needs --enable-distributed-layerwise-offload"
 # The mode when offload is asked for and no --dlo-mode is given (flags and the Serve config).
 STREAMED_DEFAULT = OffloadMode.AUTO
 PROBE_SHAPE = (480, 832, 81)  # (height, width, frames) of the probe forward when none is given
+# The share of a GPU's memory the streamed transformer's weights may take (its resident blocks,
+# the two slots, the non-block tensors) when no flag places the blocks: a model that fits keeps
+# its blocks on the device instead of streaming them (short clips are transfer-bound); the
+# activations, the text encoder and VAE, and a standby's copy use the rest.
+DEVICE_SHARE = 0.4
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,9 @@ class OffloadConfig:
 
     ``mode``: RESIDENT (nothing streams, the default), ALLGATHER, RANK_LOCAL or AUTO (resolved
     once at load by the probe: ``service.models.automode.decide_auto``).
-    ``resident_layers`` / ``device_memory_gb``: transformer blocks kept on the device.
+    ``resident_layers`` / ``device_memory_gb``: transformer blocks kept on the device;
+    ``device_share``: where neither is given, on CUDA, as many as fit in this share of the
+    GPU's memory (0: stream every block).
     ``components``: what offload covers besides the transformer (text encoder, VAE).
     ``probe_shape``: (height, width, frames) of the load-time probe forward (auto mode and
     the memory budget); None is ``PROBE_SHAPE``.
@@ -34,6 +41,7 @@ class OffloadConfig:
     mode: OffloadMode = OffloadMode.RESIDENT
     resident_layers: int | None = None
     device_memory_gb: float | None = None
+    device_share: float = DEVICE_SHARE
     components: tuple[str, ...] = ("dit",)
     probe_shape: tuple[int, int, int] | None = None
 
@@ -49,6 +57,8 @@ class OffloadConfig:
             if len(shape) != 3 or min(shape) < 1:
                 raise FlagError(f"--dlo-probe-size: three positive sizes, got {self.probe_shape!r}")
             object.__setattr__(self, "probe_shape", shape)
+        if not 0 <= self.device_share < 1:
+            raise FlagError(f"--dlo-device-share must be in [0, 1), got {self.device_share}")
         if self.resident_layers is not None and self.resident_layers < 0:
             raise FlagError(f"--dlo-resident-layers must be >= 0, got {self.resident_layers}")
         if self.device_memory_gb is not None:

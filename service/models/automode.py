@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from service.config import EngineConfig, ModeChoice, OffloadMode
+from service.config import EngineConfig, ModeChoice, OffloadConfig, OffloadMode
 from service.config.offload import PROBE_SHAPE
 from service.offload import enable_layerwise_offload
 from service.offload.auto import ProbeTimings, choose_mode, probe
@@ -75,6 +75,21 @@ def rule_choice(adapter: ModelAdapter, device_type: str, config: EngineConfig,
                           f"{one}; rank-local could not DMA the page cache ({problem}): its pack thread "
                           "is slower", source="rule")
     return None
+
+
+def device_budget(off: OffloadConfig, dev: torch.device,
+                  sequence_parallel: int = 1) -> tuple[int | None, bool]:
+    """The device bytes the streamed transformer may take (``Placement.device_memory_budget``),
+    and whether it is the default share of the GPU (``--dlo-device-share``: the weights only,
+    resident blocks, slots and non-block tensors; the activations, the components and a
+    standby use the rest) rather than ``--dlo-device-memory-gb`` (the probe's activations
+    within it). None: ``--dlo-resident-layers`` places the blocks, or every block streams
+    (CPU, SP, a share of 0)."""
+    if off.device_memory_gb is not None:
+        return int(off.device_memory_gb * 2**30), False
+    if off.resident_layers is not None or not off.device_share or dev.type != "cuda" or sequence_parallel > 1:
+        return None, False
+    return int(off.device_share * torch.cuda.get_device_properties(dev).total_memory), True
 
 
 def pagecache_problem(adapter: ModelAdapter, config: EngineConfig) -> str | None:

@@ -43,7 +43,7 @@ from service.offload.quant_checkpoint import prequantized_key
 
 from . import attention
 from .adapter import LatentsCallback, ModelAdapter
-from .automode import cfg_batch_on, decide_auto, dtype_of, probe_transformer
+from .automode import cfg_batch_on, decide_auto, device_budget, dtype_of, probe_transformer
 from .cache import StepCaches
 from .checks import check_request
 from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
@@ -144,16 +144,19 @@ class PipelineRunner:
                 config, timings = config.resolved(choice), choice.timings
                 off = config.offload
                 log.info("offload mode auto: %s (%s)", choice.mode.value, choice.reason)
-            if timings is None and off.device_memory_gb is not None and dev.type == "cuda":
+            # A budget in GiB holds the activations too (measured by the probe forward); the
+            # default share holds the weights only: activations use the rest of the GPU.
+            budget, shared = device_budget(off, dev, sequence_parallel)
+            if timings is None and budget is not None and not shared:
                 timings = probe_transformer(adapter, dev, config, group)
-            if timings is not None and timings.activation_bytes:
+            if timings is not None and timings.activation_bytes and not shared:
                 activation = timings.activation_bytes + BUDGET_HEADROOM
-            if off.device_memory_gb is not None:  # the adapter LRU is on the device too
+            if budget is not None and not shared:  # the adapter LRU is on the device too
                 activation += config.lora.cache_bytes
             marks["probe"] = time.perf_counter()
-            budget = None if off.device_memory_gb is None else int(off.device_memory_gb * 2**30)
-            try:
-                handle = enable_layerwise_offload(
+
+            def stream(budget: int | None) -> LayerwiseOffload:
+                return enable_layerwise_offload(
                     module,
                     ckpt,
                     device=dev,
@@ -168,10 +171,22 @@ class PipelineRunner:
                     quantization=config.model.quantization,
                     experts=adapter.experts if len(adapter.experts) > 1 else None,
                 )
+
+            try:
+                handle = stream(budget)
             except ValueError as e:
-                if "device_memory_budget" in str(e) or "resident_blocks" in str(e):
+                if shared and "below what streaming every block needs" in str(e):
+                    log.info("--dlo-device-share %g: %s; every block streams", off.device_share, e)
+                    handle = stream(None)
+                elif "device_memory_budget" in str(e) or "resident_blocks" in str(e):
                     raise ValueError(f"--dlo-device-memory-gb / --dlo-resident-layers: {e}") from e
-                raise
+                else:
+                    raise
+            if shared:
+                placed = handle.stats(sync=False)
+                log.info("--dlo-device-share %g of the GPU's %.1f GiB: %d of %d blocks resident, the rest "
+                         "stream", off.device_share, budget / off.device_share / 2**30,
+                         placed.resident_blocks, placed.blocks)
         else:
             load_resident(module, ckpt, dev, dtype=dtype, keep_fp32=adapter.keep_fp32,
                           quantization=config.model.quantization,

@@ -109,6 +109,15 @@ def test_a_config_mapping_is_checked_as_strictly_as_the_flags() -> None:
         mapped({"mode": "resident", "resident_layers": 3})
 
 
+def test_the_device_share_flag_and_mapping() -> None:
+    on = "--enable-distributed-layerwise-offload"
+    assert config(on, "--dlo-device-share", "0").offload.device_share == 0
+    assert mapped({"device_share": 0.25}).offload.device_share == 0.25
+    assert offload_mapping(config("--enable-distributed-layerwise-offload"))["device_share"] == 0.4
+    with pytest.raises(FlagError, match="--dlo-device-share"):
+        config("--enable-distributed-layerwise-offload", "--dlo-device-share", "1.5")
+
+
 def test_probe_support_per_family() -> None:
     assert parse_probe_size("832x480x81") == (480, 832, 81)
     auto = EngineConfig(offload=OffloadConfig(OffloadMode.AUTO))
