@@ -65,6 +65,7 @@ class RayExecutor(GroupExecutor):
         # Rank processes the launcher started before Serve (engine.standby.prestart), by bundle:
         # the first groups adopt them; a name is dropped once adopted or found gone.
         self._prestarted: dict[int, str] = dict(enumerate(prestarted or []))
+        self._prestart_gpus: dict[int, str | None] | None = None  # the GPU each loads ahead on
         self._own_placement = False
         # ref -> (group, generation, process, op, job id)
         self._refs: dict[Any, tuple[Group, int, int, str, str]] = {}
@@ -225,6 +226,7 @@ class RayExecutor(GroupExecutor):
             t0 = time.monotonic()
             devices = self._bundle_devices(bundles)
             gpu_ids_s = round(time.monotonic() - t0, 3)
+            self._learn_prestart_gpus()
             with self._lock:
                 names = [self._prestarted.pop(self._prestart_key(b, d), None)
                          for b, d in zip(bundles, devices, strict=True)]
@@ -243,11 +245,30 @@ class RayExecutor(GroupExecutor):
                                                  for s in started]
 
     def _prestart_key(self, bundle: int, devices: str | None) -> int:
-        """Which pre-started process a bundle adopts: process i loads ahead on GPU i
-        (engine.standby.prestart), so the one of the bundle's GPU, else the bundle's own."""
-        if devices and devices.isdigit() and int(devices) in self._prestarted:
-            return int(devices)
+        """Which pre-started process a bundle adopts: the one loading ahead on the bundle's
+        GPU (engine.standby.prestart chose it before the bundle existed), else the bundle's own."""
+        for i, gpu in (self._prestart_gpus or {}).items():
+            if devices and gpu == devices and i in self._prestarted:
+                return i
         return bundle
+
+    def _learn_prestart_gpus(self) -> None:
+        """Each pre-started process's GPU (its ``started`` answer), asked once; one that does
+        not answer has none (its bundle's adoption then fails over to a new process)."""
+        with self._lock:
+            if self._prestart_gpus is not None or not self._prestarted:
+                return
+            names = dict(self._prestarted)
+        gpus: dict[int, str | None] = {}
+        for i, name in names.items():
+            try:
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                gpus[i] = self._get(actor.started.remote()).get("visible_devices")
+            except Exception:  # noqa: BLE001 - gone: the adoption says so
+                gpus[i] = None
+        with self._lock:
+            if self._prestart_gpus is None:
+                self._prestart_gpus = gpus
 
     def _bundle_devices(self, bundles: list[int]) -> list[str | None]:
         """The GPUs (CUDA_VISIBLE_DEVICES) Ray gives a rank in each bundle, read by a small

@@ -178,14 +178,24 @@ def prestart(config: EngineConfig, instance: str, namespace: str) -> dict[str, A
     out: dict[str, Any] = {}
     sp = config.parallel.sp_size
     ahead = preloadable(config) and config.parallel.gpus_per_rank in (0, 1)
+    gpus = prestart_gpus(config, os.environ.get("CUDA_VISIBLE_DEVICES")) if ahead else []
     for i in range(config.parallel.processes):
         place = RankPlace("prestart", i % sp, sp, i - i % sp)
         name = f"dloserve-{instance}-prestart{i}"
         par = replace(config.parallel, encoders_per_rank=rank_encoder_count(config, place))
-        # Loading ahead on a GPU needs its id before the bundle exists: process i takes GPU i
-        # of this node (the executor adopts each process for the bundle Ray gave that GPU).
-        devices = str(i) if ahead and config.parallel.gpus_per_rank == 1 else None
+        devices = gpus[i] if i < len(gpus) else None
         out[name] = PrestartRemote.options(name=name, namespace=namespace, num_cpus=0, num_gpus=0,
                                            max_restarts=0).remote(replace(config, parallel=par), place, True,
                                                                   devices, ahead)
     return out
+
+
+def prestart_gpus(config: EngineConfig, visible: str | None) -> list[str]:
+    """The GPU each pre-started process loads ahead on, before any bundle exists: process i
+    takes the node's i-th GPU as Ray names it (the launcher's ``CUDA_VISIBLE_DEVICES``, which
+    Ray's ids are, else 0..N-1); the executor adopts each for the bundle Ray gave that GPU.
+    None for CPU ranks or a fraction of a GPU per rank (no one GPU to name)."""
+    if config.parallel.gpus_per_rank != 1:
+        return []
+    ids = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    return (ids or [str(i) for i in range(config.parallel.processes)])[:config.parallel.processes]

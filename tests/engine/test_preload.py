@@ -56,7 +56,20 @@ def test_a_failed_load_ahead_leaves_the_load_to_set_up(tmp_path) -> None:  # noq
 def test_each_bundle_adopts_the_process_loading_on_its_gpu() -> None:
     spec = replace(config(OffloadMode.RANK_LOCAL, dp=3), parallel=ParallelConfig(dp_size=3, gpus_per_rank=1))
     ex = RayExecutor(spec, prestarted=["p0", "p1", "p2"])
-    # process i loads on GPU i: a bundle given GPU 2 takes process 2, whatever its index
-    assert [ex._prestart_key(b, d) for b, d in [(0, "2"), (1, "0"), (2, "1")]] == [2, 0, 1]
-    assert ex._prestart_key(1, None) == 1 and ex._prestart_key(1, "0,1") == 1  # CPU; several GPUs
+    ex._prestart_gpus = {0: "4", 1: "5", 2: "6"}  # what each answered (the launcher saw GPUs 4,5,6)
+    # a bundle given GPU 6 takes the process loading on GPU 6, whatever its index
+    assert [ex._prestart_key(b, d) for b, d in [(0, "6"), (1, "4"), (2, "5")]] == [2, 0, 1]
+    assert ex._prestart_key(1, None) == 1 and ex._prestart_key(1, "4,5") == 1  # CPU; several GPUs
     assert ex._prestart_key(1, "7") == 1  # a GPU no process took: the bundle's own
+    ex._prestarted.pop(2)
+    assert ex._prestart_key(0, "6") == 0  # that process was adopted already
+
+
+def test_pre_started_processes_take_the_gpus_the_launcher_sees() -> None:
+    from service.engine.standby import prestart_gpus
+
+    two = EngineConfig("unused", parallel=ParallelConfig(dp_size=2, gpus_per_rank=1))
+    assert prestart_gpus(two, None) == ["0", "1"]
+    assert prestart_gpus(two, "4, 6,7") == ["4", "6"]  # Ray names the GPUs by these ids
+    assert prestart_gpus(replace(two, parallel=replace(two.parallel, gpus_per_rank=0.5)), None) == []
+    assert prestart_gpus(EngineConfig("unused"), "0") == []  # CPU ranks
