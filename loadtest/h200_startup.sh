@@ -1,0 +1,51 @@
+#!/bin/bash
+# Issue 34's one-GPU figures, as run on a lent nvidia-h200 (after the wheels from
+# ../shared/tools/gpu-wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
+# Wan-14B layers, bf16 twice: a first start and a restart; FP8 once; 40 layers once), a rank
+# SIGKILLed at half of a request against a standby that has loaded, and short clips sent at
+# once under default flags against the resident ideal. Each step has its own limit; each
+# writes JSON under $OUT. A device call is 10 minutes at most: pass the parts per call.
+#
+#   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; then: ready40
+#   OUT=/tmp/o SMOKE=1 bash loadtest/h200_startup.sh ready12     # CPU, the tiny demo model: the plumbing only
+set -u
+OUT=${OUT:?set OUT}
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PARTS=${1:-ready12,kill}
+PY=${PY:-python3}
+DAY=$(date -u +%F)
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+step() { local limit=$1; shift; echo "== $(date +%T) $*"; timeout "$limit" "$@"; echo "== rc=$?"; }
+
+if [ "${SMOKE:-0}" = 1 ]; then
+  DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5 MIX=tiny
+  [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
+else
+  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short
+  if has ready12 || has kill || has fp8 || has short; then
+    [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
+  fi
+  if has ready40; then
+    [ -d "$M40" ] || step 300 $PY -m service.cli demo-model "$M40" --preset wan14b-shape --layers 40
+  fi
+fi
+B="$PY loadtest/bench_startup.py $DEV --module"
+# shellcheck disable=SC2086
+has ready12 && step 240 $B --model "$M12" --label 12-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12.json"
+# shellcheck disable=SC2086
+has fp8 && step 150 $B --model "$M12" --label 12-fp8 "--serve-args=--quantization fp8" --starts ready \
+  --out "$OUT/$KIND-startup-$DAY-12-fp8.json"
+# shellcheck disable=SC2086
+has ready40 && step 240 $B --model "$M40" --label 40-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40.json"
+# An Euler view of the model, so the killed request goes on from its step.
+# shellcheck disable=SC2086
+has kill && step 240 $B --model "$M12" --label 12-bf16-kill --euler --starts kill --size $SIZE --steps 10 \
+  --kill-at 50 --out "$OUT/$KIND-startup-$DAY-kill.json"
+# Short clips (5-17 frames, 2-4 steps) sent at once, default flags against the resident ideal.
+for n in 8 24; do
+  # shellcheck disable=SC2086
+  has short && step 280 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $MIX \
+    --requests $n --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-short$n-$DAY.json" --logdir /tmp
+done
+ls -la "$OUT"
