@@ -31,6 +31,7 @@ from service.api.serve_flags import (
     results_url,
     webhook_settings,
 )
+from service.api.startup import process_started_at
 
 if TYPE_CHECKING:
     from service.api.config import ServiceConfig
@@ -103,14 +104,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # /readyz's startup breakdown (service.api.startup): from this process's start, as a user times it
+    marks = {"command": time.time()}
+    marks["process"] = process_started_at() or marks["command"]
     from service.api.hostproc import port_free, port_holder
     from service.models.adapter import ModelError
     from service.models.startup import check_start
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    t0 = time.monotonic()
-    marks = {"command": time.time()}  # /readyz's startup breakdown (service.api.startup)
     try:
         device = "cpu" if args.gpus_per_rank == 0 else "cuda"
         args.engine_config, _ = check_start(args.engine_config, args.model, device)  # the demo: written here
@@ -178,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        _start_local_cluster(loopback=args.host in LOOPBACK)
+        _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
 
     import ray
 
@@ -189,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, gpus, args.engine_config)
     marks["ray_up"] = time.time()
     prestarted = _prestart(cfg, args)  # they start and import while Serve starts
+    _start_store(cfg)
     cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted})
     app_import.join()
     from service.api.app import deploy
@@ -206,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortTaken) else 1
     _report_listeners(args.host)
-    print(f"dloserve ready at {url} in {time.monotonic() - t0:.1f} s "
+    print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
@@ -223,6 +226,23 @@ def _import_app() -> threading.Thread:
             pass
 
     t = threading.Thread(target=load, name="import-app", daemon=True)
+    t.start()
+    return t
+
+
+def _start_store(cfg: ServiceConfig) -> threading.Thread:
+    """The job store's actor, started now on a thread, so its process and imports run beside
+    Serve's start; the replica then finds it (the same name, the same settings). A failure
+    is left to the replica, which reports it the same way."""
+    def start() -> None:
+        try:
+            from service.api.service import connect_job_store
+
+            connect_job_store(cfg)
+        except Exception:  # noqa: BLE001 - the replica's own connect raises it
+            pass
+
+    t = threading.Thread(target=start, name="start-job-store", daemon=True)
     t.start()
     return t
 
@@ -268,11 +288,13 @@ def _size_ranks(args: argparse.Namespace) -> None:
     print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
-def _start_local_cluster(loopback: bool) -> None:
+def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names.
 
     Ray's token authentication stays on (ray.init handles the token for this process and
-    the workers it starts); the dashboard binds 127.0.0.1. With a loopback --host the node's
+    the workers it starts). Ray's dashboard only with ``--ray-dashboard`` (it binds
+    127.0.0.1): ``ray.init`` waits for it and its nine module processes before it starts
+    the raylet (docs/operate.md, "Start-up time"). With a loopback --host the node's
     address is the loopback one, so Ray's listeners (GCS, raylet, agents, the metrics export
     port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
     host's outward address, but takes the loopback address as the node's when
@@ -292,7 +314,12 @@ def _start_local_cluster(loopback: bool) -> None:
         from ray._private import ray_constants
 
         ray_constants.ENABLE_RAY_CLUSTER = False  # read at import: ray may be imported already
-    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, dashboard_host="127.0.0.1")
+    # No runtime_env: the workers inherit this process's environment through the raylet, and
+    # Ray's pre-started idle workers (one per CPU, no runtime env) then serve the first actors
+    # (Serve's controller, proxy, replica, the job store) instead of new ones made through the
+    # runtime-env agent.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
     _install_handlers()
 
 
