@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -108,18 +109,15 @@ def _run(args: argparse.Namespace) -> int:
     marks = {"command": time.time()}
     marks["process"] = process_started_at() or marks["command"]
     from service.api.hostproc import port_free, port_holder
-    from service.models.adapter import ModelError
-    from service.models.startup import check_start
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        device = "cpu" if args.gpus_per_rank == 0 else "cuda"
-        args.engine_config, _ = check_start(args.engine_config, args.model, device)  # the demo: written here
-        args.model = args.engine_config.model_dir
-    except ModelError as e:
-        print(f"dloserve serve: {e}", file=sys.stderr)
-        return 2
+    model_checked = _check_model(args, marks)  # torch's import and the model's check overlap Ray's start
+    if args.model and not Path(args.model).expanduser().is_dir():  # no folder: said before anything starts
+        problem = model_checked()
+        if problem:
+            print(f"dloserve serve: {problem}", file=sys.stderr)
+            return 2
     from service.api.keys import KeyFileError
     from service.api.webhooks import WebhookConfigError
 
@@ -181,6 +179,10 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     else:
         _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
+    problem = model_checked()
+    if problem:  # the cluster we started goes with the launcher (run's finally)
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
 
     import ray
 
@@ -213,6 +215,41 @@ def _run(args: argparse.Namespace) -> int:
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
+
+
+def _check_model(args: argparse.Namespace, marks: dict[str, float]) -> Callable[[], str | None]:
+    """Check the model (``check_start``; without MODEL it writes the demo one) on a thread:
+    its seconds, mostly torch's import, overlap Ray's start instead of coming before it. The
+    returned call waits for it, sets ``args.engine_config`` and ``args.model``, and returns
+    the error that ends the start (exit code 2), or None. ``marks["model_checked"]``: when
+    it was done (/readyz's ``startup.parallel``)."""
+    out: dict[str, object] = {}
+
+    def check() -> None:
+        try:
+            from service.models.adapter import ModelError
+            from service.models.startup import check_start
+
+            try:
+                device = "cpu" if args.gpus_per_rank == 0 else "cuda"
+                args.engine_config, _ = check_start(args.engine_config, args.model, device)
+                args.model = args.engine_config.model_dir
+            except ModelError as e:
+                out["problem"] = str(e)
+            marks["model_checked"] = time.time()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=check, name="check-model", daemon=True)
+    t.start()
+
+    def result() -> str | None:
+        t.join()
+        if "error" in out:
+            raise out["error"]  # type: ignore[misc]
+        return out.get("problem")  # type: ignore[return-value]
+
+    return result
 
 
 def _import_app() -> threading.Thread:
@@ -294,7 +331,8 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     Ray's token authentication stays on (ray.init handles the token for this process and
     the workers it starts). Ray's dashboard only with ``--ray-dashboard`` (it binds
     127.0.0.1): ``ray.init`` waits for it and its nine module processes before it starts
-    the raylet (docs/operate.md, "Start-up time"). With a loopback --host the node's
+    the raylet (docs/operate.md, "Start-up time"); without it Ray runs a minimal one (no
+    web server, one module). With a loopback --host the node's
     address is the loopback one, so Ray's listeners (GCS, raylet, agents, the metrics export
     port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
     host's outward address, but takes the loopback address as the node's when
@@ -320,6 +358,10 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     # runtime-env agent.
     os.environ["HF_HUB_OFFLINE"] = "1"
     ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
+    if not dashboard:  # Prometheus's list of endpoints, which the dashboard would write
+        from service.api.metrics_discovery import write_service_discovery
+
+        write_service_discovery()
     _install_handlers()
 
 

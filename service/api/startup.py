@@ -9,7 +9,9 @@ each group was first ready (each group's own breakdown is ``groups[].last_start`
 start and imports, rendezvous, load). A replica that Serve started from a config file has
 no launcher marks: its breakdown starts at the replica.
 
-``parallel``: what ran beside the steps, not in their sum: ``rank_processes_s``, the rank
+``parallel``: what ran beside the steps, not in their sum: ``model_check_s``, the launcher's
+check of the model (torch's import first) on a thread while it checks the rest and starts
+Ray (a wait for it after Ray is up counts in ``ray_start_s``); ``rank_processes_s``, the rank
 processes the launcher started right after Ray (``--rank-prestart``), from then until the
 last of them had imported, and when that began (``began_s``, from the process's start); the steps
 it overlaps are named. If they were still importing when the executor adopted them, that
@@ -76,6 +78,10 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
         parallel["rank_processes_s"] = {"began_s": _between(start, marks["ray_up"]),
                                         "s": _between(marks["ray_up"], imported),
                                         "beside": [*after_ray, "replica_init_s", "groups_s"]}
+    if marks.get("model_checked") and marks.get("command"):  # torch's import and the model's check
+        parallel["model_check_s"] = {"began_s": _between(start, marks["command"]),
+                                     "s": _between(marks["command"], marks["model_checked"]),
+                                     "beside": ["launcher_checks_s", "ray_start_s"]}
     began_from = ("process" if marks.get("process") else "command") if marks else "replica"
     return {"from": began_from, "ready_s": total, "steps": steps,
             "unaccounted_s": None if total is None else round(total - sum(known), 3), "parallel": parallel}

@@ -37,6 +37,10 @@ def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
                             "serve_start_s": 7.0, "replica_start_s": 8.0, "replica_init_s": 1.0,
                             "engine.placement_s": 0.5, "engine.auto_probe_s": 9.5, "groups_s": 16.0}
     assert out["unaccounted_s"] == 0.0
+    checked = startup_breakdown({**marks, "model_checked": 104.0}, 125.0, ENGINE, groups=2)
+    assert checked["parallel"] == {"model_check_s": {"began_s": 2.5, "s": 4.0,
+                                                     "beside": ["launcher_checks_s", "ray_start_s"]}}
+    assert checked["steps"] == out["steps"]  # beside the steps, not one of them
     ranks = startup_breakdown(marks, 125.0, {**ENGINE, "prestart_imported_at": 124.0}, groups=2)
     assert ranks["parallel"]["rank_processes_s"] == {
         "began_s": 12.5, "s": 14.0,
