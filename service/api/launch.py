@@ -357,6 +357,10 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     # (Serve's controller, proxy, replica, the job store) instead of new ones made through the
     # runtime-env agent.
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # Serve's controller gives a new proxy 3 checks of this long to answer before it kills it and
+    # serve.start fails (ActorDiedError): 5 s by default, missed once on this 2-core CPU machine
+    # under other work, with the job store and the rank processes starting beside it.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
     if not dashboard:  # Prometheus's list of endpoints, which the dashboard would write
         from service.api.metrics_discovery import write_service_discovery

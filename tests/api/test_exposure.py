@@ -39,6 +39,8 @@ def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp
     assert dashboards and all("--disable-frontend" in c for c in dashboards), dashboards
     replicas = [p for p in s.seen if _cmdline(p).startswith("ray::ServeReplica")]
     assert replicas and all(_environ(p).get("HF_HUB_OFFLINE") == "1" for p in replicas), replicas
+    controllers = [p for p in s.seen if _cmdline(p).startswith("ray::ServeController")]
+    assert controllers and _environ(controllers[0]).get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S") == "30"
     found = listeners([s.proc.pid, *s.seen])
     assert len(found) >= 5, found  # the HTTP proxy, GCS, raylet, agents, workers
     wide = [x for x in found if not x["loopback"]]
