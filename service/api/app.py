@@ -20,6 +20,7 @@ says otherwise: an MP4 is ``private``).
 import asyncio
 import json
 import logging
+import time
 from typing import Any, Literal
 
 import ray
@@ -566,5 +567,7 @@ def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
+    if cfg.launch_marks:  # /readyz's startup: Serve's controller and proxy are up
+        cfg = cfg.model_copy(update={"launch_marks": {**cfg.launch_marks, "serve_up": time.time()}})
     return serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/",
                      blocking=blocking)

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from service.api.serve_flags import (
     results_url,
     webhook_settings,
 )
+from service.api.startup import process_started_at
 
 if TYPE_CHECKING:
     from service.api.config import ServiceConfig
@@ -103,21 +105,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # /readyz's startup breakdown (service.api.startup): from this process's start, as a user times it
+    marks = {"command": time.time()}
+    marks["process"] = process_started_at() or marks["command"]
     from service.api.hostproc import port_free, port_holder
-    from service.models.adapter import ModelError
-    from service.models.startup import check_start
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    t0 = time.monotonic()
-    marks = {"command": time.time()}  # /readyz's startup breakdown (service.api.startup)
-    try:
-        device = "cpu" if args.gpus_per_rank == 0 else "cuda"
-        args.engine_config, _ = check_start(args.engine_config, args.model, device)  # the demo: written here
-        args.model = args.engine_config.model_dir
-    except ModelError as e:
-        print(f"dloserve serve: {e}", file=sys.stderr)
-        return 2
+    model_checked = _check_model(args, marks)  # torch's import and the model's check overlap Ray's start
+    if args.model and not Path(args.model).expanduser().is_dir():  # no folder: said before anything starts
+        problem = model_checked()
+        if problem:
+            print(f"dloserve serve: {problem}", file=sys.stderr)
+            return 2
     from service.api.keys import KeyFileError
     from service.api.webhooks import WebhookConfigError
 
@@ -178,7 +178,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        _start_local_cluster(loopback=args.host in LOOPBACK)
+        _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
+    problem = model_checked()
+    if problem:  # the cluster we started goes with the launcher (run's finally)
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
 
     import ray
 
@@ -189,6 +193,7 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, gpus, args.engine_config)
     marks["ray_up"] = time.time()
     prestarted = _prestart(cfg, args)  # they start and import while Serve starts
+    _start_store(cfg)
     cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted})
     app_import.join()
     from service.api.app import deploy
@@ -206,10 +211,45 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortTaken) else 1
     _report_listeners(args.host)
-    print(f"dloserve ready at {url} in {time.monotonic() - t0:.1f} s "
+    print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
+
+
+def _check_model(args: argparse.Namespace, marks: dict[str, float]) -> Callable[[], str | None]:
+    """Check the model (``check_start``; without MODEL it writes the demo one) on a thread:
+    its seconds, mostly torch's import, overlap Ray's start instead of coming before it. The
+    returned call waits for it, sets ``args.engine_config`` and ``args.model``, and returns
+    the error that ends the start (exit code 2), or None. ``marks["model_checked"]``: when
+    it was done (/readyz's ``startup.parallel``)."""
+    out: dict[str, object] = {}
+
+    def check() -> None:
+        try:
+            from service.models.adapter import ModelError
+            from service.models.startup import check_start
+
+            try:
+                device = "cpu" if args.gpus_per_rank == 0 else "cuda"
+                args.engine_config, _ = check_start(args.engine_config, args.model, device)
+                args.model = args.engine_config.model_dir
+            except ModelError as e:
+                out["problem"] = str(e)
+            marks["model_checked"] = time.time()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out["error"] = e
+
+    t = threading.Thread(target=check, name="check-model", daemon=True)
+    t.start()
+
+    def result() -> str | None:
+        t.join()
+        if "error" in out:
+            raise out["error"]  # type: ignore[misc]
+        return out.get("problem")  # type: ignore[return-value]
+
+    return result
 
 
 def _import_app() -> threading.Thread:
@@ -223,6 +263,23 @@ def _import_app() -> threading.Thread:
             pass
 
     t = threading.Thread(target=load, name="import-app", daemon=True)
+    t.start()
+    return t
+
+
+def _start_store(cfg: ServiceConfig) -> threading.Thread:
+    """The job store's actor, started now on a thread, so its process and imports run beside
+    Serve's start; the replica then finds it (the same name, the same settings). A failure
+    is left to the replica, which reports it the same way."""
+    def start() -> None:
+        try:
+            from service.api.service import connect_job_store
+
+            connect_job_store(cfg)
+        except Exception:  # noqa: BLE001 - the replica's own connect raises it
+            pass
+
+    t = threading.Thread(target=start, name="start-job-store", daemon=True)
     t.start()
     return t
 
@@ -268,11 +325,14 @@ def _size_ranks(args: argparse.Namespace) -> None:
     print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
-def _start_local_cluster(loopback: bool) -> None:
+def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names.
 
     Ray's token authentication stays on (ray.init handles the token for this process and
-    the workers it starts); the dashboard binds 127.0.0.1. With a loopback --host the node's
+    the workers it starts). Ray's dashboard only with ``--ray-dashboard`` (it binds
+    127.0.0.1): ``ray.init`` waits for it and its nine module processes before it starts
+    the raylet (docs/operate.md, "Start-up time"); without it Ray runs a minimal one (no
+    web server, one module). With a loopback --host the node's
     address is the loopback one, so Ray's listeners (GCS, raylet, agents, the metrics export
     port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
     host's outward address, but takes the loopback address as the node's when
@@ -292,7 +352,20 @@ def _start_local_cluster(loopback: bool) -> None:
         from ray._private import ray_constants
 
         ray_constants.ENABLE_RAY_CLUSTER = False  # read at import: ray may be imported already
-    ray.init(address="local", runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}}, dashboard_host="127.0.0.1")
+    # No runtime_env: the workers inherit this process's environment through the raylet, and
+    # Ray's pre-started idle workers (one per CPU, no runtime env) then serve the first actors
+    # (Serve's controller, proxy, replica, the job store) instead of new ones made through the
+    # runtime-env agent.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    # Serve's controller gives a new proxy 3 checks of this long to answer before it kills it and
+    # serve.start fails (ActorDiedError): 5 s by default, missed once on this 2-core CPU machine
+    # under other work, with the job store and the rank processes starting beside it.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
+    if not dashboard:  # Prometheus's list of endpoints, which the dashboard would write
+        from service.api.metrics_discovery import write_service_discovery
+
+        write_service_discovery()
     _install_handlers()
 
 
@@ -474,5 +547,5 @@ def _wait_ready(url: str, instance: str, timeout_s: float) -> None:
             last = r.text[:300]
         except httpx.HTTPError as e:
             last = str(e)
-        time.sleep(0.5)
+        time.sleep(0.1)  # ready is printed within 0.1 s of it
     raise TimeoutError(f"not ready after {timeout_s:.0f} s: {last}")

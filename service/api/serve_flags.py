@@ -82,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank-prestart", action=argparse.BooleanOptionalAction, default=True,
                    help="on a cluster of its own with one replica: start the rank processes right after "
                         "Ray, so they import while Serve and the ingress start (default on)")
+    p.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
+                   help="on a cluster of its own: start Ray's dashboard (127.0.0.1:8265; `ray job submit`, "
+                        "`ray list`, `serve status`); off by default: it delays Ray's start by seconds")
     p.add_argument("--join-timeout-s", type=float, default=60.0,
                    help="with --address: give up joining the cluster after this long")
 

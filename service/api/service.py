@@ -45,7 +45,18 @@ from service.router.policy import DeadlinePolicy, Limits
 from service.router.queue import Ticket
 
 log = logging.getLogger("dloserve.api")
-__all__ = ["AuthError", "ServiceConfig", "VideoService", "video_object"]
+__all__ = ["AuthError", "ServiceConfig", "VideoService", "connect_job_store", "video_object"]
+
+
+def connect_job_store(cfg: ServiceConfig, url: str | None = None) -> Any:
+    """The cluster's job store for ``cfg``'s results storage (``url``: its opened URL), started
+    if not running: the replica's, and the launcher's start of it beside Serve's."""
+    from service.api.jobs import connect_store
+
+    if url is None:
+        url = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options).url
+    return connect_store(url, cfg.storage_options, ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
+                         group_timeout_s=cfg.group_timeout_s, webhooks=cfg.webhook_targets())
 
 
 class VideoService:
@@ -83,11 +94,7 @@ class VideoService:
         self.storage_health = StorageHealth(self.storage, self.dp_group)  # a failed write: not ready, 507
         self.states = StateKeeper(self.storage)  # running jobs' per-step states, for a restart
         if store is None:
-            from service.api.jobs import connect_store
-
-            store = connect_store(self.storage.url, cfg.storage_options, ttl_s=cfg.retention_s,
-                                  max_jobs=cfg.max_jobs, group_timeout_s=cfg.group_timeout_s,
-                                  webhooks=cfg.webhook_targets())
+            store = connect_job_store(cfg, self.storage.url)
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             self.engine, self, placement=placement_group, executor=executor,

@@ -1,38 +1,65 @@
 """Where the time from ``dloserve serve`` to ready went: ``/readyz``'s ``startup``.
 
-The steps run one after another, so their seconds add up to ``ready_s`` (the command to the
-last group's first ready); ``unaccounted_s`` is what no step covers (it should stay near 0).
+The steps run one after another, so their seconds add up to ``ready_s`` (from the start of
+the ``dloserve serve`` process, as a user's stopwatch has it, to the last group's first
+ready); ``unaccounted_s`` is what no step covers (it should stay near 0).
 The launcher stamps its own steps (``ServiceConfig.launch_marks``, wall-clock); the replica
 stamps when it began; the executor when it began, its placement and auto probe, and when
 each group was first ready (each group's own breakdown is ``groups[].last_start``: actor
 start and imports, rendezvous, load). A replica that Serve started from a config file has
 no launcher marks: its breakdown starts at the replica.
 
-``parallel``: what ran beside the steps, not in their sum: ``rank_processes_s``, the rank
+``parallel``: what ran beside the steps, not in their sum: ``model_check_s``, the launcher's
+check of the model (torch's import first) on a thread while it checks the rest and starts
+Ray (a wait for it after Ray is up counts in ``ray_start_s``); ``rank_processes_s``, the rank
 processes the launcher started right after Ray (``--rank-prestart``), from then until the
-last of them had imported, and when that began (``began_s``, from the command); the steps
+last of them had imported, and when that began (``began_s``, from the process's start); the steps
 it overlaps are named. If they were still importing when the executor adopted them, that
 wait is the groups' ``actors_s``.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
+
+
+def process_started_at(pid: int | None = None) -> float | None:
+    """When the process (this one by default) started, wall-clock, from its ``starttime`` in
+    /proc (10 ms resolution): the breakdown starts where a user's stopwatch does, before the
+    interpreter's start and the CLI's imports. None where /proc cannot tell."""
+    from service.api.watchdog import start_time
+
+    ticks = start_time(os.getpid() if pid is None else pid)
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None if ticks is None else time.time() - (uptime - int(ticks) / os.sysconf("SC_CLK_TCK"))
 
 
 def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[str, Any],
                       groups: int) -> dict[str, Any]:
-    """``marks``: the launcher's ``command``, ``checked`` (model, keys, results folder, port)
-    and ``ray_up``; ``engine``: the executor's ``startup`` status; ``groups``: how many."""
+    """``marks``: the launcher's ``process`` (this process's start), ``command`` (its first
+    stamp), ``checked`` (model, keys, results folder, port), ``ray_up`` and ``serve_up``
+    (Serve's controller and proxy up; without it one step to the replica); ``engine``: the
+    executor's ``startup`` status; ``groups``: how many."""
     ready = engine.get("groups_ready_at") or {}
     began = engine.get("began_at")
     t_ready = max(ready.values()) if ready and len(ready) >= groups else None
     steps: dict[str, float | None] = {}
     if marks:
+        if marks.get("process"):  # the interpreter's start, the CLI's imports, its flags
+            steps["process_start_s"] = _between(marks["process"], marks.get("command"))
         steps["launcher_checks_s"] = _between(marks.get("command"), marks.get("checked"))
         steps["ray_start_s"] = _between(marks.get("checked"), marks.get("ray_up"))
-        # the Serve controller and HTTP proxy, then the ingress replica's process and imports
-        steps["serve_and_replica_start_s"] = _between(marks.get("ray_up"), replica_at)
+        if marks.get("serve_up"):  # the Serve controller and HTTP proxy; the replica's process and imports
+            steps["serve_start_s"] = _between(marks.get("ray_up"), marks["serve_up"])
+            steps["replica_start_s"] = _between(marks["serve_up"], replica_at)
+        else:
+            steps["serve_and_replica_start_s"] = _between(marks.get("ray_up"), replica_at)
     steps["replica_init_s"] = _between(replica_at, began)  # model card, job store, dispatcher
     steps["engine.placement_s"] = engine.get("placement_s")
     if "auto_probe_s" in engine:
@@ -40,16 +67,23 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
     groups_began = None if began is None else began + sum(
         engine.get(k) or 0.0 for k in ("placement_s", "auto_probe_s"))
     steps["groups_s"] = _between(groups_began, t_ready)  # the groups start at once; the last one
-    start = marks.get("command", replica_at) if marks else replica_at
+    start = (marks.get("process") or marks.get("command", replica_at)) if marks else replica_at
     total = _between(start, t_ready)
     known = [v for v in steps.values() if v is not None]
     parallel: dict[str, Any] = {}
     imported = engine.get("prestart_imported_at")
     if marks.get("ray_up") and imported:
+        after_ray = [k for k in ("serve_start_s", "replica_start_s", "serve_and_replica_start_s")
+                     if k in steps]
         parallel["rank_processes_s"] = {"began_s": _between(start, marks["ray_up"]),
                                         "s": _between(marks["ray_up"], imported),
-                                        "beside": ["serve_and_replica_start_s", "replica_init_s", "groups_s"]}
-    return {"from": "command" if marks else "replica", "ready_s": total, "steps": steps,
+                                        "beside": [*after_ray, "replica_init_s", "groups_s"]}
+    if marks.get("model_checked") and marks.get("command"):  # torch's import and the model's check
+        parallel["model_check_s"] = {"began_s": _between(start, marks["command"]),
+                                     "s": _between(marks["command"], marks["model_checked"]),
+                                     "beside": ["launcher_checks_s", "ray_start_s"]}
+    began_from = ("process" if marks.get("process") else "command") if marks else "replica"
+    return {"from": began_from, "ready_s": total, "steps": steps,
             "unaccounted_s": None if total is None else round(total - sum(known), 3), "parallel": parallel}
 
 

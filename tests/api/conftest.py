@@ -115,7 +115,7 @@ class Serve:
     def __init__(self, ray_tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
         extra = env or {}
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-        env.update(RAY_TMPDIR=str(ray_tmp), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
+        env.update({"RAY_TMPDIR": str(ray_tmp), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra})
         self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", *args], cwd=ROOT, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []

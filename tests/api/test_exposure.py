@@ -29,9 +29,18 @@ def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp
     keys.write_text("sk-exposure-0123456789 max_queued=2\n")
     port = free_port()
     s = Serve(ray_tmp, "--host", "127.0.0.1", "--port", str(port), "--api-key-file", str(keys),
-              "--results-dir", str(tmp_path / "results"))
+              "--results-dir", str(tmp_path / "results"), env={"HF_HUB_OFFLINE": "0"})
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
     s.seen |= set(descendants(s.proc.pid))
+    # Without --ray-dashboard Ray runs only its minimal dashboard process (no web server, no
+    # module processes); the workers get HF_HUB_OFFLINE=1 from the launcher's environment (no
+    # runtime_env), whatever the caller's was.
+    dashboards = [_cmdline(p) for p in s.seen if "ray/dashboard/dashboard.py" in _cmdline(p)]
+    assert dashboards and all("--disable-frontend" in c for c in dashboards), dashboards
+    replicas = [p for p in s.seen if _cmdline(p).startswith("ray::ServeReplica")]
+    assert replicas and all(_environ(p).get("HF_HUB_OFFLINE") == "1" for p in replicas), replicas
+    controllers = [p for p in s.seen if _cmdline(p).startswith("ray::ServeController")]
+    assert controllers and _environ(controllers[0]).get("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S") == "30"
     found = listeners([s.proc.pid, *s.seen])
     assert len(found) >= 5, found  # the HTTP proxy, GCS, raylet, agents, workers
     wide = [x for x in found if not x["loopback"]]
@@ -58,3 +67,16 @@ def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp
     assert ready.status_code == 200 and set(ready.json()) == {"ready", "instance"}
     assert s.stop(signal.SIGTERM) == 0, s.output[-2000:]
     assert not s.survivors(), s.survivors()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment a process was started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode(errors="replace").split("=", 1) for x in raw if b"=" in x)

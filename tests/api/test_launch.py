@@ -208,3 +208,26 @@ def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_re
     assert not prestarts(cfg, on, own_cluster=False)  # joined
     assert not prestarts(cfg, off, own_cluster=True)
     assert not prestarts(cfg.model_copy(update={"num_replicas": 2}), on, own_cluster=True)
+
+
+def test_the_job_store_the_launcher_starts_is_the_one_the_replica_connects_to(ray_cluster: dict,
+                                                                              tmp_path: Path) -> None:
+    """The launcher starts the job store beside Serve's start (``_start_store``): the replica's
+    own connect (as ``VideoService`` makes it) finds that actor, not a new one."""
+    import ray
+
+    from service.api.jobs import NAMESPACE, stop_store, store_name
+    from service.api.launch import _start_store
+    from service.api.results import open_storage
+    from service.api.service import connect_job_store
+
+    cfg = ServiceConfig(results_url=str(tmp_path / "results"), max_jobs=7)
+    url = open_storage(cfg.results_url, cfg.storage_options).url
+    try:
+        _start_store(cfg).join(120)
+        early = ray.get_actor(store_name(url), namespace=NAMESPACE)
+        client = connect_job_store(cfg, url)  # the replica's call
+        assert client.handle._actor_id == early._actor_id
+        assert ray.get(early.status.remote())["jobs"] == 0
+    finally:
+        stop_store(url)

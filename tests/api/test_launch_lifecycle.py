@@ -34,6 +34,25 @@ def test_busy_port_ends_a_second_instance_with_exit_2(app_url: str, ray_tmp: Pat
     assert not s.survivors() and not list(ray_tmp.glob("ray/session_*"))  # no cluster was started
 
 
+def test_a_folder_that_is_no_model_ends_the_start_with_exit_2_and_its_cluster(ray_tmp: Path,
+                                                                              tmp_path: Path) -> None:
+    """The model's check runs beside Ray's start: a folder that exists but holds no model is
+    refused once Ray is up (exit code 2, naming what is missing), and the cluster goes; a
+    folder that does not exist is refused before anything starts."""
+    s = Serve(ray_tmp, str(tmp_path), "--port", str(free_port()))
+    end = time.monotonic() + 240  # a bound on the wait, not a measurement
+    while s.proc.poll() is None and time.monotonic() < end:
+        s.seen |= set(descendants(s.proc.pid))  # Ray's processes, while they live
+        time.sleep(0.05)
+    assert s.proc.wait(10) == 2, s.output[-2000:]
+    assert "model_index.json" in s.output, s.output[-2000:]
+    time.sleep(0.5)
+    assert not s.survivors(), s.survivors()
+    gone = Serve(ray_tmp / "x", str(tmp_path / "nothing"), "--port", str(free_port()))
+    assert gone.proc.wait(120) == 2, gone.output[-2000:]
+    assert "does not exist" in gone.output and not list((ray_tmp / "x").glob("ray/session_*"))
+
+
 def test_dead_address_fails_fast_naming_it(ray_tmp: Path) -> None:
     dead = f"127.0.0.1:{free_port()}"
     t0 = time.monotonic()

@@ -1,11 +1,15 @@
-"""/readyz's ``startup``: the steps from the command to ready add up, with nothing left over
-when every mark is there, and say what is missing when one is not."""
+"""/readyz's ``startup``: the steps from the process's start to ready add up, with nothing left
+over when every mark is there, and say what is missing when one is not."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
-from service.api.startup import startup_breakdown
+from service.api.startup import process_started_at, startup_breakdown
 
 MARKS = {"command": 100.0, "checked": 101.5, "ray_up": 110.0}
 ENGINE = {"began_at": 126.0, "placement_s": 0.5, "auto_probe_s": 9.5,
@@ -20,6 +24,44 @@ def test_the_steps_add_up_to_the_command_to_the_last_group_ready() -> None:
                             "groups_s": 16.0}
     assert out["unaccounted_s"] == 0.0
     assert sum(out["steps"].values()) == pytest.approx(out["ready_s"])
+
+
+def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
+    """The launcher's marks from this process's start (the interpreter and the CLI's imports
+    before its first stamp) and Serve's controller and proxy up (``serve_up``): the steps
+    still add up, now to the time a user's stopwatch shows."""
+    marks = {"process": 97.5, **MARKS, "serve_up": 117.0}
+    out = startup_breakdown(marks, 125.0, ENGINE, groups=2)
+    assert out["from"] == "process" and out["ready_s"] == 54.5
+    assert out["steps"] == {"process_start_s": 2.5, "launcher_checks_s": 1.5, "ray_start_s": 8.5,
+                            "serve_start_s": 7.0, "replica_start_s": 8.0, "replica_init_s": 1.0,
+                            "engine.placement_s": 0.5, "engine.auto_probe_s": 9.5, "groups_s": 16.0}
+    assert out["unaccounted_s"] == 0.0
+    checked = startup_breakdown({**marks, "model_checked": 104.0}, 125.0, ENGINE, groups=2)
+    assert checked["parallel"] == {"model_check_s": {"began_s": 2.5, "s": 4.0,
+                                                     "beside": ["launcher_checks_s", "ray_start_s"]}}
+    assert checked["steps"] == out["steps"]  # beside the steps, not one of them
+    ranks = startup_breakdown(marks, 125.0, {**ENGINE, "prestart_imported_at": 124.0}, groups=2)
+    assert ranks["parallel"]["rank_processes_s"] == {
+        "began_s": 12.5, "s": 14.0,
+        "beside": ["serve_start_s", "replica_start_s", "replica_init_s", "groups_s"]}
+
+
+def test_a_process_start_is_read_from_proc() -> None:
+    """A child's start, read from /proc, lies between the moments before and after it was
+    started (to /proc's 10 ms ticks); this process started before its tests ran."""
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    after = time.time()
+    try:
+        started = process_started_at(child.pid)
+        assert started is not None and before - 0.05 <= started <= after + 0.05, (before, started, after)
+    finally:
+        child.kill()
+        child.wait()
+    own = process_started_at()
+    assert own is not None and own < before
+    assert process_started_at(2**22 + 1) is None  # no such process
 
 
 def test_not_ready_until_every_group_was_and_a_serve_config_start_begins_at_the_replica() -> None:

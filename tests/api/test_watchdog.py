@@ -51,13 +51,18 @@ def test_a_sigkilled_parents_processes_are_stopped_by_its_watchdog() -> None:
 
 @pytest.mark.e2e  # a `dloserve serve` subprocess and its own Ray cluster
 def test_nothing_of_a_sigkilled_serve_outlives_it(ray_tmp: Path) -> None:
-    """Before the watchdog, two Ray agents of the old cluster stayed alive."""
+    """Before the watchdog, two Ray agents of the old cluster stayed alive. With
+    ``--ray-dashboard`` (off by default) Ray's dashboard and its module processes are there too."""
     from tests.api.conftest import Serve
     from tests.conftest import free_port
 
-    s = Serve(ray_tmp, "--host", "127.0.0.1", "--port", str(free_port()), "--drain-timeout-s", "5")
+    s = Serve(ray_tmp, "--host", "127.0.0.1", "--port", str(free_port()), "--drain-timeout-s", "5",
+              "--ray-dashboard")
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
     assert len(s.seen) > 3, s.seen  # Ray's processes, the replica, the ranks
+    cmds = [Path(f"/proc/{p}/cmdline").read_bytes() for p in s.seen if Path(f"/proc/{p}").exists()]
+    dashboards = [c for c in cmds if b"ray/dashboard/dashboard.py" in c]  # the whole one: a web server
+    assert dashboards and not [c for c in dashboards if b"--disable-frontend" in c], dashboards
     s.proc.send_signal(signal.SIGKILL)
     s.proc.wait(10)
     end = time.monotonic() + 60  # a bound on the wait, not a measurement

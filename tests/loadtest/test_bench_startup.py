@@ -32,9 +32,10 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert run["machine"]["cpus"] and run["command"]
     (start,) = run["starts"]
     assert "error" not in start, start.get("error")
-    assert start["startup"]["from"] == "command"  # the launcher's stamps reached /readyz
-    assert {"ray_start_s", "groups_s"} <= set(start["startup"]["steps"])
-    assert start["command_to_ready_s"] >= start["startup"]["ready_s"]
+    assert start["startup"]["from"] == "process"  # the launcher's stamps reached /readyz
+    steps = start["startup"]["steps"]
+    assert {"process_start_s", "ray_start_s", "serve_start_s", "replica_start_s", "groups_s"} <= set(steps)
+    assert start["command_to_ready_s"] >= start["startup"]["ready_s"]  # from the process's start
     killed = start["killed_request"]
     assert killed["status"] == "completed" and killed["resumed_from_step"] >= 1, killed
     assert start["kill_at_progress"] >= 30 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
@@ -44,7 +45,7 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert "preload_s" in first["stages"]  # and loaded beside Serve's start (engine.preload)
     span = start["startup"]["parallel"]["rank_processes_s"]
     assert span["s"] > 0 and span["began_s"] == pytest.approx(
-        sum(start["startup"]["steps"][k] for k in ("launcher_checks_s", "ray_start_s")), abs=0.01)
+        sum(steps[k] for k in ("process_start_s", "launcher_checks_s", "ray_start_s")), abs=0.01)
     assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
     assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["next_request"]["status"] == "completed"
