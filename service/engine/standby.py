@@ -140,7 +140,6 @@ class WarmRankActor(RankActor):
         self._report_memory()
         return load_facts(self.worker, t0)
 
-
     def ahead(self) -> bool:
         """Whether it has loaded ahead and kept it (waits for the load ahead to end)."""
         preload = self._preload
@@ -194,7 +193,7 @@ def prestart_gpus(config: EngineConfig, visible: str | None) -> list[str]:
     """The GPU each pre-started process loads ahead on, before any bundle exists: process i
     takes the node's i-th GPU as Ray names it (the launcher's ``CUDA_VISIBLE_DEVICES``, which
     Ray's ids are, else 0..N-1); the executor adopts each for the bundle Ray gave that GPU.
-    None for CPU ranks or a fraction of a GPU per rank (no one GPU to name)."""
+    None (an empty list) for CPU ranks or a fraction of a GPU per rank: no one GPU to name."""
     if config.parallel.gpus_per_rank != 1:
         return []
     ids = [d.strip() for d in (visible or "").split(",") if d.strip()]
