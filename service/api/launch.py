@@ -276,8 +276,9 @@ def _start_store(cfg: ServiceConfig) -> threading.Thread:
             from service.api.service import connect_job_store
 
             connect_job_store(cfg)
-        except Exception:  # noqa: BLE001 - the replica's own connect raises it
-            pass
+        except Exception as e:  # noqa: BLE001 - the replica's own connect raises it again
+            print(f"dloserve serve: the job store did not start beside Serve ({e}); the replica "
+                  "tries again", file=sys.stderr, flush=True)
 
     t = threading.Thread(target=start, name="start-job-store", daemon=True)
     t.start()
