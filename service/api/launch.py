@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         _signals["count"] = 0
         _own_cluster["started"] = _own_cluster["ray"] = False
         _prestarted.clear()
+        hosts = _hosts.pop("hosts", None)
+        if hosts is not None:  # any that no worker came to (the rest ended with Ray)
+            hosts.close()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -178,6 +181,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
+        _start_hosts(args, marks)  # the rank processes start and import beside Ray's start
         _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
     problem = model_checked()
     if problem:  # the cluster we started goes with the launcher (run's finally)
@@ -295,8 +299,25 @@ def _prestart(cfg: ServiceConfig, args: argparse.Namespace) -> list[str]:
     from service.engine.place import NAMESPACE
     from service.engine.standby import prestart
 
-    _prestarted.update(prestart(cfg.engine_config(cfg.model), cfg.instance or "x", NAMESPACE))
+    hosts = _hosts.get("hosts")
+    _prestarted.update(prestart(cfg.engine_config(cfg.model), cfg.instance or "x", NAMESPACE, hosts))
+    if hosts is not None:  # more hosts than processes (the config changed them): not needed
+        hosts.close(keep=len(_prestarted))
     return list(_prestarted)
+
+
+def _start_hosts(args: argparse.Namespace, marks: dict[str, float]) -> None:
+    """One warm host per rank process (engine.warmhost), started before Ray where the ranks
+    will be pre-started (one replica on a cluster of our own): they import while Ray starts,
+    and the pre-started ranks' workers run in them."""
+    if not (args.rank_prestart and args.num_replicas == 1):
+        return
+    from service.engine.warmhost import WarmHosts
+
+    model = args.model if args.model and Path(args.model).expanduser().is_dir() else None
+    sp = args.sequence_parallel_size
+    _hosts["hosts"] = WarmHosts(args.data_parallel_size * sp, model and str(Path(model).expanduser()), sp)
+    marks["rank_hosts"] = _hosts["hosts"].started_at
 
 
 def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -> bool:
@@ -305,6 +326,7 @@ def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -
 
 
 _prestarted: dict[str, object] = {}  # their handles, held for the service's life (Ray ends unheld actors)
+_hosts: dict[str, Any] = {}  # "hosts": the WarmHosts started before Ray, stopped with the service
 
 
 def _size_ranks(args: argparse.Namespace) -> None:

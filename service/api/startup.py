@@ -12,8 +12,9 @@ no launcher marks: its breakdown starts at the replica.
 ``parallel``: what ran beside the steps, not in their sum: ``model_check_s``, the launcher's
 check of the model (torch's import first) on a thread while it checks the rest and starts
 Ray (a wait for it after Ray is up counts in ``ray_start_s``); ``rank_processes_s``, the rank
-processes the launcher started right after Ray (``--rank-prestart``), from then until the
-last of them had imported, and when that began (``began_s``, from the process's start); the steps
+processes the launcher started (``--rank-prestart``: warm hosts before Ray, engine.warmhost,
+else actors right after it), from then until the last of them had imported, and when that
+began (``began_s``, from the process's start); the steps
 it overlaps are named. If they were still importing when the executor adopted them, that
 wait is the groups' ``actors_s``.
 """
@@ -75,9 +76,10 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
     if marks.get("ray_up") and imported:
         after_ray = [k for k in ("serve_start_s", "replica_start_s", "serve_and_replica_start_s")
                      if k in steps]
-        parallel["rank_processes_s"] = {"began_s": _between(start, marks["ray_up"]),
-                                        "s": _between(marks["ray_up"], imported),
-                                        "beside": [*after_ray, "replica_init_s", "groups_s"]}
+        began = marks.get("rank_hosts") or marks["ray_up"]  # warm hosts start before Ray
+        before = ["ray_start_s"] if marks.get("rank_hosts") else []
+        parallel["rank_processes_s"] = {"began_s": _between(start, began), "s": _between(began, imported),
+                                        "beside": [*before, *after_ray, "replica_init_s", "groups_s"]}
     if marks.get("model_checked") and marks.get("command"):  # torch's import and the model's check
         parallel["model_check_s"] = {"began_s": _between(start, marks["command"]),
                                      "s": _between(marks["command"], marks["model_checked"]),

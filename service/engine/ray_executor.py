@@ -150,9 +150,11 @@ class RayExecutor(GroupExecutor):
             detail["actors.gpu_ids_s"] = max(s["gpu_ids_s"] for s in started)
         if prestarted:  # imported while Serve started: when the last of them was done
             self.startup["prestart_imported_at"] = max(s["imported_at"] for s in started)
+        hosted = prestarted and all(s.get("hosted") for s in started)  # started before Ray (engine.warmhost)
         log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
                              "setup_s": time.monotonic() - t_addr}, detail,
-                  {"standby": standby, "prestarted": prestarted, "pids": [s["pid"] for s in started]})
+                  {"standby": standby, "prestarted": prestarted, "hosted": hosted,
+                   "pids": [s["pid"] for s in started]})
         self._take_rank_choice(facts)
         self._make_standbys(g, started, facts)
         with self._lock:

@@ -37,23 +37,15 @@ from service.config import EngineConfig
 
 from .place import RankPlace, rank_encoder, rank_encoder_count
 from .preload import Preload, preloadable
+from .warmhost import WarmHosts, hosted, warm_model_imports
 from .worker import RankActor
 
 
 def warm_imports(config: EngineConfig) -> float:
     """Import what ``PipelineRunner.load`` imports lazily (diffusers, transformers, the
     model's classes): build the transformer on the meta device and drop it. Seconds taken."""
-    from service.models.registry import load_adapter
-
     t0 = time.monotonic()
-    adapter = load_adapter(config.model_dir, sequence_parallel=config.parallel.sp_size)
-    adapter.build_transformer()
-    for name, entry in adapter.index.items():
-        if not name.startswith("_") and isinstance(entry, list) and entry[0]:
-            try:
-                adapter.component_class(name)
-            except Exception:  # noqa: BLE001 - the load names a bad component; this only warms
-                pass
+    warm_model_imports(config.model_dir, config.parallel.sp_size)
     return time.monotonic() - t0
 
 
@@ -81,9 +73,11 @@ class WarmRankActor(RankActor):
             # A standby reports no gauges: its group/rank tags are the live rank's.
             self._stop.set()
             self._gauge_thread.join(timeout=5)
-        self.created = time.time()
+        host = hosted()  # a warm host's worker: it started and imported before Ray was up
+        self.created = host["started"] if host else time.time()
+        self.hosted = host is not None
         self.adopted = False
-        self.import_s = warm_imports(config)
+        self.import_s = warm_imports(config) + (host["import_s"] if host else 0.0)
         # A standby's encoder processes start now too (a new rank's start while it loads).
         self._encoder = rank_encoder(config, place) if standby else None
         self.imported_at = time.time()
@@ -92,7 +86,7 @@ class WarmRankActor(RankActor):
     def started(self) -> dict[str, Any]:
         """Answers once the constructor (process start and imports) is done."""
         return {"pid": os.getpid(), "import_s": round(self.import_s, 3), "created": self.created,
-                "imported_at": self.imported_at, "standby": self.standby,
+                "imported_at": self.imported_at, "standby": self.standby, "hosted": self.hosted,
                 "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def adopt(self, config: EngineConfig, place: RankPlace, visible_devices: str | None) -> dict[str, Any]:
@@ -170,10 +164,12 @@ StandbyRankRemote = ray.remote(max_concurrency=5)(StandbyRank)
 PrestartRemote = ray.remote(max_concurrency=5)(PrestartRankActor)
 
 
-def prestart(config: EngineConfig, instance: str, namespace: str) -> dict[str, Any]:
+def prestart(config: EngineConfig, instance: str, namespace: str,
+             hosts: WarmHosts | None = None) -> dict[str, Any]:
     """One pre-imported rank process per bundle of ``config``, started now with no resources:
     name -> handle, in bundle order. The caller owns them and must keep the handles (Ray ends
-    an actor whose handles are all gone, named or not); they end with the caller."""
+    an actor whose handles are all gone, named or not); they end with the caller. With
+    ``hosts``, process i's worker runs in warm host i (engine.warmhost), imported already."""
     out: dict[str, Any] = {}
     sp = config.parallel.sp_size
     ahead = preloadable(config) and config.parallel.gpus_per_rank in (0, 1)
@@ -183,9 +179,11 @@ def prestart(config: EngineConfig, instance: str, namespace: str) -> dict[str, A
         name = f"dloserve-{instance}-prestart{i}"
         par = replace(config.parallel, encoders_per_rank=rank_encoder_count(config, place))
         devices = gpus[i] if i < len(gpus) else None
+        host = hosts.executable(i) if hosts is not None else None
+        env = {"runtime_env": {"py_executable": host}} if host else {}
         out[name] = PrestartRemote.options(name=name, namespace=namespace, num_cpus=0, num_gpus=0,
-                                           max_restarts=0).remote(replace(config, parallel=par), place, True,
-                                                                  devices, ahead)
+                                           max_restarts=0, **env).remote(replace(config, parallel=par), place,
+                                                                         True, devices, ahead)
     return out
 
 

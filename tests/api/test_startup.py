@@ -45,6 +45,13 @@ def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
     assert ranks["parallel"]["rank_processes_s"] == {
         "began_s": 12.5, "s": 14.0,
         "beside": ["serve_start_s", "replica_start_s", "replica_init_s", "groups_s"]}
+    # warm hosts (engine.warmhost): the rank processes began before Ray, beside its start too
+    engine = {**ENGINE, "prestart_imported_at": 124.0}
+    hosted = startup_breakdown({**marks, "rank_hosts": 101.5}, 125.0, engine, groups=2)
+    assert hosted["parallel"]["rank_processes_s"] == {
+        "began_s": 4.0, "s": 22.5,
+        "beside": ["ray_start_s", "serve_start_s", "replica_start_s", "replica_init_s", "groups_s"]}
+    assert hosted["steps"] == out["steps"]
 
 
 def test_a_process_start_is_read_from_proc() -> None:

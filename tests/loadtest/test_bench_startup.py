@@ -39,13 +39,16 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     killed = start["killed_request"]
     assert killed["status"] == "completed" and killed["resumed_from_step"] >= 1, killed
     assert start["kill_at_progress"] >= 30 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
-    # the rank process started right after Ray, imported beside Serve's start, and was adopted
+    # the rank process started before Ray (a warm host, engine.warmhost), imported beside Ray's and
+    # Serve's start, and was adopted: the worker ran in that process
     (first,) = start["last_start"]
-    assert first["prestarted"] is True and "prestart.import_s" in first["stages"], first
+    assert first["prestarted"] is True and first["hosted"] is True, first
+    assert "prestart.import_s" in first["stages"], first
     assert "preload_s" in first["stages"]  # and loaded beside Serve's start (engine.preload)
     span = start["startup"]["parallel"]["rank_processes_s"]
-    assert span["s"] > 0 and span["began_s"] == pytest.approx(
-        sum(steps[k] for k in ("process_start_s", "launcher_checks_s", "ray_start_s")), abs=0.01)
+    checked = steps["process_start_s"] + steps["launcher_checks_s"]
+    assert span["s"] > 0 and checked <= span["began_s"] < checked + steps["ray_start_s"], (span, steps)
+    assert "ray_start_s" in span["beside"]
     assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
     assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["next_request"]["status"] == "completed"

@@ -1,0 +1,192 @@
+"""Rank processes that start and import beside Ray's own start: warm hosts.
+
+A pre-started rank (engine.standby.prestart) is a Ray actor, so it could start only once
+Ray was up (13-14 s of an H200's start) and then imported for 11-16 s more before it could
+load. ``dloserve serve`` on a cluster of its own now starts one *warm host* per rank process
+before Ray: a plain Python process that imports what a rank needs (torch, diffusers, the
+model's classes, Ray) and waits on a Unix socket. The pre-started actor's worker command is
+engine.warmshim, which hands the worker's command line, environment and streams to the
+host; Ray's worker then runs in the host's interpreter, its imports done. A host takes one
+worker. It ends with its parent (the launcher) and, once a worker, as Ray's workers do;
+a shim that finds no host runs the plain worker instead. Nothing here initialises CUDA:
+the actor picks its GPU as any rank process does.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import runpy
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+SHIM = Path(__file__).with_name("warmshim.py")
+HOSTED: dict[str, float] = {}  # in a host's worker: when it started, its imports' seconds
+
+
+def hosted() -> dict[str, float] | None:
+    """This process's warm-host facts (``started``, ``import_s``, ``imported_at``), or None
+    for a process Ray started itself."""
+    return dict(HOSTED) or None
+
+
+class WarmHosts:
+    """The launcher's warm hosts: one per rank process, by index."""
+
+    def __init__(self, count: int, model_dir: str | None, sp_size: int) -> None:
+        self.folder = tempfile.mkdtemp(prefix="dloserve-hosts-")  # 0700: only this user connects
+        self.started_at = time.time()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for i in range(count):
+            log = open(os.path.join(self.folder, f"host{i}.log"), "wb")  # noqa: SIM115 - the child owns it
+            command = [sys.executable, "-m", "service.engine.warmhost", self.socket(i), model_dir or "",
+                       str(sp_size), str(os.getpid())]
+            self.procs.append(subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))  # the terminal's Ctrl-C is the launcher's to handle, not a rank's
+            log.close()
+
+    def socket(self, i: int) -> str:
+        return os.path.join(self.folder, f"rank{i}.sock")
+
+    def executable(self, i: int) -> str | None:
+        """Ray's ``py_executable`` for the worker of rank process ``i``: the shim, pointed at
+        host ``i``; None past the hosts."""
+        if i >= len(self.procs):
+            return None
+        return " ".join(shlex.quote(p) for p in (sys.executable, "-S", "-I", str(SHIM), self.socket(i)))
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self, keep: int = 0) -> None:
+        """Stop the hosts from index ``keep`` on (those no worker will come to); with 0, all,
+        and the folder. A host that became a worker is Ray's until then."""
+        for p in self.procs[keep:]:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs[keep:]:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if keep == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def import_for(model_dir: str | None, sp_size: int) -> None:
+    """What a rank process imports before it can load: the model's classes where the folder
+    is there, else the families' common ones. Not Ray: its C++ side reads the environment
+    (the job, token authentication) once, and the worker's environment comes later."""
+    import service.engine.start  # noqa: F401 - torch, the offload library, the model code
+
+    if model_dir and (Path(model_dir) / "model_index.json").is_file():
+        warm_model_imports(model_dir, sp_size)
+    else:  # the demo model is written while this imports: the common classes
+        import diffusers.models.transformers  # noqa: F401
+        import transformers  # noqa: F401
+
+        import service.models.registry  # noqa: F401
+
+
+def warm_model_imports(model_dir: str, sp_size: int) -> None:
+    """``warm_imports`` by the model's folder (a warm host has no config yet)."""
+    from service.models.registry import load_adapter
+
+    adapter = load_adapter(model_dir, sequence_parallel=sp_size)
+    adapter.build_transformer()
+    for name, entry in adapter.index.items():
+        if not name.startswith("_") and isinstance(entry, list) and entry[0]:
+            try:
+                adapter.component_class(name)
+            except Exception:  # noqa: BLE001 - the load names a bad component; this only warms
+                pass
+
+
+def _watch_parent(parent: int) -> None:
+    """End this process when its launcher (pid ``parent``, given: it may have ended before
+    this process asked) does; it would wait for a worker forever."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """The shim's message (command line, environment, folder) and its three streams."""
+    fds = array.array("i")
+    chunks: list[bytes] = []
+    while True:
+        data, ancillary, _flags, _addr = conn.recvmsg(1 << 16, socket.CMSG_SPACE(3 * fds.itemsize))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        if not data:
+            break
+        chunks.append(data)
+        try:
+            return json.loads(b"".join(chunks)), list(fds)
+        except ValueError:  # more to come
+            continue
+    raise ConnectionError("the shim closed before its message was whole")
+
+
+def _become_worker(conn: socket.socket, facts: dict[str, float]) -> None:
+    """Run Ray's worker here, as the shim was asked to: its environment, folder, streams and
+    arguments; the shim's pid is replaced by this one in Ray's registration (the worker
+    reports its own). When the shim ends, so does this process."""
+    message, fds = _receive(conn)
+    os.environ.clear()
+    os.environ.update(message["env"])
+    os.chdir(message["cwd"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+        os.close(fd)
+    conn.sendall(str(os.getpid()).encode())
+
+    def watch_shim() -> None:
+        conn.recv(1)
+        os._exit(1)
+
+    threading.Thread(target=watch_shim, name="watch-shim", daemon=True).start()
+    from service.engine import warmhost  # this file runs as __main__: the importable module holds the facts
+
+    warmhost.HOSTED.update(facts)
+    sys.argv = list(message["argv"])
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    path, model_dir, sp_size, parent = argv[1], argv[2] or None, int(argv[3]), int(argv[4])
+    started = time.time()
+    _watch_parent(parent)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)  # before the imports: a shim that comes early waits in the backlog
+    server.listen(1)
+    t0 = time.monotonic()
+    import_for(model_dir, sp_size)
+    facts = {"started": started, "import_s": time.monotonic() - t0, "imported_at": time.time()}
+    print(f"warm host {os.getpid()}: imported in {facts['import_s']:.1f} s; waiting for its worker",
+          flush=True)
+    conn, _ = server.accept()
+    server.close()
+    os.unlink(path)  # one worker per host: a later shim runs the plain worker
+    _become_worker(conn, facts)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,83 @@
+"""Warm hosts (engine.warmhost): rank processes that start and import before Ray is up.
+
+- a pre-started rank whose worker command is the shim runs in the host's process (the
+  same pid: no new interpreter), with the host's imports counted and Ray's environment of
+  the worker in place (it joins the job and passes the cluster's token check);
+- it ends with its actor, and the shim with it;
+- a shim that finds no host runs the plain worker: the rank still starts, in a new process;
+- a host whose launcher dies ends too (it would wait for a worker forever).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+
+from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
+from service.engine.warmhost import WarmHosts
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gone(pid: int) -> bool:
+    """Ended (a zombie that no one reaped counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gone(pid):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_host_ends_with_its_launcher() -> None:
+    code = ("import os; from service.engine.warmhost import WarmHosts; h = WarmHosts(1, None, 1); "
+            "print(h.pids()[0], h.folder, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    pid, folder = out.split()
+    try:
+        assert wait_gone(int(pid), timeout=60), f"warm host {pid} outlived its launcher"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.e2e  # each host imports torch and diffusers; each rank builds the model's classes
+def test_a_pre_started_rank_runs_in_its_warm_host(ray_cluster: dict, demo_model: str) -> None:
+    from service.engine.place import NAMESPACE
+    from service.engine.standby import prestart
+
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL),
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, standby=False,
+                                                encoders_per_rank=0, standby_preload=False))
+    hosts = WarmHosts(2, demo_model, 1)
+    try:
+        hosts.procs[1].kill()  # no host answers process 1's shim: it runs the plain worker
+        hosts.procs[1].wait(timeout=30)
+        held = prestart(spec, uuid.uuid4().hex[:8], NAMESPACE, hosts)
+        actors = list(held.values())
+        first, second = ray.get([a.started.remote() for a in actors], timeout=400)
+        assert first["pid"] == hosts.pids()[0] and first["hosted"] is True, first
+        assert hosts.started_at <= first["created"] < first["imported_at"]  # the host's start
+        assert ray.get(actors[0].ping.remote(), timeout=60) == hosts.pids()[0]
+        assert second["pid"] != hosts.pids()[1] and second["hosted"] is False, second
+        ray.kill(actors[0])
+        assert wait_gone(hosts.pids()[0], timeout=60), "the host outlived its killed actor"
+        ray.kill(actors[1])
+    finally:
+        hosts.close()
