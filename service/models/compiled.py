@@ -76,8 +76,20 @@ def keep_inductor_cache() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+PHASES_SHOWN = 8  # the slowest of torch's compile phases that describe() lists
 CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
                   ("aot_autograd", "autograd_cache_hit"), ("aot_autograd", "autograd_cache_miss"))
+
+
+def _phase_seconds() -> dict[str, float]:
+    """torch's own compile timings so far (dynamo's trace, AOT autograd, inductor, the cache
+    loads), seconds per phase summed: where a warm-up's seconds go. Empty where torch no
+    longer keeps them."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    return {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
 
 
 def _cache_counts() -> dict[str, int]:
@@ -109,6 +121,7 @@ class CompiledBlocks:
                 self._blocks.append(blk)
         self.classes = sorted(c.__name__ for c in self._compiled)
         self.warmup_s = 0.0
+        self.phases: dict[str, float] = {}  # the warm-up's seconds by torch's compile phase
 
     def _dispatch(self, blk: nn.Module, compiled: Callable[..., Any], eager: Callable[..., Any]
                   ) -> Callable[..., Any]:
@@ -131,11 +144,14 @@ class CompiledBlocks:
     def warm_up(self, forward: Callable[[], Any]) -> float:
         """Run ``forward`` once (the compile happens here, at start-up); its seconds."""
         t0 = time.perf_counter()
-        before = _cache_counts()
+        before, phases = _cache_counts(), _phase_seconds()
         with torch.no_grad():  # as diffusers' pipeline runs it: the same grad-mode guard
             forward()
         self.warmup_s = time.perf_counter() - t0
         self.cache = {k: v - before[k] for k, v in _cache_counts().items()}
+        spent = {k: v - phases.get(k, 0.0) for k, v in _phase_seconds().items()}
+        top = sorted(spent.items(), key=lambda kv: -kv[1])[:PHASES_SHOWN]
+        self.phases = {k: round(v, 3) for k, v in top if v >= 0.01}
         log.info("compiled %s (%d blocks, backend %s): warm-up %.1f s; caches %s", ", ".join(self.classes),
                  len(self._blocks), self.backend_name, self.warmup_s, self.cache)
         return self.warmup_s
@@ -146,7 +162,8 @@ class CompiledBlocks:
 
     def describe(self) -> dict[str, Any]:
         return {"classes": self.classes, "blocks": len(self._blocks), "backend": self.backend_name,
-                "warmup_s": round(self.warmup_s, 3), "cache": {**self.cache, "dir": self.cache_dir}}
+                "warmup_s": round(self.warmup_s, 3), "phases_s": self.phases,
+                "cache": {**self.cache, "dir": self.cache_dir}}
 
     def close(self) -> None:
         """The blocks' own forward back (the class's, looked up again)."""

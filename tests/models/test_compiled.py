@@ -61,6 +61,8 @@ def test_slot_swaps_do_not_recompile(demo_model: str, mode: OffloadMode) -> None
         # One graph for every block of the class (none when an earlier runner in this process
         # compiled it: dynamo caches per code object, guards match).
         assert warm - before <= 1 and warm >= 1
+        if warm - before == 1:  # compiled here: the warm-up's seconds by torch's phase are shown
+            assert runner.describe()["compile"]["phases_s"], runner.describe()["compile"]
         first = runner.frames(REQ)
         again = runner.frames(replace(REQ, seed=8))
         runner.frames(REQ)
