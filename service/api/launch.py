@@ -312,11 +312,14 @@ def _start_hosts(args: argparse.Namespace, marks: dict[str, float]) -> None:
     and the pre-started ranks' workers run in them."""
     if not (args.rank_prestart and args.num_replicas == 1):
         return
-    from service.engine.warmhost import WarmHosts
+    from service.engine.warmhost import WarmHosts, gpu_per_process
 
     model = args.model if args.model and Path(args.model).expanduser().is_dir() else None
     sp = args.sequence_parallel_size
-    _hosts["hosts"] = WarmHosts(args.data_parallel_size * sp, model and str(Path(model).expanduser()), sp)
+    count = args.data_parallel_size * sp
+    one_gpu = args.gpus_per_rank in (None, 1)  # as the pre-started ranks will pick theirs, if on GPUs
+    gpus = gpu_per_process(count, os.environ.get("CUDA_VISIBLE_DEVICES")) if one_gpu else None
+    _hosts["hosts"] = WarmHosts(count, model and str(Path(model).expanduser()), sp, gpus)
     marks["rank_hosts"] = _hosts["hosts"].started_at
 
 

@@ -151,10 +151,12 @@ class RayExecutor(GroupExecutor):
         if prestarted:  # imported while Serve started: when the last of them was done
             self.startup["prestart_imported_at"] = max(s["imported_at"] for s in started)
         hosted = prestarted and all(s.get("hosted") for s in started)  # started before Ray (engine.warmhost)
+        how = {"standby": standby, "prestarted": prestarted, "hosted": hosted}
+        if hosted:  # an import in the host loaded CUDA's driver: its GPU view was the host's
+            how["host_cuda_loaded"] = any(s.get("host_cuda_loaded") for s in started)
         log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
                              "setup_s": time.monotonic() - t_addr}, detail,
-                  {"standby": standby, "prestarted": prestarted, "hosted": hosted,
-                   "pids": [s["pid"] for s in started]})
+                  {**how, "pids": [s["pid"] for s in started]})
         self._take_rank_choice(facts)
         self._make_standbys(g, started, facts)
         with self._lock:

@@ -37,7 +37,7 @@ from service.config import EngineConfig
 
 from .place import RankPlace, rank_encoder, rank_encoder_count
 from .preload import Preload, preloadable
-from .warmhost import WarmHosts, hosted, warm_model_imports
+from .warmhost import WarmHosts, gpu_per_process, hosted, warm_model_imports
 from .worker import RankActor
 
 
@@ -76,6 +76,7 @@ class WarmRankActor(RankActor):
         host = hosted()  # a warm host's worker: it started and imported before Ray was up
         self.created = host["started"] if host else time.time()
         self.hosted = host is not None
+        self.host_cuda_loaded = bool(host and host.get("cuda_loaded"))  # its GPU view is the host's
         self.adopted = False
         self.import_s = warm_imports(config) + (host["import_s"] if host else 0.0)
         # A standby's encoder processes start now too (a new rank's start while it loads).
@@ -87,6 +88,7 @@ class WarmRankActor(RankActor):
         """Answers once the constructor (process start and imports) is done."""
         return {"pid": os.getpid(), "import_s": round(self.import_s, 3), "created": self.created,
                 "imported_at": self.imported_at, "standby": self.standby, "hosted": self.hosted,
+                "host_cuda_loaded": self.host_cuda_loaded,
                 "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def adopt(self, config: EngineConfig, place: RankPlace, visible_devices: str | None) -> dict[str, Any]:
@@ -194,5 +196,4 @@ def prestart_gpus(config: EngineConfig, visible: str | None) -> list[str]:
     None (an empty list) for CPU ranks or a fraction of a GPU per rank: no one GPU to name."""
     if config.parallel.gpus_per_rank != 1:
         return []
-    ids = [d.strip() for d in (visible or "").split(",") if d.strip()]
-    return (ids or [str(i) for i in range(config.parallel.processes)])[:config.parallel.processes]
+    return gpu_per_process(config.parallel.processes, visible)

@@ -39,10 +39,20 @@ def hosted() -> dict[str, float] | None:
     return dict(HOSTED) or None
 
 
-class WarmHosts:
-    """The launcher's warm hosts: one per rank process, by index."""
+def gpu_per_process(count: int, visible: str | None) -> list[str]:
+    """The GPU that rank process i of a node takes before any placement exists: the node's
+    i-th as Ray names them (the launcher's ``CUDA_VISIBLE_DEVICES``, else 0..count-1)."""
+    ids = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    return (ids or [str(i) for i in range(count)])[:count]
 
-    def __init__(self, count: int, model_dir: str | None, sp_size: int) -> None:
+
+class WarmHosts:
+    """The launcher's warm hosts: one per rank process, by index. ``gpus``: host i's GPU
+    (engine.standby.prestart_gpus gives its rank the same), set before torch is imported, in
+    case an import already asks CUDA for its devices; None: leave CUDA's view alone."""
+
+    def __init__(self, count: int, model_dir: str | None, sp_size: int,
+                 gpus: list[str] | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix="dloserve-hosts-")  # 0700: only this user connects
         self.started_at = time.time()
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -50,8 +60,11 @@ class WarmHosts:
             log = open(os.path.join(self.folder, f"host{i}.log"), "wb")  # noqa: SIM115 - the child owns it
             command = [sys.executable, "-m", "service.engine.warmhost", self.socket(i), model_dir or "",
                        str(sp_size), str(os.getpid())]
+            env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # is_available() without CUDA's init
+            if gpus and i < len(gpus):
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i]
             self.procs.append(subprocess.Popen(
-                command,
+                command, env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))  # the terminal's Ctrl-C is the launcher's to handle, not a rank's
             log.close()
@@ -111,6 +124,16 @@ def warm_model_imports(model_dir: str, sp_size: int) -> None:
                 adapter.component_class(name)
             except Exception:  # noqa: BLE001 - the load names a bad component; this only warms
                 pass
+
+
+def _cuda_driver_loaded() -> bool:
+    """Whether an import loaded CUDA's driver (it reads ``CUDA_VISIBLE_DEVICES`` once, then);
+    shown in the rank's start facts."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libcuda.so" in f.read()
+    except OSError:
+        return False
 
 
 def _watch_parent(parent: int) -> None:
@@ -179,7 +202,8 @@ def main(argv: list[str]) -> None:
     server.listen(1)
     t0 = time.monotonic()
     import_for(model_dir, sp_size)
-    facts = {"started": started, "import_s": time.monotonic() - t0, "imported_at": time.time()}
+    facts = {"started": started, "import_s": time.monotonic() - t0, "imported_at": time.time(),
+             "cuda_loaded": float(_cuda_driver_loaded())}
     print(f"warm host {os.getpid()}: imported in {facts['import_s']:.1f} s; waiting for its worker",
           flush=True)
     conn, _ = server.accept()

@@ -210,7 +210,8 @@ def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_re
     assert not prestarts(cfg.model_copy(update={"num_replicas": 2}), on, own_cluster=True)
 
 
-def test_warm_hosts_start_before_ray_only_where_ranks_are_pre_started(demo_model: str) -> None:
+def test_warm_hosts_start_only_where_ranks_are_pre_started(demo_model: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher starts one warm host per rank process (engine.warmhost) before Ray, for the
     pre-started ranks; none with --no-rank-prestart or several replicas; they stop with it."""
     from service.api import launch
@@ -220,12 +221,16 @@ def test_warm_hosts_start_before_ray_only_where_ranks_are_pre_started(demo_model
         launch._start_hosts(parse(demo_model, *argv), marks)
         assert "hosts" not in launch._hosts and "rank_hosts" not in marks
     marks = {}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     launch._start_hosts(parse(demo_model, "--data-parallel-size", "2", "--dlo-no-use-allgather"), marks)
     hosts = launch._hosts.pop("hosts")
     try:
         assert len(hosts.procs) == 2 and marks["rank_hosts"] == hosts.started_at
         assert all(p.poll() is None for p in hosts.procs)
         assert demo_model in hosts.procs[0].args
+        for i, p in enumerate(hosts.procs):  # each on the GPU its pre-started rank will take
+            env = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
+            assert f"CUDA_VISIBLE_DEVICES={i}".encode() in env
     finally:
         hosts.close()
     assert all(p.poll() is not None for p in hosts.procs)
