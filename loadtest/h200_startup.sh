@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 34's one-GPU figures, as run on a lent nvidia-h200 (after the wheels from
 # ../shared/tools/gpu-wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
-# Wan-14B layers, bf16 twice: a first start and a restart; FP8 once; 40 layers once), a rank
+# Wan-14B layers, bf16 and FP8, each a first start and a restart; 40 layers the same), a rank
 # SIGKILLed at half of a request against a standby that has loaded, and short clips sent at
 # once under default flags against the resident ideal. Each step has its own limit; each
 # writes JSON under $OUT. A device call is 10 minutes at most: pass the parts per call.
@@ -34,7 +34,7 @@ B="$PY loadtest/bench_startup.py $DEV --module"
 # shellcheck disable=SC2086
 has ready12 && step 240 $B --model "$M12" --label 12-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12.json"
 # shellcheck disable=SC2086
-has fp8 && step 150 $B --model "$M12" --label 12-fp8 "--serve-args=--quantization fp8" --starts ready \
+has fp8 && step 240 $B --model "$M12" --label 12-fp8 "--serve-args=--quantization fp8" --starts ready,ready \
   --out "$OUT/$KIND-startup-$DAY-12-fp8.json"
 # shellcheck disable=SC2086
 has ready40 && step 240 $B --model "$M40" --label 40-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40.json"
@@ -48,4 +48,6 @@ for n in 8 24; do
   has short && step 280 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $MIX \
     --requests $n --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-short$n-$DAY.json" --logdir /tmp
 done
+# When Ray's processes of the last start began (their log files' times): where ray.init's seconds go.
+ls -la --time-style=full-iso /tmp/ray/session_latest/logs 2>/dev/null | sort -k7 > "$OUT/raylog-$KIND-$(date +%H%M%S).txt"
 ls -la "$OUT"
