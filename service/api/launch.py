@@ -310,15 +310,18 @@ def _start_hosts(args: argparse.Namespace, marks: dict[str, float]) -> None:
     """One warm host per rank process (engine.warmhost), started before Ray where the ranks
     will be pre-started (one replica on a cluster of our own): they import while Ray starts,
     and the pre-started ranks' workers run in them."""
-    if not (args.rank_prestart and args.num_replicas == 1):
+    # A share or several GPUs per rank: no one GPU to give a host before the placement exists,
+    # and an import in it may load CUDA's driver (on the H200 one did), which fixes its view of
+    # the GPUs; those ranks start as Ray's own processes.
+    whole = args.gpus_per_rank in (None, 0, 1)
+    if not (args.rank_prestart and args.num_replicas == 1 and whole):
         return
     from service.engine.warmhost import WarmHosts, gpu_per_process
 
     model = args.model if args.model and Path(args.model).expanduser().is_dir() else None
     sp = args.sequence_parallel_size
     count = args.data_parallel_size * sp
-    one_gpu = args.gpus_per_rank in (None, 1)  # as the pre-started ranks will pick theirs, if on GPUs
-    gpus = gpu_per_process(count, os.environ.get("CUDA_VISIBLE_DEVICES")) if one_gpu else None
+    gpus = gpu_per_process(count, os.environ.get("CUDA_VISIBLE_DEVICES")) if args.gpus_per_rank != 0 else None
     _hosts["hosts"] = WarmHosts(count, model and str(Path(model).expanduser()), sp, gpus)
     marks["rank_hosts"] = _hosts["hosts"].started_at
 

@@ -213,10 +213,11 @@ def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_re
 def test_warm_hosts_start_only_where_ranks_are_pre_started(demo_model: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher starts one warm host per rank process (engine.warmhost) before Ray, for the
-    pre-started ranks; none with --no-rank-prestart or several replicas; they stop with it."""
+    pre-started ranks; none with --no-rank-prestart, several replicas or a share of a GPU per
+    rank (no one GPU to give it before the placement exists); they stop with it."""
     from service.api import launch
 
-    for argv in (("--no-rank-prestart",), ("--num-replicas", "2")):
+    for argv in (("--no-rank-prestart",), ("--num-replicas", "2"), ("--gpus-per-rank", "0.5")):
         marks: dict[str, float] = {}
         launch._start_hosts(parse(demo_model, *argv), marks)
         assert "hosts" not in launch._hosts and "rank_hosts" not in marks
