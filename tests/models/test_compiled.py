@@ -63,6 +63,9 @@ def test_slot_swaps_do_not_recompile(demo_model: str, mode: OffloadMode) -> None
         assert warm - before <= 1 and warm >= 1
         if warm - before == 1:  # compiled here: the warm-up's seconds by torch's phase are shown
             assert runner.describe()["compile"]["phases_s"], runner.describe()["compile"]
+        # the warm-up computed two of the three blocks (the rest only streamed), and the requests
+        # below still compile nothing new: the second call had a block's output as its input
+        assert runner.describe()["compile"]["warm_calls"] == {"WanTransformerBlock": 2}
         first = runner.frames(REQ)
         again = runner.frames(replace(REQ, seed=8))
         runner.frames(REQ)
