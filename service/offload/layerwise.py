@@ -19,6 +19,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointPath, serving_dtype
 from .comm import Device, Group
+from .fill import fill_blocks
 from .layout import BlockLayout, plan_block
 from .mode import OffloadMode, streamed_mode
 from .modules import _back_to, _expected, _place_non_persistent, _to_host, find_blocks, load_resident
@@ -227,19 +228,16 @@ class LayerwiseOffload:
         tensors = module.state_dict(keep_vars=True)
         for alias, source in opts.tied.items():
             set_tensor(module, alias, tensors[source])
-        self._resident_buffers: list[torch.Tensor] = []
+        resident = [i for i in range(len(self.layouts)) if i in self.plan.resident]
+        # a slot's flat layout, zero padded, filled on threads straight from the file (offload.fill)
+        self._resident_buffers = fill_blocks([(self.layouts[i], self._block_keys[i]) for i in resident],
+                                             self.ckpt.view, dev)
+        filled = dict(zip(resident, self._resident_buffers, strict=True))
         for i, (lay, keys) in enumerate(zip(self.layouts, self._block_keys, strict=True)):
             blk = self._blocks[i]
-            if i in self.plan.resident:
-                # Same flat aligned layout as a slot: kernels see the same addresses mod 256.
-                # Zeroed: the padding between tensors is the same bytes on every rank and run.
-                host = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+            if i in filled:
                 for e in lay.entries:
-                    e.view(host).copy_(self.ckpt.view(keys[e.name]))
-                buf = host.to(dev)
-                self._resident_buffers.append(buf)
-                for e in lay.entries:
-                    set_tensor(blk, e.name, e.view(buf))
+                    set_tensor(blk, e.name, e.view(filled[i]))
                 self.ckpt.release(keys.values())
                 placed += lay.total_bytes
             else:

@@ -1,0 +1,51 @@
+"""Resident blocks filled on threads (offload.fill): every buffer is byte for byte what one
+thread builds on the host (zeroed, each tensor copied in its place, a cast where the stored
+dtype differs), in the blocks' order, whatever the number of threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from service.offload.fill import fill_blocks
+from service.offload.layout import BlockLayout, plan_block
+
+SHAPES = {"attn.weight": (24, 16), "attn.bias": (24,), "norm.weight": (5,), "ff.weight": (16, 33)}
+
+
+def blocks(n: int) -> tuple[list[tuple[BlockLayout, dict[str, str]]], dict[str, torch.Tensor]]:
+    """``n`` blocks' layouts (bf16, the norm kept fp32) and their float32 "checkpoint"."""
+    g = torch.Generator().manual_seed(3)
+    stored: dict[str, torch.Tensor] = {}
+    out = []
+    for i in range(n):
+        tensors = [(name, torch.float32 if name.startswith("norm") else torch.bfloat16, shape)
+                   for name, shape in SHAPES.items()]
+        keys = {name: f"blocks.{i}.{name}" for name in SHAPES}
+        for name, shape in SHAPES.items():
+            stored[keys[name]] = torch.randn(shape, generator=g)
+        out.append((plan_block(i, f"blocks.{i}", tensors), keys))
+    return out, stored
+
+
+def on_host(lay: BlockLayout, keys: dict[str, str], stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The buffer as it was built before: a zeroed host buffer, each tensor copied in."""
+    buf = torch.zeros(lay.total_bytes, dtype=torch.uint8)
+    for e in lay.entries:
+        e.view(buf).copy_(stored[keys[e.name]])
+    return buf
+
+
+@pytest.mark.parametrize("workers", [1, 3, None])
+def test_filled_buffers_equal_the_host_built_ones(workers: int | None) -> None:
+    items, stored = blocks(7)
+    got = fill_blocks(items, stored.__getitem__, torch.device("cpu"), workers=workers)
+    assert len(got) == len(items)
+    for (lay, keys), buf in zip(items, got, strict=True):
+        assert buf.dtype == torch.uint8 and buf.numel() == lay.total_bytes
+        assert torch.equal(buf, on_host(lay, keys, stored)), lay.prefix
+    assert any(lay.total_bytes > sum(e.nbytes for e in lay.entries) for lay, _ in items)  # padding checked
+
+
+def test_no_blocks_fill_nothing() -> None:
+    assert fill_blocks([], {}.__getitem__, torch.device("cpu")) == []
