@@ -23,13 +23,16 @@ if [ "${SMOKE:-0}" = 1 ]; then
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
 else
   DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short
-  if has ready12 || has kill || has fp8 || has short; then
+  if has ready12 || has kill || has fp8 || has short || has fill12; then
     [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
   fi
-  if has ready40; then
+  if has ready40 || has fill40; then
     [ -d "$M40" ] || step 300 $PY -m service.cli demo-model "$M40" --preset wan14b-shape --layers 40
   fi
 fi
+# Resident blocks into device memory: the one-thread host build against offload.fill (bench_fill.py).
+has fill12 && step 120 $PY loadtest/bench_fill.py "$M12" --blocks 12 --out "$OUT/$KIND-fill-$DAY-12.json"
+has fill40 && step 200 $PY loadtest/bench_fill.py "$M40" --blocks 40 --out "$OUT/$KIND-fill-$DAY-40.json"
 B="$PY loadtest/bench_startup.py $DEV --module"
 # shellcheck disable=SC2086
 has ready12 && step 240 $B --model "$M12" --label 12-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12.json"
