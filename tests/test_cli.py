@@ -1,4 +1,5 @@
-"""``dloserve`` end to end in subprocesses, as a user runs it."""
+"""``dloserve`` as a user runs it: the e2e tests in subprocesses, the two fast ones through
+the command's ``main()`` in this process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from service.cli import main as cli_main
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4
 
@@ -26,13 +28,18 @@ def dloserve(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
-def test_generate_with_no_model_uses_the_demo(tmp_path: Path, demo_model: str) -> None:
+# The two fast tests call the command's main() in this process: a subprocess spent ~15 s of
+# make test's time importing torch and diffusers again, for what the e2e tests below (each a
+# real `dloserve` subprocess) show already; the command's own code paths are the same.
+def test_generate_with_no_model_uses_the_demo(tmp_path: Path, demo_model: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fox.mp4"
     # The demo_model fixture already filled the default cache; this must find it there.
-    r = dloserve("generate", "--prompt", "a red fox running through snow", "--seed", "1", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "denoising" in r.stderr  # the progress bar over steps
-    assert f"wrote {out}" in r.stdout and "resident, DP1" in r.stdout
+    assert cli_main(["generate", "--prompt", "a red fox running through snow", "--seed", "1",
+                     "--out", str(out)]) == 0, capsys.readouterr().err[-3000:]
+    r = capsys.readouterr()
+    assert "denoising" in r.err  # the progress bar over steps
+    assert f"wrote {out}" in r.out and "resident, DP1" in r.out
     assert decode_mp4(out.read_bytes()).shape == (5, 32, 32, 3)
 
 
@@ -49,14 +56,15 @@ def test_generate_dlo_two_ranks_matches_resident(tmp_path: Path, demo_model: str
     assert out.read_bytes() == resident.generate(GenerationRequest(prompt="a cat", seed=2))
 
 
-def test_generate_with_offload_is_auto_by_default_and_says_what_it_chose(tmp_path: Path, demo_model: str,
-                                                                          resident) -> None:  # noqa: ANN001
+def test_generate_with_offload_is_auto_by_default_and_says_what_it_chose(
+        tmp_path: Path, demo_model: str, resident, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     out = tmp_path / "auto.mp4"
-    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--seed", "2", "--quiet",
-                 "--out", str(out), "--enable-distributed-layerwise-offload")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert cli_main(["generate", "--model", demo_model, "--prompt", "a cat", "--seed", "2", "--quiet",
+                     "--out", str(out), "--enable-distributed-layerwise-offload"]) == 0, \
+        capsys.readouterr().err[-3000:]
+    stdout = capsys.readouterr().out
     # the probe ran at the request's own size; on CPU compute covers any fill
-    assert "[auto: rank-local (compute covers the rank-local fill" in r.stdout, r.stdout
+    assert "[auto: rank-local (compute covers the rank-local fill" in stdout, stdout
     assert out.read_bytes() == resident.generate(GenerationRequest(prompt="a cat", seed=2))
 
 

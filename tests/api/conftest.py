@@ -1,7 +1,9 @@
-"""One Serve app (DP=2 AllGather, continuous scheduling, demo model) shared by the HTTP tests."""
+"""One Serve app (DP=2 AllGather, continuous scheduling, demo model) shared by the HTTP tests,
+and one with API keys (DP1, under /keyed) shared by the key and adapter tests."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -52,6 +54,61 @@ def app_url(ray_cluster: dict, demo_model: str, tmp_path_factory: pytest.TempPat
     print(f"\ntime to ready: {time.monotonic() - t0:.1f}s")
     yield url
     serve.delete("dloserve-test")
+
+
+# The keyed app: test_security.py's two keys and admin, test_lora_keys.py's two keys.
+KEY_A, KEY_B = "sk-test-alice-0123456789", "sk-test-bob-9876543210"
+ADMIN = "sk-test-admin-5555555555"
+LORA_KEY_A, LORA_KEY_B = "sk-lora-alice-0123456789", "sk-lora-bob-9876543210"
+BODY_TIMEOUT_S = 10.0  # the held uploads of a test outlast its checks
+UPLOADS_PER_KEY = 8  # the FIFO test's six registrations of one key and its job fit under it
+LORA_CAP = 3  # max_loras_per_key
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def keyed_lora_dir(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The adapters the keyed app's --lora-dir holds: the server's, alice's, bob's, a bad file."""
+    from service.models.demo.lora import write_demo_lora
+
+    d = tmp_path_factory.mktemp("keyed-loras")
+    for seed, name in enumerate(("server", "alice", "bob")):
+        write_demo_lora(demo_model, d / f"{name}.safetensors", rank=4, seed=seed + 1)
+    (d / "junk.safetensors").write_bytes(b"not safetensors")
+    return d
+
+
+@pytest.fixture(scope="session")
+def keyed(app_url: str, demo_model: str, keyed_lora_dir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second app (DP1, under /keyed) with API keys, an admin key, per-key limits and
+    adapters: test_security.py's keys and test_lora_keys.py's share it (each app start costs
+    `make test` 30-45 s). The two modules' keys are apart, so neither sees the other's jobs,
+    adapters or quotas; the per-key limits are per key."""
+    from ray import serve
+
+    from service.api.app import build_app
+    from service.api.service import ServiceConfig
+
+    cfg = ServiceConfig(
+        model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+        results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
+        api_key_hashes=[key_hash(k) for k in (KEY_A, KEY_B, LORA_KEY_A, LORA_KEY_B)],
+        admin_key_hashes=[key_hash(ADMIN)],
+        key_quotas={key_hash(KEY_B): {"min_priority": -5}},
+        max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S, first_byte_timeout_s=1.0,
+        max_uploads_per_key=UPLOADS_PER_KEY,
+        loras={"server": str(keyed_lora_dir / "server.safetensors")}, lora_dirs=[str(keyed_lora_dir)],
+        max_loras_per_key=LORA_CAP,
+    )
+    serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")
+    url = f"{app_url}/keyed"
+    wait_ready(url, 180)
+    yield url
+    serve.delete("keyed")
 
 
 def wait_ready(url: str, timeout: float, headers: dict | None = None) -> dict:

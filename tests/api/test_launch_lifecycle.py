@@ -62,14 +62,17 @@ def test_dead_address_fails_fast_naming_it(ray_tmp: Path) -> None:
     assert f"cannot reach the Ray cluster at {dead}" in s.output
 
 
-def test_stale_current_cluster_is_not_joined_and_sigterm_cleans_up(ray_tmp: Path) -> None:
+def test_stale_current_cluster_is_not_joined_and_sigint_while_serving_cleans_up(ray_tmp: Path) -> None:
+    """Also the signal test's "while serving" moment: once serving, SIGINT and SIGTERM take one
+    path (launch._on_signal, then _shutdown), so SIGINT here and SIGTERM in the drain tests
+    below cover both without a serve start of their own."""
     (ray_tmp / "ray").mkdir()
     (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")  # nobody there
     s = Serve(ray_tmp, "--port", str(free_port()))
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
     assert "Connecting to existing Ray cluster" not in s.output
     assert len(s.seen) >= 5  # GCS, raylet, agents, Serve controller, proxy, replica, rank
-    assert s.stop(signal.SIGTERM) == 0, s.output[-2000:]
+    assert s.stop(signal.SIGINT) == 0, s.output[-2000:]
     assert not s.survivors(), s.survivors()
 
 
@@ -79,8 +82,7 @@ def test_stale_current_cluster_is_not_joined_and_sigterm_cleans_up(ray_tmp: Path
         (signal.SIGINT, "while Python starts"),
         (signal.SIGTERM, "while Ray starts"),
         (signal.SIGTERM, "while the model loads"),
-        (signal.SIGINT, "while serving"),
-    ],
+    ],  # while serving: the stale-cluster test above (SIGINT) and the drain tests (SIGTERM)
 )
 def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment: str) -> None:
     s = Serve(ray_tmp, "--port", str(free_port()))
@@ -90,10 +92,8 @@ def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment
         s.watch_until(lambda: catches(s.proc.pid, signal.SIGTERM), timeout=60)
     elif moment == "while Ray starts":
         s.watch_until(lambda: bool(matching(s.proc.pid, "gcs_server")), timeout=120)
-    elif moment == "while the model loads":
+    else:  # while the model loads
         s.watch_until(lambda: "deploying" in s.output, timeout=180)
-    else:
-        s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
     assert s.stop(sig) == 0, s.output[-2000:]
     assert not s.survivors(), s.survivors()
 

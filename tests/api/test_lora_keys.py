@@ -1,27 +1,27 @@
 """Adapters with API keys, over real HTTP and real Ray: names per key, a per-key cap, the
 list in pages, no server path in any answer, and a FIFO's registrations that hold up nothing.
 
-A DP1 app with two keys, `--lora-dir` and one adapter of the server's (under /lorakeys)
-lives for this module only, beside the shared open app (tests/api/conftest.py).
+On the app with API keys (DP1, under /keyed: the ``keyed`` fixture of tests/api/conftest.py,
+shared with test_security.py's own keys): two keys of this module's, `--lora-dir` and one
+adapter of the server's, beside the shared open app.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from service.models.demo.lora import write_demo_lora
-from tests.api.conftest import wait_final, wait_ready
+from tests.api.conftest import LORA_CAP as CAP
+from tests.api.conftest import LORA_KEY_A as KEY_A
+from tests.api.conftest import LORA_KEY_B as KEY_B
+from tests.api.conftest import wait_final
 from tests.api.test_adapter_io import release
 
-KEY_A, KEY_B = "sk-lora-alice-0123456789", "sk-lora-bob-9876543210"
-CAP = 3  # max_loras_per_key here
 JOB = {"prompt": "a red fox", "size": "32x32", "num_frames": 5, "num_inference_steps": 2, "seed": 4}
 
 
@@ -29,35 +29,14 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-@pytest.fixture(scope="module")
-def lora_dir(demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("keyed-loras")
-    for seed, name in enumerate(("server", "alice", "bob")):
-        write_demo_lora(demo_model, d / f"{name}.safetensors", rank=4, seed=seed + 1)
-    (d / "junk.safetensors").write_bytes(b"not safetensors")
-    return d
+@pytest.fixture
+def lora_dir(keyed_lora_dir: Path) -> Path:
+    return keyed_lora_dir
 
 
-@pytest.fixture(scope="module")
-def app(app_url: str, demo_model: str, lora_dir: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from ray import serve
-
-    from service.api.app import build_app
-    from service.api.service import ServiceConfig
-
-    cfg = ServiceConfig(
-        model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
-        results_url=str(tmp_path_factory.mktemp("keyed-lora-results")), pg_timeout_s=60,
-        api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
-        loras={"server": str(lora_dir / "server.safetensors")}, lora_dirs=[str(lora_dir)],
-        max_loras_per_key=CAP,
-    )
-    serve.run(build_app(cfg.model_dump()), name="lorakeys", route_prefix="/lorakeys")
-    url = f"{app_url}/lorakeys"
-    wait_ready(url, 180)
-    yield url
-    serve.delete("lorakeys")
+@pytest.fixture
+def app(keyed: str) -> str:
+    return keyed
 
 
 def register(url: str, key: str, name: str, source: Path | str) -> httpx.Response:

@@ -1,12 +1,12 @@
 """Safe to expose: API keys and ownership, bounded bodies, health that notices a dead rank.
 
-A second app with two API keys (DP1, under /keyed) lives for this module only; the shared
-open app (tests/api/conftest.py) serves the body and health checks.
+The app with API keys (DP1, under /keyed: the ``keyed`` fixture of tests/api/conftest.py,
+shared with test_lora_keys.py's own keys) serves the key checks; the shared open app the
+body and health checks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import socket
 import time
 from collections.abc import Iterator
@@ -15,35 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import wait_final, wait_ready
-
-KEY_A, KEY_B = "sk-test-alice-0123456789", "sk-test-bob-9876543210"
-ADMIN = "sk-test-admin-5555555555"
-BODY_TIMEOUT_S = 10.0  # the held uploads of a test outlast its checks
-UPLOADS_PER_KEY = 4
-
-
-@pytest.fixture(scope="module")
-def keyed(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from ray import serve
-
-    from service.api.app import build_app
-    from service.api.service import ServiceConfig
-
-    cfg = ServiceConfig(
-        model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
-        results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
-        api_key_hashes=[hashlib.sha256(k.encode()).hexdigest() for k in (KEY_A, KEY_B)],
-        admin_key_hashes=[hashlib.sha256(ADMIN.encode()).hexdigest()],
-        key_quotas={hashlib.sha256(KEY_B.encode()).hexdigest(): {"min_priority": -5}},
-        max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S, first_byte_timeout_s=1.0,
-        max_uploads_per_key=UPLOADS_PER_KEY,
-    )
-    serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")
-    url = f"{app_url}/keyed"
-    wait_ready(url, 180)
-    yield url
-    serve.delete("keyed")
+from tests.api.conftest import ADMIN, KEY_A, KEY_B, UPLOADS_PER_KEY, wait_final
 
 
 def auth(key: str) -> dict[str, str]:

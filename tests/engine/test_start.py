@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from loadtest.ranks import PRELOAD
 from service.engine.ports import free_port
 
 
@@ -31,7 +32,11 @@ def _member(rank: int, init: str, port: int, out: Any) -> None:
 def test_the_rendezvous_store_of_a_loopback_group_listens_on_loopback_only() -> None:
     port = free_port("127.0.0.1")
     init = f"tcp://127.0.0.1:{port}"
-    ctx = mp.get_context("spawn")
+    # Forked from the fork server run_ranks uses (torch imported once there), not spawned: a
+    # spawned member spent seconds of the test importing torch again. How the member process
+    # started is no part of what the store listens on.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect where the server already runs (as run_ranks sets it)
     out = ctx.Queue()
     procs = [ctx.Process(target=_member, args=(r, init, port, out)) for r in (0, 1)]
     for p in procs:

@@ -87,9 +87,11 @@ def test_device_budget_counts_both_experts(two: str) -> None:
         non_block += sum(r.nbytes for k, r in ckpt.records.items() if not k.startswith("blocks."))
     everything = blocks + non_block
     for budget, all_resident in ((everything, True), (everything - 1, False)):
-        # no adapter LRU in the budget (it reserves --lora-cache-gb): only the experts' bytes
-        settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, device_memory_gb=budget / 2**30),
-                                lora=LoraConfig(cache_gb=0))
+        # no adapter LRU in the budget (it reserves --lora-cache-gb): only the experts' bytes.
+        # A budget runs the load-time probe; at a tiny shape (its default is 480x832x81, ~25 s
+        # a load on CPU), as on CPU it measures no activation bytes at any shape.
+        off = OffloadConfig(OffloadMode.ALLGATHER, device_memory_gb=budget / 2**30, probe_shape=(16, 16, 5))
+        settings = EngineConfig(offload=off, lora=LoraConfig(cache_gb=0))
         runner = PipelineRunner.load(two, "cpu", config=settings)
         try:
             plan = runner.handle.plan

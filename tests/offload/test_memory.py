@@ -32,13 +32,19 @@ def pss_bytes(pid: int | str = "self") -> int:
 
 
 def _write_big_checkpoint(path: Path) -> int:
+    """Every tensor a copy of one random pool's head: drawing 1 GB of random numbers took most
+    of the test's time (20-45 s on this machine's CPU), copies take a second. Equal contents
+    share nothing: PSS counts the page cache by file page, and the file has every byte."""
     model = empty_model(DIM, HIDDEN, DEPTH)
     g = torch.Generator().manual_seed(0)
+    largest = max(v.numel() for v in model.state_dict().values())
+    pool = {dt: torch.empty(largest, dtype=dt).uniform_(-0.02, 0.02, generator=g)
+            for dt in (torch.float32, torch.bfloat16)}
     state = {}
     for k, v in model.state_dict().items():
         fp32 = ".norm." in k or "scale_shift" in k or "step_scale" in k
         dtype = torch.float32 if fp32 else torch.bfloat16
-        state[k] = torch.empty(v.shape, dtype=dtype).uniform_(-0.02, 0.02, generator=g)
+        state[k] = pool[dtype][: v.numel()].view(v.shape).clone()
     save_file(state, path)
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -65,21 +71,26 @@ def _rank_main(rank: int, world: int, ckpt: str) -> dict:
 class PeakSampler(threading.Thread):
     """Sums the PSS of the rank processes every 20 ms; keeps the largest sum.
 
-    Only children started after the sampler and running multiprocessing's spawn entry
-    count: a Ray cluster that an earlier test started also hangs off this process.
+    Only processes started after the sampler that are ranks count: those forked from
+    run_ranks' fork server (its children: the server itself, with its preloaded imports,
+    is not a rank) or started by multiprocessing's spawn. A Ray cluster that an earlier test
+    started also hangs off this process.
     """
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.peak = 0
+        self.ranks: set[int] = set()  # every rank seen: none seen would make the peak say nothing
         self.stop = threading.Event()
-        self.before = {c.pid for c in psutil.Process().children()}
+        self.before = {c.pid for c in psutil.Process().children(recursive=True)}
 
     def _is_rank(self, child: psutil.Process) -> bool:
         if child.pid in self.before:
             return False
         try:
-            return "spawn_main" in " ".join(child.cmdline())
+            parent = child.parent()
+            forked = parent is not None and "forkserver" in " ".join(parent.cmdline())
+            return forked or "spawn_main" in " ".join(child.cmdline())
         except psutil.Error:
             return False
 
@@ -87,9 +98,10 @@ class PeakSampler(threading.Thread):
         me = psutil.Process()
         while not self.stop.is_set():
             total = 0
-            for child in me.children():
+            for child in me.children(recursive=True):
                 if not self._is_rank(child):
                     continue
+                self.ranks.add(child.pid)
                 try:
                     total += pss_bytes(child.pid)
                 except (OSError, RuntimeError):
@@ -114,6 +126,7 @@ def test_two_ranks_share_one_copy(tmp_path: Path) -> None:
     report = {m: {k: sum(r[m][k] for r in results) / 2**30 for k in ("loaded", "after_forward")}
               for m in ("allgather", "rank-local")}
     print(f"checkpoint {nbytes / 2**30:.2f} GiB; peak PSS sum {sampler.peak / 2**30:.2f} GiB; {report}")
+    assert len(sampler.ranks) == 2, sampler.ranks
     assert sampler.peak < limit, f"{report}: peak PSS {sampler.peak / 2**30:.2f} GiB over {limit / 2**30:.2f}"
     for mode in ("allgather", "rank-local"):
         for when in ("loaded", "after_forward"):
