@@ -144,10 +144,11 @@ class PipelineRunner:
                 config, timings = config.resolved(choice), choice.timings
                 off = config.offload
                 log.info("offload mode auto: %s (%s)", choice.mode.value, choice.reason)
-            # A budget in GiB holds the activations too (measured by the probe forward); the
+            # A budget in GiB holds the activations too (measured by the probe forward, on CUDA
+            # only: elsewhere it measures none and was a whole forward at the probe size); the
             # default share holds the weights only: activations use the rest of the GPU.
             budget, shared = device_budget(off, dev, sequence_parallel)
-            if timings is None and budget is not None and not shared:
+            if timings is None and budget is not None and not shared and dev.type == "cuda":
                 timings = probe_transformer(adapter, dev, config, group)
             if timings is not None and timings.activation_bytes and not shared:
                 activation = timings.activation_bytes + BUDGET_HEADROOM
