@@ -4,12 +4,14 @@ A pre-started rank (engine.standby.prestart) is a Ray actor, so it could start o
 Ray was up (13-14 s of an H200's start) and then imported for 11-16 s more before it could
 load. ``dloserve serve`` on a cluster of its own now starts one *warm host* per rank process
 before Ray: a plain Python process that imports what a rank needs (torch, diffusers, the
-model's classes, Ray) and waits on a Unix socket. The pre-started actor's worker command is
-engine.warmshim, which hands the worker's command line, environment and streams to the
-host; Ray's worker then runs in the host's interpreter, its imports done. A host takes one
-worker. It ends with its parent (the launcher) and, once a worker, as Ray's workers do;
-a shim that finds no host runs the plain worker instead. Nothing here initialises CUDA:
-the actor picks its GPU as any rank process does.
+model's classes; not Ray, below) and waits on a Unix socket. The pre-started actor's worker
+command is engine.warmshim, which hands the worker's command line, environment and streams
+to the host; Ray's worker then runs in the host's interpreter, its imports done. A host
+takes one worker. It ends with its parent (the launcher), before and after it became a
+worker; a shim that finds no host runs the plain worker instead. A host is started on the
+GPU its rank will take (an import may load CUDA's driver, which reads the GPUs visible once:
+it did on the H200), so the launcher starts hosts only where each rank has a whole GPU or
+none (measured figures: docs/operate.md, "Start-up time").
 """
 
 from __future__ import annotations
