@@ -18,12 +18,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 
+from service.api import launch_ahead as ahead
 from service.api.serve_flags import (
     add_arguments,
     admin_key_hashes,
@@ -35,7 +35,7 @@ from service.api.serve_flags import (
 from service.api.startup import process_started_at
 
 if TYPE_CHECKING:
-    from service.api.config import ServiceConfig
+    pass
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
@@ -101,10 +101,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         _signals["count"] = 0
         _own_cluster["started"] = _own_cluster["ray"] = False
-        _prestarted.clear()
-        hosts = _hosts.pop("hosts", None)
-        if hosts is not None:  # any that no worker came to (the rest ended with Ray)
-            hosts.close()
+        ahead.stop()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -115,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    model_checked = _check_model(args, marks)  # torch's import and the model's check overlap Ray's start
+    model_checked = ahead.check_model(args, marks)  # torch's import and the model's check overlap Ray's start
     if args.model and not Path(args.model).expanduser().is_dir():  # no folder: said before anything starts
         problem = model_checked()
         if problem:
@@ -174,14 +171,14 @@ def _run(args: argparse.Namespace) -> int:
               f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
         return 2
     marks["checked"] = time.time()
-    app_import = _import_app()  # its seconds overlap Ray's start
+    app_import = ahead.import_app()  # its seconds overlap Ray's start
     if args.address:
         err = _join(args.address, args.join_timeout_s)
         if err:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        _start_hosts(args, marks)  # the rank processes start and import beside Ray's start
+        ahead.start_hosts(args, marks)  # the rank processes start and import beside Ray's start
         _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
     problem = model_checked()
     if problem:  # the cluster we started goes with the launcher (run's finally)
@@ -193,11 +190,11 @@ def _run(args: argparse.Namespace) -> int:
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    _size_ranks(args)
+    ahead.size_ranks(args, _own_cluster["started"])
     cfg = config_from_args(args, gpus, args.engine_config)
     marks["ray_up"] = time.time()
-    prestarted = _prestart(cfg, args)  # they start and import while Serve starts
-    _start_store(cfg)
+    prestarted = ahead.prestart_ranks(cfg, args, _own_cluster["started"])  # they load while Serve starts
+    ahead.start_store(cfg)
     cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted})
     app_import.join()
     from service.api.app import deploy
@@ -219,139 +216,6 @@ def _run(args: argparse.Namespace) -> int:
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
         time.sleep(3600)
-
-
-def _check_model(args: argparse.Namespace, marks: dict[str, float]) -> Callable[[], str | None]:
-    """Check the model (``check_start``; without MODEL it writes the demo one) on a thread:
-    its seconds, mostly torch's import, overlap Ray's start instead of coming before it. The
-    returned call waits for it, sets ``args.engine_config`` and ``args.model``, and returns
-    the error that ends the start (exit code 2), or None. ``marks["model_checked"]``: when
-    it was done (/readyz's ``startup.parallel``)."""
-    out: dict[str, object] = {}
-
-    def check() -> None:
-        try:
-            from service.models.adapter import ModelError
-            from service.models.startup import check_start
-
-            try:
-                device = "cpu" if args.gpus_per_rank == 0 else "cuda"
-                args.engine_config, _ = check_start(args.engine_config, args.model, device)
-                args.model = args.engine_config.model_dir
-            except ModelError as e:
-                out["problem"] = str(e)
-            marks["model_checked"] = time.time()
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            out["error"] = e
-
-    t = threading.Thread(target=check, name="check-model", daemon=True)
-    t.start()
-
-    def result() -> str | None:
-        t.join()
-        if "error" in out:
-            raise out["error"]  # type: ignore[misc]
-        return out.get("problem")  # type: ignore[return-value]
-
-    return result
-
-
-def _import_app() -> threading.Thread:
-    """Import the Serve app's module (FastAPI, Serve, the service) on a thread while Ray
-    starts: ``ray.init`` mostly waits for its daemons. A failed import is raised again by
-    the ``import`` after ``join``."""
-    def load() -> None:
-        try:
-            import service.api.app  # noqa: F401
-        except BaseException:  # noqa: BLE001 - the main thread's import reports it
-            pass
-
-    t = threading.Thread(target=load, name="import-app", daemon=True)
-    t.start()
-    return t
-
-
-def _start_store(cfg: ServiceConfig) -> threading.Thread:
-    """The job store's actor, started now on a thread, so its process and imports run beside
-    Serve's start; the replica then finds it (the same name, the same settings). A failure
-    is left to the replica, which reports it the same way."""
-    def start() -> None:
-        try:
-            from service.api.service import connect_job_store
-
-            connect_job_store(cfg)
-        except Exception as e:  # noqa: BLE001 - the replica's own connect raises it again
-            print(f"dloserve serve: the job store did not start beside Serve ({e}); the replica "
-                  "tries again", file=sys.stderr, flush=True)
-
-    t = threading.Thread(target=start, name="start-job-store", daemon=True)
-    t.start()
-    return t
-
-
-def _prestart(cfg: ServiceConfig, args: argparse.Namespace) -> list[str]:
-    """The rank processes, started now (engine.standby.prestart) so they import while Serve,
-    its proxy and the ingress replica start; the replica's executor adopts them. Only on a
-    cluster of our own with one replica (its one node runs every rank); ``--no-rank-prestart``
-    leaves them to the executor."""
-    if not prestarts(cfg, args, _own_cluster["started"]):
-        return []
-    from service.engine.place import NAMESPACE
-    from service.engine.standby import prestart
-
-    hosts = _hosts.get("hosts")
-    _prestarted.update(prestart(cfg.engine_config(cfg.model), cfg.instance or "x", NAMESPACE, hosts))
-    if hosts is not None:  # more hosts than processes (the config changed them): not needed
-        hosts.close(keep=len(_prestarted))
-    return list(_prestarted)
-
-
-def _start_hosts(args: argparse.Namespace, marks: dict[str, float]) -> None:
-    """One warm host per rank process (engine.warmhost), started before Ray where the ranks
-    will be pre-started (one replica on a cluster of our own): they import while Ray starts,
-    and the pre-started ranks' workers run in them."""
-    # A share or several GPUs per rank: no one GPU to give a host before the placement exists,
-    # and an import in it may load CUDA's driver (on the H200 one did), which fixes its view of
-    # the GPUs; those ranks start as Ray's own processes.
-    whole = args.gpus_per_rank in (None, 0, 1)
-    if not (args.rank_prestart and args.num_replicas == 1 and whole):
-        return
-    from service.engine.warmhost import WarmHosts, gpu_per_process
-
-    model = args.model if args.model and Path(args.model).expanduser().is_dir() else None
-    sp = args.sequence_parallel_size
-    count = args.data_parallel_size * sp
-    gpus = gpu_per_process(count, os.environ.get("CUDA_VISIBLE_DEVICES")) if args.gpus_per_rank != 0 else None
-    _hosts["hosts"] = WarmHosts(count, model and str(Path(model).expanduser()), sp, gpus)
-    marks["rank_hosts"] = _hosts["hosts"].started_at
-
-
-def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -> bool:
-    """Whether the launcher starts the rank processes: where it knows the one node they run on."""
-    return own_cluster and args.rank_prestart and cfg.num_replicas == 1
-
-
-_prestarted: dict[str, object] = {}  # their handles, held for the service's life (Ray ends unheld actors)
-_hosts: dict[str, Any] = {}  # "hosts": the WarmHosts started before Ray, stopped with the service
-
-
-def _size_ranks(args: argparse.Namespace) -> None:
-    """``--cpus-per-rank`` when not given: from the host on a cluster of our own (one node, all
-    our ranks on it), else the old default of 1 (a joined cluster's nodes are shared)."""
-    import ray
-
-    from service.config.parallel import CPUS_PER_RANK, host_cpus_per_rank
-
-    if args.cpus_per_rank is not None:
-        args.cpus_per_rank_why = "--cpus-per-rank"
-    elif _own_cluster["started"]:
-        ranks = args.data_parallel_size * args.sequence_parallel_size * args.num_replicas
-        args.cpus_per_rank, args.cpus_per_rank_why = host_cpus_per_rank(
-            ray.cluster_resources().get("CPU", 1.0), ranks)
-    else:
-        args.cpus_per_rank = CPUS_PER_RANK
-        args.cpus_per_rank_why = "the default on a joined cluster (--cpus-per-rank sets it)"
-    print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
 def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:

@@ -199,7 +199,7 @@ def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_re
     knows the one node they run on; elsewhere (a joined cluster, several replicas, the flag
     off) the executor starts them as before. (The start itself: tests/engine/test_standby.py
     and the start-up benchmark's e2e test.)"""
-    from service.api.launch import prestarts
+    from service.api.launch_ahead import prestarts
 
     on, off = parse("/m"), parse("/m", "--no-rank-prestart")
     assert on.rank_prestart is True and off.rank_prestart is False
@@ -215,16 +215,16 @@ def test_warm_hosts_start_only_where_ranks_are_pre_started(demo_model: str,
     """The launcher starts one warm host per rank process (engine.warmhost) before Ray, for the
     pre-started ranks; none with --no-rank-prestart, several replicas or a share of a GPU per
     rank (no one GPU to give it before the placement exists); they stop with it."""
-    from service.api import launch
+    from service.api import launch_ahead as ahead
 
     for argv in (("--no-rank-prestart",), ("--num-replicas", "2"), ("--gpus-per-rank", "0.5")):
         marks: dict[str, float] = {}
-        launch._start_hosts(parse(demo_model, *argv), marks)
-        assert "hosts" not in launch._hosts and "rank_hosts" not in marks
+        ahead.start_hosts(parse(demo_model, *argv), marks)
+        assert "hosts" not in ahead.warm_hosts and "rank_hosts" not in marks
     marks = {}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    launch._start_hosts(parse(demo_model, "--data-parallel-size", "2", "--dlo-no-use-allgather"), marks)
-    hosts = launch._hosts.pop("hosts")
+    ahead.start_hosts(parse(demo_model, "--data-parallel-size", "2", "--dlo-no-use-allgather"), marks)
+    hosts = ahead.warm_hosts.pop("hosts")
     try:
         assert len(hosts.procs) == 2 and marks["rank_hosts"] == hosts.started_at
         assert all(p.poll() is None for p in hosts.procs)
@@ -239,19 +239,19 @@ def test_warm_hosts_start_only_where_ranks_are_pre_started(demo_model: str,
 
 def test_the_job_store_the_launcher_starts_is_the_one_the_replica_connects_to(ray_cluster: dict,
                                                                               tmp_path: Path) -> None:
-    """The launcher starts the job store beside Serve's start (``_start_store``): the replica's
+    """The launcher starts the job store beside Serve's start (``launch_ahead.start_store``): the replica's
     own connect (as ``VideoService`` makes it) finds that actor, not a new one."""
     import ray
 
     from service.api.jobs import NAMESPACE, stop_store, store_name
-    from service.api.launch import _start_store
+    from service.api.launch_ahead import start_store
     from service.api.results import open_storage
     from service.api.service import connect_job_store
 
     cfg = ServiceConfig(results_url=str(tmp_path / "results"), max_jobs=7)
     url = open_storage(cfg.results_url, cfg.storage_options).url
     try:
-        _start_store(cfg).join(120)
+        start_store(cfg).join(120)
         early = ray.get_actor(store_name(url), namespace=NAMESPACE)
         client = connect_job_store(cfg, url)  # the replica's call
         assert client.handle._actor_id == early._actor_id
