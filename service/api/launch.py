@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 
@@ -33,9 +32,6 @@ from service.api.serve_flags import (
     webhook_settings,
 )
 from service.api.startup import process_started_at
-
-if TYPE_CHECKING:
-    pass
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
