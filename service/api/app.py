@@ -65,6 +65,7 @@ from service.api.schemas import (
     media_type,
     parse_body,
 )
+from service.api.serve_start import start_controller, wait_proxies
 from service.api.service import ServiceConfig, VideoService, video_object
 from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
 from service.api.storage_health import cause_of
@@ -100,6 +101,7 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
 
 _CREATE_BODY = create_body(_inlined(VideoCreate.model_json_schema()))  # input_reference: a string, or a file
 _ERR = {"model": ErrorResponse}
+PROXY_START_TIMEOUT_S = 60.0  # serve.start's own limit for its proxies
 _AUTH = {401: {**_ERR, "description": "missing or unknown API key"},
          422: {**_ERR, "description": "a query parameter is invalid (param names it)"}}
 _CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not start within first_byte_"
@@ -562,12 +564,14 @@ def build_app(args: dict[str, Any]) -> Any:
 
 
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
-           blocking: bool = False, proxy_location: str = "EveryNode") -> DeploymentHandle:
-    """Start Serve's HTTP proxy on host:port and run the app (used by the CLI and tests)."""
+           proxy_location: str = "EveryNode") -> DeploymentHandle:
+    """Start Serve on host:port and run the app (used by the CLI and tests); Serve's HTTP
+    proxies start beside the replica (serve_start.py) and are up when this returns."""
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
-    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-    if cfg.launch_marks:  # /readyz's startup: Serve's controller and proxy are up
+    proxies = start_controller({"host": host, "port": port}, proxy_location)
+    if cfg.launch_marks:  # /readyz's startup: Serve's controller is up
         cfg = cfg.model_copy(update={"launch_marks": {**cfg.launch_marks, "serve_up": time.time()}})
-    return serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/",
-                     blocking=blocking)
+    handle = serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/")
+    wait_proxies(proxies, PROXY_START_TIMEOUT_S)
+    return handle

@@ -45,8 +45,8 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
                       groups: int) -> dict[str, Any]:
     """``marks``: the launcher's ``process`` (this process's start), ``command`` (its first
     stamp), ``checked`` (model, keys, results folder, port), ``ray_up`` and ``serve_up``
-    (Serve's controller and proxy up; without it one step to the replica); ``engine``: the
-    executor's ``startup`` status; ``groups``: how many."""
+    (Serve's controller up: its HTTP proxies start beside the replica; without it one
+    step to the replica); ``engine``: the executor's ``startup`` status; ``groups``: how many."""
     ready = engine.get("groups_ready_at") or {}
     began = engine.get("began_at")
     t_ready = max(ready.values()) if ready and len(ready) >= groups else None
@@ -56,7 +56,7 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
             steps["process_start_s"] = _between(marks["process"], marks.get("command"))
         steps["launcher_checks_s"] = _between(marks.get("command"), marks.get("checked"))
         steps["ray_start_s"] = _between(marks.get("checked"), marks.get("ray_up"))
-        if marks.get("serve_up"):  # the Serve controller and HTTP proxy; the replica's process and imports
+        if marks.get("serve_up"):  # Serve's controller; the replica's process and imports
             steps["serve_start_s"] = _between(marks.get("ray_up"), marks["serve_up"])
             steps["replica_start_s"] = _between(marks["serve_up"], replica_at)
         else:
