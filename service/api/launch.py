@@ -241,15 +241,18 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
         from ray._private import ray_constants
 
         ray_constants.ENABLE_RAY_CLUSTER = False  # read at import: ray may be imported already
-    # No runtime_env: the workers inherit this process's environment through the raylet, and
-    # Ray's pre-started idle workers (one per CPU, no runtime env) then serve the first actors
-    # (Serve's controller, proxy, replica, the job store) instead of new ones made through the
+    # No runtime_env: the workers inherit this process's environment through the raylet, so
+    # Serve's controller, its proxy and the job store start as plain workers, not through the
     # runtime-env agent.
     os.environ["HF_HUB_OFFLINE"] = "1"
     # Serve's controller gives a new proxy 3 checks of this long to answer before it kills it and
     # serve.start fails (ActorDiedError): 5 s by default, missed once on this 2-core CPU machine
     # under other work, with the job store and the rank processes starting beside it.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    # Ray prestarts one idle worker per CPU when the first driver connects: on a 16-core H200
+    # host 16 processes importing Ray at the end of ray.init, which they slowed by 1.7-2.5 s
+    # (loadtest/results/h200-ray-start-2026-12-02.json); Serve's few actors start their own.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
     if not dashboard:  # Prometheus's list of endpoints, which the dashboard would write
         from service.api.metrics_discovery import write_service_discovery
