@@ -556,10 +556,14 @@ def build_app(args: dict[str, Any]) -> Any:
     """Serve application builder: placement-group bundles come from the config."""
     cfg = ServiceConfig(**args)
     bundles = cfg.engine_config().parallel.bundles()
+    actor = dict(VideoIngress.ray_actor_options or {})
+    if cfg.ingress_executable:  # the launcher's warm host: the replica's imports are done
+        actor["runtime_env"] = {"py_executable": cfg.ingress_executable}
     return VideoIngress.options(
         num_replicas=cfg.num_replicas,
         placement_group_bundles=bundles,
         placement_group_strategy=cfg.strategy,
+        ray_actor_options=actor,
     ).bind(cfg.model_dump())
 
 

@@ -75,6 +75,8 @@ class ServiceConfig(BaseModel):
                                            "when its start-up steps ended, wall-clock (/readyz startup)")
     prestarted: list[str] = Field(default_factory=list, description="set by the launcher: the rank "
                                   "processes it started before Serve, by bundle; the first groups adopt them")
+    ingress_executable: str | None = Field(None, description="set by the launcher: the replica's worker "
+                                           "command, a warm host's shim (engine.warmhost)")
     api_key_hashes: list[str] = Field(default_factory=list,
                                       description="SHA-256 (hex) of the accepted API keys; empty = open")
     admin_key_hashes: list[str] = Field(default_factory=list,

@@ -191,7 +191,8 @@ def _run(args: argparse.Namespace) -> int:
     marks["ray_up"] = time.time()
     prestarted = ahead.prestart_ranks(cfg, args, _own_cluster["started"])  # they load while Serve starts
     ahead.start_store(cfg)
-    cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted})
+    cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted,
+                                 "ingress_executable": ahead.ingress_executable()})
     app_import.join()
     from service.api.app import deploy
 

@@ -108,23 +108,31 @@ def prestart_ranks(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bo
 
 
 def start_hosts(args: argparse.Namespace, marks: dict[str, float]) -> None:
-    """One warm host per rank process (engine.warmhost), started before Ray where the ranks
-    will be pre-started (one replica on a cluster of our own): they import while Ray starts,
-    and the pre-started ranks' workers run in them."""
+    """Warm hosts (engine.warmhost), started before Ray on a cluster of our own with one
+    replica: one per rank process where the ranks will be pre-started, and one for the Serve
+    app's replica. They import while Ray starts; the workers then run in them."""
+    if args.num_replicas != 1:
+        return
     # A share or several GPUs per rank: no one GPU to give a host before the placement exists,
     # and an import in it may load CUDA's driver (on the H200 one did), which fixes its view of
     # the GPUs; those ranks start as Ray's own processes.
     whole = args.gpus_per_rank in (None, 0, 1)
-    if not (args.rank_prestart and args.num_replicas == 1 and whole):
-        return
     from service.engine.warmhost import WarmHosts, gpu_per_process
 
     model = args.model if args.model and Path(args.model).expanduser().is_dir() else None
     sp = args.sequence_parallel_size
-    count = args.data_parallel_size * sp
+    count = args.data_parallel_size * sp if args.rank_prestart and whole else 0
     gpus = gpu_per_process(count, os.environ.get("CUDA_VISIBLE_DEVICES")) if args.gpus_per_rank != 0 else None
-    warm_hosts["hosts"] = WarmHosts(count, model and str(Path(model).expanduser()), sp, gpus)
-    marks["rank_hosts"] = warm_hosts["hosts"].started_at
+    warm_hosts["hosts"] = WarmHosts(count, model and str(Path(model).expanduser()), sp, gpus,
+                                    ingress=INGRESS_MODULE)
+    if count:
+        marks["rank_hosts"] = warm_hosts["hosts"].started_at
+
+
+def ingress_executable() -> str | None:
+    """The Serve replica's worker command where a warm host waits for it, else None."""
+    hosts = warm_hosts.get("hosts")
+    return None if hosts is None else hosts.ingress_executable()
 
 
 def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -> bool:
@@ -132,6 +140,7 @@ def prestarts(cfg: ServiceConfig, args: argparse.Namespace, own_cluster: bool) -
     return own_cluster and args.rank_prestart and cfg.num_replicas == 1
 
 
+INGRESS_MODULE = "service.api.app"  # the Serve app's module: its host imports what it imports
 prestarted: dict[str, object] = {}  # their handles, held for the service's life (Ray ends unheld actors)
 warm_hosts: dict[str, Any] = {}  # "hosts": the WarmHosts started before Ray, stopped with the service
 

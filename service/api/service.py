@@ -33,6 +33,7 @@ from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.outcome import Outcome
+from service.engine.warmhost import hosted
 from service.models.checks import check_request
 from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
@@ -341,7 +342,7 @@ class VideoService:
             "node_id": self.node_id,
             "results_url": self.storage.url,
             "startup": startup_breakdown(self.cfg.launch_marks, self.replica_at, st.get("startup", {}),
-                                         len(st["groups"])),
+                                         len(st["groups"]), hosted()),
         }
 
     def health_problem(self) -> str | None:

@@ -42,11 +42,12 @@ def process_started_at(pid: int | None = None) -> float | None:
 
 
 def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[str, Any],
-                      groups: int) -> dict[str, Any]:
+                      groups: int, replica_host: dict[str, float] | None = None) -> dict[str, Any]:
     """``marks``: the launcher's ``process`` (this process's start), ``command`` (its first
     stamp), ``checked`` (model, keys, results folder, port), ``ray_up`` and ``serve_up``
     (Serve's controller up: its HTTP proxies start beside the replica; without it one
-    step to the replica); ``engine``: the executor's ``startup`` status; ``groups``: how many."""
+    step to the replica); ``engine``: the executor's ``startup`` status; ``groups``: how many;
+    ``replica_host``: this replica's warm-host facts (engine.warmhost.hosted), if it ran in one."""
     ready = engine.get("groups_ready_at") or {}
     began = engine.get("began_at")
     t_ready = max(ready.values()) if ready and len(ready) >= groups else None
@@ -84,8 +85,12 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
         parallel["model_check_s"] = {"began_s": _between(start, marks["command"]),
                                      "s": _between(marks["command"], marks["model_checked"]),
                                      "beside": ["launcher_checks_s", "ray_start_s"]}
+    if replica_host and marks.get("ray_up"):  # the replica's imports, done in its warm host
+        parallel["replica_imports_s"] = {"began_s": _between(start, replica_host["started"]),
+                                         "s": round(replica_host["import_s"], 3),
+                                         "beside": ["launcher_checks_s", "ray_start_s"]}
     began_from = ("process" if marks.get("process") else "command") if marks else "replica"
-    return {"from": began_from, "ready_s": total, "steps": steps,
+    return {"from": began_from, "ready_s": total, "steps": steps, "replica_hosted": bool(replica_host),
             "unaccounted_s": None if total is None else round(total - sum(known), 3), "parallel": parallel}
 
 

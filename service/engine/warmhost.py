@@ -11,12 +11,17 @@ takes one worker. It ends with its parent (the launcher), before and after it be
 worker; a shim that finds no host runs the plain worker instead. A host is started on the
 GPU its rank will take (an import may load CUDA's driver, which reads the GPUs visible once:
 it did on the H200), so the launcher starts hosts only where each rank has a whole GPU or
-none (measured figures: docs/operate.md, "Start-up time").
+none (measured figures: docs/operate.md, "Start-up time"). The Serve app's replica gets a
+host too (``ingress``): it imports what the app's module imports (torch among them), less Ray.
 """
 
 from __future__ import annotations
 
 import array
+import ast
+import importlib
+import importlib.abc
+import importlib.util
 import json
 import os
 import runpy
@@ -54,43 +59,58 @@ class WarmHosts:
     case an import already asks CUDA for its devices; None: leave CUDA's view alone."""
 
     def __init__(self, count: int, model_dir: str | None, sp_size: int,
-                 gpus: list[str] | None = None) -> None:
+                 gpus: list[str] | None = None, ingress: str | None = None) -> None:
         self.folder = tempfile.mkdtemp(prefix="dloserve-hosts-")  # 0700: only this user connects
         self.started_at = time.time()
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(count):
-            log = open(os.path.join(self.folder, f"host{i}.log"), "wb")  # noqa: SIM115 - the child owns it
-            command = [sys.executable, "-m", "service.engine.warmhost", self.socket(i), model_dir or "",
-                       str(sp_size), str(os.getpid())]
             env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # is_available() without CUDA's init
             if gpus and i < len(gpus):
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-            self.procs.append(subprocess.Popen(
-                command, env=env,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))  # the terminal's Ctrl-C is the launcher's to handle, not a rank's
+            self.procs.append(self._start(f"rank{i}", [model_dir or "", str(sp_size)], env))
+        self.ingress = (None if ingress is None
+                        else self._start("ingress", ["", "1", ingress], dict(os.environ)))
+
+    def _start(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(os.path.join(self.folder, f"{name}.log"), "wb")  # noqa: SIM115 - the child owns it
+        command = [sys.executable, "-m", "service.engine.warmhost", self._socket(name), args[0], args[1],
+                   str(os.getpid()), *args[2:]]
+        try:
+            return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # the terminal's Ctrl-C is the launcher's
+        finally:
             log.close()
 
+    def _socket(self, name: str) -> str:
+        return os.path.join(self.folder, f"{name}.sock")
+
     def socket(self, i: int) -> str:
-        return os.path.join(self.folder, f"rank{i}.sock")
+        return self._socket(f"rank{i}")
+
+    def _shim(self, name: str) -> str:
+        return " ".join(shlex.quote(p) for p in (sys.executable, "-S", "-I", str(SHIM), self._socket(name)))
 
     def executable(self, i: int) -> str | None:
         """Ray's ``py_executable`` for the worker of rank process ``i``: the shim, pointed at
         host ``i``; None past the hosts."""
-        if i >= len(self.procs):
-            return None
-        return " ".join(shlex.quote(p) for p in (sys.executable, "-S", "-I", str(SHIM), self.socket(i)))
+        return self._shim(f"rank{i}") if i < len(self.procs) else None
+
+    def ingress_executable(self) -> str | None:
+        """``py_executable`` for the Serve app's replica: the shim, pointed at the ingress host."""
+        return None if self.ingress is None else self._shim("ingress")
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
     def close(self, keep: int = 0) -> None:
-        """Stop the hosts from index ``keep`` on (those no worker will come to); with 0, all,
-        and the folder. A host that became a worker is Ray's until then."""
-        for p in self.procs[keep:]:
+        """Stop the rank hosts from index ``keep`` on (those no worker will come to); with 0,
+        all, the ingress host and the folder. A host that became a worker is Ray's until then."""
+        stop = self.procs[keep:] + ([self.ingress] if keep == 0 and self.ingress is not None else [])
+        for p in stop:
             if p.poll() is None:
                 p.terminate()
-        for p in self.procs[keep:]:
+        for p in stop:
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -112,6 +132,47 @@ def import_for(model_dir: str | None, sp_size: int) -> None:
         import transformers  # noqa: F401
 
         import service.models.registry  # noqa: F401
+
+
+class _NoRay(importlib.abc.MetaPathFinder):
+    """Refuses Ray's import (see ``import_for``) while a host imports another module's imports."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"{name}: not in a warm host")
+
+
+def imports_of(module: str) -> list[str]:
+    """What ``module`` imports at its top level (absolute names), read from its source
+    without running it: the ingress host imports these, so the list follows the module."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return []
+    names: list[str] = []
+    for node in ast.parse(Path(spec.origin).read_text()).body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module)
+    return names
+
+
+def import_imports_of(module: str) -> list[str]:
+    """Import what ``module`` imports, less Ray and whatever needs it (refused, skipped); the
+    names imported."""
+    done: list[str] = []
+    blocker = _NoRay()
+    sys.meta_path.insert(0, blocker)
+    try:
+        for name in imports_of(module):
+            try:
+                importlib.import_module(name)
+                done.append(name)
+            except ImportError:  # Ray, or a module that imports it: the worker imports those
+                continue
+    finally:
+        sys.meta_path.remove(blocker)
+    return done
 
 
 def warm_model_imports(model_dir: str, sp_size: int) -> None:
@@ -203,7 +264,10 @@ def main(argv: list[str]) -> None:
     server.bind(path)  # before the imports: a shim that comes early waits in the backlog
     server.listen(1)
     t0 = time.monotonic()
-    import_for(model_dir, sp_size)
+    if len(argv) > 5:  # the Serve app's replica: the imports of its module
+        import_imports_of(argv[5])
+    else:
+        import_for(model_dir, sp_size)
     facts = {"started": started, "import_s": time.monotonic() - t0, "imported_at": time.time(),
              "cuda_loaded": float(_cuda_driver_loaded())}
     print(f"warm host {os.getpid()}: imported in {facts['import_s']:.1f} s; waiting for its worker",

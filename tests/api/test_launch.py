@@ -213,28 +213,41 @@ def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_re
 def test_warm_hosts_start_only_where_ranks_are_pre_started(demo_model: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher starts one warm host per rank process (engine.warmhost) before Ray, for the
-    pre-started ranks; none with --no-rank-prestart, several replicas or a share of a GPU per
-    rank (no one GPU to give it before the placement exists); they stop with it."""
+    pre-started ranks; none with --no-rank-prestart or a share of a GPU per rank (no one GPU
+    to give it before the placement exists). With one replica the Serve app's replica gets a
+    host as well (none with several replicas). They stop with it."""
     from service.api import launch_ahead as ahead
 
-    for argv in (("--no-rank-prestart",), ("--num-replicas", "2"), ("--gpus-per-rank", "0.5")):
-        marks: dict[str, float] = {}
+    marks: dict[str, float] = {}
+    ahead.start_hosts(parse(demo_model, "--num-replicas", "2"), marks)
+    assert "hosts" not in ahead.warm_hosts and ahead.ingress_executable() is None and not marks
+    for argv in (("--no-rank-prestart",), ("--gpus-per-rank", "0.5")):
         ahead.start_hosts(parse(demo_model, *argv), marks)
-        assert "hosts" not in ahead.warm_hosts and "rank_hosts" not in marks
-    marks = {}
+        hosts = ahead.warm_hosts.pop("hosts")
+        try:
+            assert hosts.procs == [] and "rank_hosts" not in marks
+            assert hosts.ingress is not None and hosts.ingress.args[-1] == ahead.INGRESS_MODULE
+        finally:
+            hosts.close()
+        assert hosts.ingress.poll() is not None
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     ahead.start_hosts(parse(demo_model, "--data-parallel-size", "2", "--dlo-no-use-allgather"), marks)
-    hosts = ahead.warm_hosts.pop("hosts")
+    hosts = ahead.warm_hosts["hosts"]
     try:
         assert len(hosts.procs) == 2 and marks["rank_hosts"] == hosts.started_at
-        assert all(p.poll() is None for p in hosts.procs)
+        assert all(p.poll() is None for p in [*hosts.procs, hosts.ingress])
         assert demo_model in hosts.procs[0].args
         for i, p in enumerate(hosts.procs):  # each on the GPU its pre-started rank will take
             env = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
             assert f"CUDA_VISIBLE_DEVICES={i}".encode() in env
+        shim = ahead.ingress_executable()
+        assert shim and shim.endswith("ingress.sock") and shim != hosts.executable(0)
+        hosts.close(keep=1)  # rank hosts no worker will come to: the ingress host stays
+        assert hosts.procs[0].poll() is None and hosts.procs[1].poll() is not None
+        assert hosts.ingress.poll() is None
     finally:
-        hosts.close()
-    assert all(p.poll() is not None for p in hosts.procs)
+        ahead.warm_hosts.pop("hosts").close()
+    assert all(p.poll() is not None for p in [*hosts.procs, hosts.ingress])
 
 
 def test_the_job_store_the_launcher_starts_is_the_one_the_replica_connects_to(ray_cluster: dict,

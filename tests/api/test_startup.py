@@ -28,7 +28,7 @@ def test_the_steps_add_up_to_the_command_to_the_last_group_ready() -> None:
 
 def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
     """The launcher's marks from this process's start (the interpreter and the CLI's imports
-    before its first stamp) and Serve's controller and proxy up (``serve_up``): the steps
+    before its first stamp) and Serve's controller up (``serve_up``): the steps
     still add up, now to the time a user's stopwatch shows."""
     marks = {"process": 97.5, **MARKS, "serve_up": 117.0}
     out = startup_breakdown(marks, 125.0, ENGINE, groups=2)
@@ -52,6 +52,14 @@ def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
         "began_s": 4.0, "s": 22.5,
         "beside": ["ray_start_s", "serve_start_s", "replica_start_s", "replica_init_s", "groups_s"]}
     assert hosted["steps"] == out["steps"]
+    assert out["replica_hosted"] is False and "replica_imports_s" not in out["parallel"]
+    # the Serve replica ran in its warm host: its imports were done there, beside Ray's start
+    replica = startup_breakdown(marks, 125.0, ENGINE, groups=2,
+                                replica_host={"started": 101.0, "import_s": 5.25, "imported_at": 106.25})
+    assert replica["replica_hosted"] is True
+    assert replica["parallel"]["replica_imports_s"] == {"began_s": 3.5, "s": 5.25,
+                                                        "beside": ["launcher_checks_s", "ray_start_s"]}
+    assert replica["steps"] == out["steps"]
 
 
 def test_a_process_start_is_read_from_proc() -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -55,6 +56,26 @@ def test_a_host_ends_with_its_launcher() -> None:
         assert wait_gone(int(pid), timeout=60), f"warm host {pid} outlived its launcher"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_ingress_host_imports_the_apps_imports_but_not_ray() -> None:
+    """The Serve replica's host imports what service.api.app imports (torch, FastAPI, the
+    service) while Ray starts; Ray itself, and whatever imports it, is left to the worker
+    (Ray's C++ side reads the worker's environment once, at its import)."""
+    from service.engine.warmhost import imports_of
+
+    names = imports_of("service.api.app")
+    assert "ray" in names and "fastapi" in names and "service.api.service" in names, names
+    code = ("import json, sys; from service.engine.warmhost import import_imports_of; "
+            "done = import_imports_of('service.api.app'); "
+            "print(json.dumps({'done': done, 'modules': sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('ray', 'torch', 'fastapi'))}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout
+    facts = json.loads(out.splitlines()[-1])
+    assert not any(m == "ray" or m.startswith("ray.") for m in facts["modules"]), facts["modules"]
+    assert "torch" in facts["modules"] and "fastapi" in facts["modules"]
+    assert "service.api.service" in facts["done"] and "ray" not in facts["done"], facts["done"]
 
 
 @pytest.mark.e2e  # each host imports torch and diffusers; each rank builds the model's classes
