@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
 from service.engine.preload import Preload, preloadable
 from service.engine.ray_executor import RayExecutor
@@ -73,3 +75,21 @@ def test_pre_started_processes_take_the_gpus_the_launcher_sees() -> None:
     assert prestart_gpus(two, "4, 6,7") == ["4", "6"]  # Ray names the GPUs by these ids
     assert prestart_gpus(replace(two, parallel=replace(two.parallel, gpus_per_rank=0.5)), None) == []
     assert prestart_gpus(EngineConfig("unused"), "0") == []  # CPU ranks
+
+
+def test_a_one_gpu_cluster_names_its_bundles_gpu_without_a_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bundle of a one-GPU cluster can only have that GPU: the pre-started process on it
+    named it, so no task (a new worker process) asks Ray. Anything else still asks."""
+    import ray
+
+    spec = replace(config(OffloadMode.RANK_LOCAL), parallel=ParallelConfig(dp_size=1, gpus_per_rank=1))
+    ex = RayExecutor(spec, prestarted=["p0"])
+    ex._prestart_gpus = {0: "3"}
+    gpus = {"GPU": 1.0}  # this machine has no GPU: Ray's count as a one-GPU node reports it
+    monkeypatch.setattr(ray, "cluster_resources", lambda: dict(gpus))
+    assert ex._only_gpu() == "3" and ex._bundle_devices([0]) == ["3"]
+    gpus["GPU"] = 2.0
+    assert ex._only_gpu() is None
+    gpus["GPU"] = 1.0
+    ex._prestart_gpus = {0: None}  # the process did not answer: ask Ray
+    assert ex._only_gpu() is None
