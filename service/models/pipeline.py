@@ -168,7 +168,7 @@ class PipelineRunner:
                     keep_fp32=adapter.keep_fp32,
                     progress=progress_bar("sharding blocks", "block") if progress else None,
                     placement=Placement(resident_blocks=off.resident_layers, device_memory_budget=budget,
-                                        activation_bytes=activation),
+                                        activation_bytes=activation, fill_behind=True),
                     quantization=config.model.quantization,
                     experts=adapter.experts if len(adapter.experts) > 1 else None,
                 )
@@ -202,26 +202,34 @@ class PipelineRunner:
                     handle.close()
                 raise
         marks["transformer"] = time.perf_counter()
-        attn = attention.report(expert_of(module)[0], dev, dtype, config.model.attention)
-        if attn.get("approximate"):
-            log.warning("attention: self-attention runs %s, approximate (%s); the rest SDPA %s",
-                        attn["backend"], attn["error"], attn["cross_attention"])
-        else:
-            log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
-                     attn["why"])
-        compiled = None
-        if compile_on(config.model, dev, adapter):
-            compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
-            if adapter.can_probe:  # the compile at start-up, at the probe size (or the smallest on CPU)
-                height, width, frames = off.probe_shape or warmup_shape(adapter, dev)
-                first = expert_of(module)[0]
-                batch = 2 if cfg_batch_on(config, dev, adapter) else 1
-                inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
-                with attention.chosen(config.model.attention):  # the kernels the forwards will trace
-                    compiled.warm_up(lambda: first(**inputs))
-            marks["compile"] = time.perf_counter()
-        adapter.load_components(dev, off.components)
-        marks["components"] = time.perf_counter()
+        try:  # a failed warm-up or component load stops the copies behind it (fill_behind)
+            attn = attention.report(expert_of(module)[0], dev, dtype, config.model.attention)
+            if attn.get("approximate"):
+                log.warning("attention: self-attention runs %s, approximate (%s); the rest SDPA %s",
+                            attn["backend"], attn["error"], attn["cross_attention"])
+            else:
+                log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
+                         attn["why"])
+            compiled = None
+            if compile_on(config.model, dev, adapter):
+                compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))
+                if adapter.can_probe:  # the compile at start-up, at the probe size (or the smallest on CPU)
+                    height, width, frames = off.probe_shape or warmup_shape(adapter, dev)
+                    first = expert_of(module)[0]
+                    batch = 2 if cfg_batch_on(config, dev, adapter) else 1
+                    inputs = adapter.probe_inputs(first, height, width, frames, dev, batch)
+                    with attention.chosen(config.model.attention):  # the kernels the forwards will trace
+                        compiled.warm_up(lambda: first(**inputs))
+                marks["compile"] = time.perf_counter()
+            adapter.load_components(dev, off.components)
+            marks["components"] = time.perf_counter()
+            if handle is not None:  # the resident blocks filled behind the warm-up and the components
+                handle.wait_resident()
+                marks["resident"] = time.perf_counter()
+        except BaseException:
+            if handle is not None:
+                handle.close()
+            raise
         runner = cls(adapter, module, handle, dev, config, time.perf_counter() - t0)
         runner.compiled = compiled
         runner.attention = attn

@@ -19,7 +19,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointPath, serving_dtype
 from .comm import Device, Group
-from .fill import fill_blocks
+from .fill import ResidentFill
 from .layout import BlockLayout, plan_block
 from .mode import OffloadMode, streamed_mode
 from .modules import _back_to, _expected, _place_non_persistent, _to_host, find_blocks, load_resident
@@ -230,15 +230,20 @@ class LayerwiseOffload:
             set_tensor(module, alias, tensors[source])
         resident = [i for i in range(len(self.layouts)) if i in self.plan.resident]
         # a slot's flat layout, zero padded, filled on threads straight from the file (offload.fill)
-        self._resident_buffers = fill_blocks([(self.layouts[i], self._block_keys[i]) for i in resident],
-                                             self.ckpt.view, dev)
+        self._fill: ResidentFill | None = ResidentFill(
+            [(self.layouts[i], self._block_keys[i]) for i in resident], self.ckpt.view, dev)
+        self._resident_buffers = self._fill.buffers
+        self._fill_hooks = [self._blocks[i].register_forward_pre_hook(partial(_wait_fill, self._fill, k))
+                            for k, i in enumerate(resident)]
+        self._fill_release = [self._block_keys[i].values() for i in resident]
+        if not opts.fill_behind:
+            self.wait_resident()
         filled = dict(zip(resident, self._resident_buffers, strict=True))
-        for i, (lay, keys) in enumerate(zip(self.layouts, self._block_keys, strict=True)):
+        for i, lay in enumerate(self.layouts):
             blk = self._blocks[i]
             if i in filled:
                 for e in lay.entries:
                     set_tensor(blk, e.name, e.view(filled[i]))
-                self.ckpt.release(keys.values())
                 placed += lay.total_bytes
             else:
                 for e in lay.entries:
@@ -249,6 +254,19 @@ class LayerwiseOffload:
             self._host_hooks.append(sub.register_forward_pre_hook(_to_host))
             self._host_hooks.append(sub.register_forward_hook(_back_to(dev)))
         return placed
+
+    def wait_resident(self) -> None:
+        """Until every resident block is filled (``Placement.fill_behind``: before serving);
+        a copy's error is raised here."""
+        fill, self._fill = self._fill, None
+        if fill is None:
+            return
+        fill.wait()
+        for h in self._fill_hooks:
+            h.remove()
+        for keys in self._fill_release:  # their mapped pages: read, no longer needed
+            self.ckpt.release(keys)
+        self._fill_hooks, self._fill_release = [], []
 
     def _register_hooks(self) -> None:
         module = self.module
@@ -523,6 +541,9 @@ class LayerwiseOffload:
         if self._closed:
             return
         self._closed = True
+        fill, self._fill = getattr(self, "_fill", None), None
+        if fill is not None:  # closed while the copies ran: let them end first
+            fill.cancel()
         try:
             self.ring.drain()
         finally:
@@ -535,6 +556,11 @@ class LayerwiseOffload:
             self.ckpt.close()
             if self.device.is_cuda:
                 torch.cuda.empty_cache()
+
+
+def _wait_fill(fill: ResidentFill, k: int, _module: nn.Module, _args: object) -> None:
+    """A resident block's pre-forward hook while the fill runs behind: its bytes first."""
+    fill.wait(k)
 
 
 def enable_layerwise_offload(

@@ -20,6 +20,9 @@ class Placement:
     ``free_slots``: allocate the two slots at each forward's start and free them at its
     end (no collectives only): for a module run once per request (a text encoder), so its
     slots do not sit beside the transformer's for the whole request.
+    ``fill_behind``: resident blocks fill on threads after the handle is made (a forward
+    waits for the blocks it calls); the caller calls ``wait_resident`` before it serves:
+    a compile warm-up then runs beside the copies (offload.fill.ResidentFill).
     """
 
     resident_blocks: int | None = None
@@ -29,6 +32,7 @@ class Placement:
     host_modules: tuple[str, ...] = ()
     pagecache: bool | None = None
     free_slots: bool = False
+    fill_behind: bool = False
 
 
 @dataclass

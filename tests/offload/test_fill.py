@@ -49,3 +49,28 @@ def test_filled_buffers_equal_the_host_built_ones(workers: int | None) -> None:
 
 def test_no_blocks_fill_nothing() -> None:
     assert fill_blocks([], {}.__getitem__, torch.device("cpu")) == []
+
+
+def test_a_fill_behind_answers_each_block_when_it_is_in() -> None:
+    """``ResidentFill`` copies behind its caller: ``wait(k)`` returns once block k is in,
+    while a later one still waits for its bytes; ``wait()`` then has them all, equal."""
+    import threading
+
+    from service.offload.fill import ResidentFill
+
+    items, stored = blocks(4)
+    gate = threading.Event()
+
+    def view(key: str) -> torch.Tensor:
+        if key.startswith("blocks.3."):
+            assert gate.wait(60)  # block 3's file is slow
+        return stored[key]
+
+    fill = ResidentFill(items, view, torch.device("cpu"), workers=2)
+    fill.wait(0)
+    assert torch.equal(fill.buffers[0], on_host(*items[0], stored))
+    assert not torch.equal(fill.buffers[3], on_host(*items[3], stored))  # not in yet
+    gate.set()
+    fill.wait()
+    for (lay, keys), buf in zip(items, fill.buffers, strict=True):
+        assert torch.equal(buf, on_host(lay, keys, stored)), lay.prefix

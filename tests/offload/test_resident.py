@@ -117,3 +117,40 @@ def test_pagecache_required_without_cuda_is_refused(ckpt: str) -> None:
                                  mode=OffloadMode.RANK_LOCAL)  # None: packs, says why
     assert h.stats().rank_local_source == "pack" and "CPU device" in h.stats().source_reason
     h.close()
+
+
+def test_blocks_filled_behind_the_load_are_waited_for(ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Placement(fill_behind=True)``: the handle returns while the resident blocks still copy
+    (a slow file, here); a forward then waits for each block's bytes, so its outputs are the
+    resident model's; ``wait_resident`` ends the wait hooks; a handle closed mid-fill stops."""
+    import time
+
+    from service.offload import fill as fill_mod
+    from service.offload import layerwise
+
+    class SlowFill(fill_mod.ResidentFill):
+        def __init__(self, blocks, view, dev, workers=None):  # noqa: ANN001, ANN204 - the same call
+            def slow(key: str) -> torch.Tensor:
+                time.sleep(0.05)
+                return view(key)
+
+            super().__init__(blocks, slow, dev, workers=1)
+
+    monkeypatch.setattr(layerwise, "ResidentFill", SlowFill)
+    want = _reference(ckpt, 0)
+    model = empty_model(depth=DEPTH)
+    h = enable_layerwise_offload(model, ckpt, device="cpu", mode=OffloadMode.RANK_LOCAL,
+                                 placement=Placement(resident_blocks=DEPTH, fill_behind=True))
+    assert h._fill is not None and len(h._fill_hooks) == DEPTH  # still copying
+    with torch.inference_mode():
+        got = [model(x) for x in _inputs(0)]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    h.wait_resident()
+    assert h._fill is None and h._fill_hooks == []
+    h.close()
+    early = enable_layerwise_offload(empty_model(depth=DEPTH), ckpt, device="cpu",
+                                     mode=OffloadMode.RANK_LOCAL,
+                                     placement=Placement(resident_blocks=DEPTH, fill_behind=True))
+    early.close()  # mid-fill: the copies not begun are dropped, the rest end first
+    assert early._fill is None
