@@ -114,6 +114,8 @@ def _run(args: argparse.Namespace) -> int:
         if problem:
             print(f"dloserve serve: {problem}", file=sys.stderr)
             return 2
+    if not args.address:  # warm hosts import from here on (a failed check below stops them: run's finally)
+        ahead.start_hosts(args, marks)
     from service.api.keys import KeyFileError
     from service.api.webhooks import WebhookConfigError
 
@@ -174,7 +176,6 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        ahead.start_hosts(args, marks)  # the rank processes start and import beside Ray's start
         _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
     problem = model_checked()
     if problem:  # the cluster we started goes with the launcher (run's finally)

@@ -78,7 +78,7 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
         after_ray = [k for k in ("serve_start_s", "replica_start_s", "serve_and_replica_start_s")
                      if k in steps]
         began = marks.get("rank_hosts") or marks["ray_up"]  # warm hosts start before Ray
-        before = ["ray_start_s"] if marks.get("rank_hosts") else []
+        before = ["launcher_checks_s", "ray_start_s"] if marks.get("rank_hosts") else []
         parallel["rank_processes_s"] = {"began_s": _between(start, began), "s": _between(began, imported),
                                         "beside": [*before, *after_ray, "replica_init_s", "groups_s"]}
     if marks.get("model_checked") and marks.get("command"):  # torch's import and the model's check

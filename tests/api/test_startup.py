@@ -50,7 +50,8 @@ def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
     hosted = startup_breakdown({**marks, "rank_hosts": 101.5}, 125.0, engine, groups=2)
     assert hosted["parallel"]["rank_processes_s"] == {
         "began_s": 4.0, "s": 22.5,
-        "beside": ["ray_start_s", "serve_start_s", "replica_start_s", "replica_init_s", "groups_s"]}
+        "beside": ["launcher_checks_s", "ray_start_s", "serve_start_s", "replica_start_s", "replica_init_s",
+                   "groups_s"]}
     assert hosted["steps"] == out["steps"]
     assert out["replica_hosted"] is False and "replica_imports_s" not in out["parallel"]
     # the Serve replica ran in its warm host: its imports were done there, beside Ray's start

@@ -46,13 +46,13 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert "prestart.import_s" in first["stages"], first
     assert "preload_s" in first["stages"]  # and loaded beside Serve's start (engine.preload)
     span = start["startup"]["parallel"]["rank_processes_s"]
-    checked = steps["process_start_s"] + steps["launcher_checks_s"]
-    assert span["s"] > 0 and checked <= span["began_s"] < checked + steps["ray_start_s"], (span, steps)
-    assert "ray_start_s" in span["beside"]
+    checked = steps["process_start_s"] + steps["launcher_checks_s"]  # the hosts start before the checks
+    assert span["s"] > 0 and steps["process_start_s"] <= span["began_s"] < checked, (span, steps)
+    assert span["beside"][:2] == ["launcher_checks_s", "ray_start_s"]
     # so did the Serve app's replica: its worker ran in the ingress host, its imports done there
     assert start["startup"]["replica_hosted"] is True, start["startup"]
     imports = start["startup"]["parallel"]["replica_imports_s"]
-    assert imports["s"] > 0 and imports["began_s"] < checked + steps["ray_start_s"], imports
+    assert imports["s"] > 0 and imports["began_s"] < checked, imports
     assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
     assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["next_request"]["status"] == "completed"
