@@ -221,6 +221,15 @@ class RecordingSink:
             self.finished[ticket.id] = outcome
             self._cv.notify_all()
 
+    def reset(self) -> None:
+        """Forget everything recorded: the next test of a shared dispatcher starts clean (its
+        jobs have all ended, so nothing of theirs is still to come)."""
+        with self._cv:
+            self.started.clear()
+            self.finished.clear()
+            self.progress.clear()
+            self.requeued.clear()
+
     def until(self, cond: Any, timeout: float = 180) -> None:
         with self._cv:
             assert self._cv.wait_for(cond, timeout), (self.finished, self.progress)

@@ -28,6 +28,20 @@ def dloserve(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     )
 
 
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """``dloserve ARGS`` through main() in this process, which must exit 2; its stderr. The
+    refusals below come before any work, so a subprocess (~5 s of imports each) showed nothing
+    more: test_bad_request_fails_before_work keeps one real process's exit code 2."""
+    capsys.readouterr()
+    try:
+        rc = cli_main(list(args))
+    except SystemExit as e:  # argparse's own refusals
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    return err
+
+
 # The two fast tests call the command's main() in this process: a subprocess spent ~15 s of
 # make test's time importing torch and diffusers again, for what the e2e tests below (each a
 # real `dloserve` subprocess) show already; the command's own code paths are the same.
@@ -69,42 +83,44 @@ def test_generate_with_offload_is_auto_by_default_and_says_what_it_chose(
 
 
 @pytest.mark.e2e  # `dloserve` subprocesses
-def test_bad_request_fails_before_work(tmp_path: Path, demo_model: str) -> None:
+def test_bad_request_fails_before_work(tmp_path: Path, demo_model: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "x.mp4"
     r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--height", "40", "--out", str(out))
     assert r.returncode == 2 and "height: must be a multiple of 16" in r.stderr
     assert not out.exists()
-    r = dloserve("generate", "--model", str(tmp_path), "--prompt", "a cat")
-    assert r.returncode == 2 and "model_index.json" in r.stderr
+    assert "model_index.json" in refused(capsys, "generate", "--model", str(tmp_path), "--prompt", "a cat")
 
 
-@pytest.mark.e2e  # `dloserve` subprocesses
-def test_sequence_parallel_refuses_before_any_process(tmp_path: Path, demo_model: str) -> None:
+@pytest.mark.e2e  # with the other `dloserve` tests (main() in this process: ~1 s)
+def test_sequence_parallel_refuses_before_any_process(tmp_path: Path, demo_model: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """48x48x9 on the demo model is 3 x 3 x 3 = 27 tokens: not two equal halves."""
     out = tmp_path / "x.mp4"
-    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--height", "48", "--width", "48",
-                 "--num-frames", "9", "--sequence-parallel-size", "2",
-                 "--enable-distributed-layerwise-offload", "--out", str(out))
-    assert r.returncode == 2 and "num_frames: " in r.stderr and "27 tokens" in r.stderr, r.stderr[-2000:]
+    err = refused(capsys, "generate", "--model", demo_model, "--prompt", "a cat", "--height", "48",
+                  "--width", "48", "--num-frames", "9", "--sequence-parallel-size", "2",
+                  "--enable-distributed-layerwise-offload", "--out", str(out))
+    assert "num_frames: " in err and "27 tokens" in err, err[-2000:]
     assert not out.exists()
-    r = dloserve("generate", "--prompt", "a cat", "--usp", "2", "--data-parallel-size", "2")
-    assert r.returncode == 2 and "one SP group" in r.stderr
-    r = dloserve("generate", "--model", demo_model, "--prompt", "a cat", "--usp", "2",
-                 "--enable-distributed-layerwise-offload", "--dlo-resident-layers", "1", "--out", str(out))
-    assert r.returncode == 2 and "--dlo-resident-layers: not yet with --sequence-parallel-size" in r.stderr
+    err = refused(capsys, "generate", "--prompt", "a cat", "--usp", "2", "--data-parallel-size", "2")
+    assert "one SP group" in err, err[-2000:]
+    err = refused(capsys, "generate", "--model", demo_model, "--prompt", "a cat", "--usp", "2",
+                  "--enable-distributed-layerwise-offload", "--dlo-resident-layers", "1", "--out", str(out))
+    assert "--dlo-resident-layers: not yet with --sequence-parallel-size" in err, err[-2000:]
     assert not out.exists()
 
 
-@pytest.mark.e2e  # `dloserve` subprocesses
-def test_demo_model_command(tmp_path: Path) -> None:
-    r = dloserve("demo-model", str(tmp_path / "m"), "--preset", "tiny", "--layers", "2")
-    assert r.returncode == 0, r.stderr[-3000:]
+@pytest.mark.e2e  # with the other `dloserve` tests (main() in this process: ~1 s)
+def test_demo_model_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["demo-model", str(tmp_path / "m"), "--preset", "tiny", "--layers", "2"]) == 0, \
+        capsys.readouterr().err[-3000:]
     assert (tmp_path / "m" / "model_index.json").is_file()
     assert (tmp_path / "m" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
 
 
 @pytest.mark.e2e  # two ranks as processes, then the resident reference
-def test_generate_image_to_video_and_bad_images(tmp_path: Path, demo_model: str) -> None:
+def test_generate_image_to_video_and_bad_images(tmp_path: Path, demo_model: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     """--image on a Wan2.2 A14B I2V model, DP2 AllGather: the resident bytes; images the model
     cannot take, or that are not images, exit 2 naming --image before any process starts."""
     from service.models.demo import ensure_demo_model
@@ -128,8 +144,9 @@ def test_generate_image_to_video_and_bad_images(tmp_path: Path, demo_model: str)
     (tmp_path / "t.gif").write_bytes(b"GIF89a" + bytes(30))
     for args, text in (([str(image)], "takes no image"),
                        ([str(tmp_path / "t.gif")], "not a PNG, JPEG or WebP")):
-        r = dloserve("generate", "--model", demo_model, "--prompt", "x", "--out", str(tmp_path / "x.mp4"),
-                     "--image", *args)
-        assert r.returncode == 2 and "--image: " in r.stderr and text in r.stderr, r.stderr
-    r = dloserve("generate", "--model", model, "--prompt", "x", "--out", str(tmp_path / "x.mp4"))
-    assert r.returncode == 2 and "--image: wan22-i2v is image-to-video" in r.stderr, r.stderr
+        err = refused(capsys, "generate", "--model", demo_model, "--prompt", "x",
+                      "--out", str(tmp_path / "x.mp4"), "--image", *args)
+        assert "--image: " in err and text in err, err
+    err = refused(capsys, "generate", "--model", model, "--prompt", "x", "--out", str(tmp_path / "x.mp4"))
+    assert "--image: wan22-i2v is image-to-video" in err, err
+    assert not (tmp_path / "x.mp4").exists()

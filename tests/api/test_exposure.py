@@ -6,6 +6,11 @@ a loopback address, but one: Ray 2.60 binds the Serve replica's gRPC server (cal
 deployments) to [::]:0 whatever the node's address, and that one must refuse a caller
 without the cluster's token. /readyz without a key says ready or not (and the launcher,
 which reads its ``instance``, still recognised its own service: it printed "ready").
+
+The same start is test_launch_lifecycle.py's stale-cluster and "SIGINT while serving" case
+(one `dloserve serve` start instead of two): a ``ray_current_cluster`` naming a dead cluster
+is not joined (the service starts its own), and SIGINT once serving exits 0 with every
+process it started gone.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp
     keys = tmp_path / "keys"
     keys.write_text("sk-exposure-0123456789 max_queued=2\n")
     port = free_port()
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")  # nobody there
     s = Serve(ray_tmp, "--host", "127.0.0.1", "--port", str(port), "--api-key-file", str(keys),
               "--results-dir", str(tmp_path / "results"), env={"HF_HUB_OFFLINE": "0"})
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
     s.seen |= set(descendants(s.proc.pid))
+    assert "Connecting to existing Ray cluster" not in s.output  # the stale address was not joined
+    assert len(s.seen) >= 5  # GCS, raylet, agents, Serve controller, proxy, replica, rank
     # Without --ray-dashboard Ray runs only its minimal dashboard process (no web server, no
     # module processes); the workers get HF_HUB_OFFLINE=1 from the launcher's environment (no
     # runtime_env), whatever the caller's was.
@@ -65,7 +74,8 @@ def test_a_loopback_host_keeps_every_ray_listener_on_loopback(ray_tmp: Path, tmp
     assert "ray_" in httpx.get(f"http://{targets[0]}/metrics", timeout=30).text
     ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
     assert ready.status_code == 200 and set(ready.json()) == {"ready", "instance"}
-    assert s.stop(signal.SIGTERM) == 0, s.output[-2000:]
+    # SIGINT while serving (SIGTERM while serving: test_launch_lifecycle.py's drain tests)
+    assert s.stop(signal.SIGINT) == 0, s.output[-2000:]
     assert not s.survivors(), s.survivors()
 
 

@@ -3,6 +3,11 @@ results folder (its own Ray cluster each time; the watchdog takes the first one 
 jobs show ``queued`` at once, then complete; the one that was running goes on from its saved
 step (``resumed_from_step`` >= 1), and its MP4 equals the same request's run without a
 restart. The model has a flow-matching Euler scheduler (resumable: models/resume.py).
+
+The first start also is the watchdog's end-to-end check (service/api/watchdog.py; its unit
+test is tests/api/test_watchdog.py): it runs with ``--ray-dashboard``, so Ray's whole
+dashboard and its module processes are there too, and nothing of it outlives the SIGKILL
+(before the watchdog, two Ray agents of the old cluster stayed alive).
 """
 
 from __future__ import annotations
@@ -45,8 +50,12 @@ def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
             "--encoders-per-rank", "0")
     url = f"http://127.0.0.1:{port}"
     body = {"prompt": "a job that outlives its server", "seed": 41, "num_inference_steps": 40}
-    first = Serve(ray_tmp, *args)
+    first = Serve(ray_tmp, *args, "--ray-dashboard")
     first.watch_until(lambda: "dloserve ready at" in first.output, timeout=300)
+    assert len(first.seen) > 3, first.seen  # Ray's processes, the replica, the ranks
+    cmds = [Path(f"/proc/{p}/cmdline").read_bytes() for p in first.seen if Path(f"/proc/{p}").exists()]
+    dashboards = [c for c in cmds if b"ray/dashboard/dashboard.py" in c]  # the whole one: a web server
+    assert dashboards and not [c for c in dashboards if b"--disable-frontend" in c], dashboards
     running = httpx.post(f"{url}/v1/videos", json=body, timeout=30).json()["id"]
     queued = httpx.post(f"{url}/v1/videos", json={**body, "seed": 42, "num_inference_steps": 4},
                         timeout=30).json()["id"]
@@ -55,7 +64,7 @@ def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
     assert record(folder, queued).get("status") == "queued"
     first.stop(signal.SIGKILL, timeout=30)
     end = time.monotonic() + 120
-    while first.survivors():  # the watchdog takes its cluster down
+    while first.survivors():  # the watchdog takes its cluster down, the dashboard's processes too
         assert time.monotonic() < end, first.survivors()
         time.sleep(0.5)
     # unfinished, as the kill left it: in_progress, or queued where the watchdog's SIGTERMs let

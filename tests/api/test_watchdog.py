@@ -7,9 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from service.api.watchdog import start_time
 
@@ -49,23 +46,5 @@ def test_a_sigkilled_parents_processes_are_stopped_by_its_watchdog() -> None:
             os.kill(agent, signal.SIGKILL)
 
 
-@pytest.mark.e2e  # a `dloserve serve` subprocess and its own Ray cluster
-def test_nothing_of_a_sigkilled_serve_outlives_it(ray_tmp: Path) -> None:
-    """Before the watchdog, two Ray agents of the old cluster stayed alive. With
-    ``--ray-dashboard`` (off by default) Ray's dashboard and its module processes are there too."""
-    from tests.api.conftest import Serve
-    from tests.conftest import free_port
-
-    s = Serve(ray_tmp, "--host", "127.0.0.1", "--port", str(free_port()), "--drain-timeout-s", "5",
-              "--ray-dashboard")
-    s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)
-    assert len(s.seen) > 3, s.seen  # Ray's processes, the replica, the ranks
-    cmds = [Path(f"/proc/{p}/cmdline").read_bytes() for p in s.seen if Path(f"/proc/{p}").exists()]
-    dashboards = [c for c in cmds if b"ray/dashboard/dashboard.py" in c]  # the whole one: a web server
-    assert dashboards and not [c for c in dashboards if b"--disable-frontend" in c], dashboards
-    s.proc.send_signal(signal.SIGKILL)
-    s.proc.wait(10)
-    end = time.monotonic() + 60  # a bound on the wait, not a measurement
-    while s.survivors():
-        assert time.monotonic() < end, s.survivors()
-        time.sleep(0.2)
+# A real `dloserve serve --ray-dashboard` SIGKILLed, every process of it gone: the first start
+# of tests/api/test_restart_e2e.py (make e2e), which kills one with a job running anyway.

@@ -99,7 +99,7 @@ def test_a_lines_priority_is_read_and_one_out_of_range_fails_the_file(tmp_path: 
 
 
 @pytest.mark.e2e  # the batch job as its own process on DP2, then the resident reference
-def test_batch_image_lines_two_experts_equal_resident(ray_cluster: dict, tmp_path: Path) -> None:
+def test_batch_image_lines_two_experts_equal_resident(ray_cluster: dict, tmp_path: Path, capsys) -> None:  # noqa: ANN001
     """Wan2.2 A14B I2V (tiny): image lines by relative path and by fsspec URL, DP2 AllGather;
     each MP4 is the resident pipeline's (which `dloserve generate --image` is: test_images_http)."""
     from service.models.demo import ensure_demo_model
@@ -131,11 +131,16 @@ def test_batch_image_lines_two_experts_equal_resident(ray_cluster: dict, tmp_pat
             assert (out / f"{item_id}.mp4").read_bytes() == runner.generate(req), item_id
     finally:
         runner.close()
+    # main() in this process: the refusal comes before any work (a subprocess: ~5 s of imports;
+    # the batch job's real exit code 2 is test_bad_prompt_file_is_rejected_before_any_worker's)
+    from service.jobs.batch import main
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x", "image": "img/missing.png"}\n')
-    r = subprocess.run([sys.executable, "-m", "service.jobs.batch", "--prompts", str(bad), "--out",
-                        str(tmp_path / "o"), "--model", model], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and "bad.jsonl:1: image: cannot read" in r.stderr
+    capsys.readouterr()
+    assert main(["--prompts", str(bad), "--out", str(tmp_path / "o"), "--model", model]) == 2
+    assert "bad.jsonl:1: image: cannot read" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_batch_images_stay_under_the_prompts_folder_or_image_root(tmp_path: Path) -> None:
