@@ -115,6 +115,9 @@ def _run(args: argparse.Namespace) -> int:
             print(f"dloserve serve: {problem}", file=sys.stderr)
             return 2
     if not args.address:  # warm hosts import from here on (a failed check below stops them: run's finally)
+        # the workers' setting (_start_local_cluster), now: the hosts import huggingface_hub,
+        # which reads it once, and become workers with the environment they started with
+        os.environ["HF_HUB_OFFLINE"] = "1"
         ahead.start_hosts(args, marks)
     from service.api.keys import KeyFileError
     from service.api.webhooks import WebhookConfigError
