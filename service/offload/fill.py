@@ -68,9 +68,7 @@ class ResidentFill:
             for f in self._futures:
                 f.result()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
-                self._pool = None
+            self.cancel()
 
     def cancel(self) -> None:
         """Stop the copies not begun and wait for the rest (the buffers are being dropped)."""
