@@ -99,6 +99,40 @@ def _cache_counts() -> dict[str, int]:
     return {name: int(counters[group][name]) for group, name in CACHE_COUNTERS}
 
 
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among a call's arguments, and those inside tuple or list arguments (the
+    rotary embedding's cos and sin)."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def mark_token_dims(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Mark the token dimension of a block call's inputs symbolic for the compile: how many
+    dims were marked.
+
+    The token count is the first tensor's dim 1 (the hidden states, [batch, tokens, channels]);
+    every dim of that size but a tensor's last (channels, head dims) is marked: the hidden
+    states, the rotary tables, a per-token modulation. Without it the warm-up compiles a graph
+    for its one size and the first request of another size compiles again, dynamic then
+    (torch's automatic dynamic shapes): on the H200 0.2-0.5 s of that request's first step
+    with the caches warm, the whole compile on a new machine. ``maybe_mark_dynamic``: where
+    the graph must specialize the size after all, dynamo does so (and compiles per size, as
+    before) instead of failing the warm-up. A token count of 0 or 1 is not marked (torch
+    specializes those)."""
+    first = next(_tensors(args, kwargs), None)
+    if first is None or first.dim() < 2 or first.shape[1] < 2:
+        return 0
+    tokens, marked = first.shape[1], 0
+    for t in _tensors(args, kwargs):
+        for dim in range(t.dim() - 1):
+            if t.shape[dim] == tokens:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+                marked += 1
+    return marked
+
+
 class CompiledBlocks:
     """The blocks of ``transformer``'s block lists, their ``forward`` compiled per class.
 
@@ -125,6 +159,7 @@ class CompiledBlocks:
         self.phases: dict[str, float] = {}  # the warm-up's seconds by torch's compile phase
         self._warming: dict[type, list[Any]] | None = None  # outputs by class, during the warm-up
         self.warm_calls: dict[str, int] = {}  # the warm-up's computed block calls, by class
+        self.dynamic_dims = 0  # input dims the warm-up compiled symbolic (mark_token_dims)
 
     def _dispatch(self, blk: nn.Module, compiled: Callable[..., Any], eager: Callable[..., Any]
                   ) -> Callable[..., Any]:
@@ -133,6 +168,7 @@ class CompiledBlocks:
                 return eager(*args, **kwargs)
             if self._warming is None:
                 return compiled(blk, *args, **kwargs)
+            self.dynamic_dims = max(self.dynamic_dims, mark_token_dims(args, kwargs))
             return self._warm_call(type(blk), lambda: compiled(blk, *args, **kwargs))
 
         return forward
@@ -185,7 +221,8 @@ class CompiledBlocks:
 
     def describe(self) -> dict[str, Any]:
         return {"classes": self.classes, "blocks": len(self._blocks), "backend": self.backend_name,
-                "warmup_s": round(self.warmup_s, 3), "warm_calls": self.warm_calls, "phases_s": self.phases,
+                "warmup_s": round(self.warmup_s, 3), "warm_calls": self.warm_calls,
+                "dynamic_dims": self.dynamic_dims, "phases_s": self.phases,
                 "cache": {**self.cache, "dir": self.cache_dir}}
 
     def close(self) -> None:

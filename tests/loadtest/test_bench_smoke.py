@@ -161,3 +161,15 @@ def test_state_bench_cpu_smoke(tmp_path: Path, demo_model: str) -> None:
     assert st["summary"]["bytes_equal"] and st["summary"]["states_per_run"] == 2
     assert [(r["keep"], r["states"], len(r["step_ms"])) for r in st["runs"]] == [(False, 0, 2), (True, 2, 2)]
     assert st["summary"]["take_ms_median"] > 0 and st["summary"]["landed_ms_median"] > 0
+
+
+def test_sizes_bench_cpu_smoke(tmp_path: Path, demo_model: str) -> None:
+    """The marked warm-up runs every other size in its graph; the static one compiles again."""
+    report = _run("bench_sizes.py", ["--device", "cpu", "--model", demo_model, "--probe", "32x32x5",
+                                     "--sizes", "48x32x9,32x48x5"], tmp_path)
+    marked, static = report["variants"]["marked"], report["variants"]["static"]
+    assert marked["compile"]["dynamic_dims"] >= 3 and static["compile"]["dynamic_dims"] == 0
+    assert [s["first"]["new_graphs"] for s in marked["sizes"]] == [0, 0]
+    assert static["sizes"][0]["first"]["new_graphs"] >= 1
+    assert all(s["again"]["new_graphs"] == 0 for v in (marked, static) for s in v["sizes"])
+    assert set(report["first_runs_extra_s"]) == {"marked", "static"}

@@ -77,6 +77,43 @@ def test_slot_swaps_do_not_recompile(demo_model: str, mode: OffloadMode) -> None
     assert np.array_equal(first, eager_frames(demo_model, REQ, mode=mode))
 
 
+def test_requests_of_other_sizes_do_not_recompile(demo_model: str) -> None:
+    """The warm-up compiles the block with its token dimension symbolic: requests of other
+    sizes, frame counts and step counts run the warm-up's graph (without the marks the first of
+    them compiles again). Dynamo's caches are reset first, so no earlier test's graph serves them."""
+    import torch
+
+    torch._dynamo.reset()
+    config = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, probe_shape=SHAPE),
+                          model=ModelConfig(compile="on"))
+    runner = PipelineRunner.load(demo_model, "cpu", config=config)
+    others = [replace(REQ, height=48, width=32, num_frames=9),
+              replace(REQ, height=32, width=48, num_inference_steps=2),
+              replace(REQ, height=64, width=64, num_frames=1)]
+    try:
+        assert runner.describe()["compile"]["dynamic_dims"] >= 3  # the hidden states, cos, sin
+        warm = graphs()
+        frames = [runner.frames(r) for r in others]
+        assert graphs() == warm
+    finally:
+        runner.close()
+    assert np.array_equal(frames[0], eager_frames(demo_model, others[0], mode=OffloadMode.ALLGATHER))
+
+
+def test_token_dims_are_marked_but_not_channels() -> None:
+    import torch
+
+    from service.models.compiled import mark_token_dims
+
+    hidden, cos = torch.zeros(2, 6, 6), torch.zeros(1, 6, 1, 4)
+    assert mark_token_dims((hidden,), {"rotary_emb": (cos, cos.clone()), "timestep": torch.zeros(2)}) == 3
+    # dim 1 (tokens), not dim 2 (channels, the same size here: a tensor's last dim never is)
+    assert getattr(hidden, "_dynamo_weak_dynamic_indices", None) == {1}
+    assert getattr(cos, "_dynamo_weak_dynamic_indices", None) == {1}
+    assert mark_token_dims((torch.zeros(2, 1, 6),), {}) == 0  # one token: torch specializes it anyway
+    assert mark_token_dims((), {"x": torch.zeros(3)}) == 0
+
+
 def test_composes_with_fp8_and_step_caches(demo_model: str) -> None:
     settings = EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER, probe_shape=SHAPE),
                             model=ModelConfig(compile="on", quantization="fp8"))
