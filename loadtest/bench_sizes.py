@@ -91,8 +91,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--sizes", default="832x480x17,480x832x9,832x480x5,832x480x33",
-                   help="WIDTHxHEIGHTxFRAMES of the requests, in order")
+    p.add_argument("--sizes", default="832x480x81,832x480x17,480x832x9,832x480x5,832x480x33",
+                   help="WIDTHxHEIGHTxFRAMES of the requests, in order (the first: the warm-up's own size)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--probe", default=None, help="HEIGHTxWIDTHxFRAMES of the warm-up (default: the server's)")
     p.add_argument("--cache", choices=("cold", "warm"), default="cold",
