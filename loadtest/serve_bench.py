@@ -50,6 +50,7 @@ DESIGNS = {
     "waves": ["--scheduler", "waves"],
     "continuous": ["--scheduler", "continuous"],
     "ranklocal": ["--scheduler", "continuous", "--dlo-no-use-allgather"],
+    "nostandby": ["--no-rank-standby"],  # default, but no standby loads beside the timed requests
 }
 MIXES = {
     # The suggestion for the 40-layer model, at the low end of its step range.

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,6 +92,24 @@ def test_auto_pool_encodes_the_same_bytes() -> None:
     finally:
         enc.close()
     assert got == [encode_mp4(frames, 8)]
+
+
+def test_encoders_run_below_the_rank_priority() -> None:
+    """The encoder processes (and so their x264 threads) are niced below the rank's process."""
+    from service.engine.encoder import ENCODER_NICE
+
+    enc = Encoder(2)
+    try:
+        enc.wait_warm()
+        pids = list(enc._pool._processes)  # noqa: SLF001 - the pool's own processes
+        assert len(pids) == 2
+        want = [min(19, os.getpriority(os.PRIO_PROCESS, 0) + ENCODER_NICE)] * 2
+        end = time.monotonic() + 60  # one process may still be importing: its initializer comes first
+        while [os.getpriority(os.PRIO_PROCESS, p) for p in pids] != want and time.monotonic() < end:
+            time.sleep(0.1)
+        assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == want
+    finally:
+        enc.close()
 
 
 def test_encoders_flag_default_is_auto_and_a_given_count_wins() -> None:
