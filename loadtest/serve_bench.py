@@ -6,7 +6,9 @@
 One fixed list of requests (shapes, frame counts, step counts and Poisson arrival times
 drawn from ``--seed``) goes to each design in turn: ``dloserve serve`` is started with that
 design's flags, warmed up (one small request per rank), then every request is posted at
-its arrival time and polled to the end; its MP4 is downloaded and hashed. Per design:
+its arrival time and polled to the end; its MP4 is downloaded and hashed. A video's end is
+when its webhook arrived (``--webhook-url`` to a receiver here; a poll every 0.5 s would see
+it up to that much late). Per design:
 completed videos per hour over the makespan (first arrival to last completion), p50/p99
 latency, the share of time each GPU was computing (nvidia-smi utilization, sampled), and
 the ratio to the ideal.
@@ -39,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from serving import final, start_serve, stop_serve, wait_ready
+from serving import CompletionHooks, final, start_serve, stop_serve, wait_ready
 
 from service.engine.ports import free_port
 
@@ -187,6 +189,8 @@ def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]])
         cmd += ["--encoders-per-rank", str(args.encoders)]
     if args.device == "cpu":
         cmd += ["--gpus-per-rank", "0", "--cpus-per-rank", "0.5"]
+    hooks = CompletionHooks()
+    cmd += hooks.flags(Path(args.logdir))
     log = open(Path(args.logdir) / f"serve-{name}.log", "w")  # noqa: SIM115 - closed below
     t_start = time.monotonic()
     proc = start_serve(cmd, log)
@@ -201,12 +205,13 @@ def run_design(args: argparse.Namespace, name: str, items: list[dict[str, Any]])
             final(url, vid, 900, poll_s=0.5)
         sampler = GpuSampler()
         sampler.start()
-        results = _drive(url, items)
+        results = _drive(url, items, hooks)
         sampler.stop.set()
         waves = httpx.get(f"{url}/v1/waves", timeout=30).json()
         ready = httpx.get(f"{url}/readyz", timeout=30).json()
     finally:
         stop_serve(proc, log, 90)
+        hooks.close()
     done = [r for r in results if r["status"] == "completed"]
     lat = sorted(r["latency_s"] for r in done)
     first = min(r["submitted"] for r in results)
@@ -238,8 +243,10 @@ def stage_means(done: list[dict[str, Any]]) -> dict[str, float]:
             for k in keys if any(t.get(k) is not None for t in rows)}
 
 
-def _drive(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Post each request at its arrival time (open loop); poll each to the end."""
+def _drive(url: str, items: list[dict[str, Any]], hooks: CompletionHooks) -> list[dict[str, Any]]:
+    """Post each request at its arrival time (open loop); poll each to the end. Its end is
+    when its webhook came (``finished``), or the poll that saw it where no webhook came
+    first (``finished_polled``: the poll's time; results before 2026-12-03 used it alone)."""
     results: list[dict[str, Any]] = []
     lock = threading.Lock()
     t0 = time.monotonic()
@@ -253,8 +260,11 @@ def _drive(url: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rec.update(status=f"http_{r.status_code}", finished=time.monotonic() - t0, latency_s=None)
         else:
             v = final(url, r.json()["id"], 3600, poll_s=0.5)
-            rec.update(status=v["status"], finished=time.monotonic() - t0, latency_s=time.monotonic() - sub,
-                       dp_rank=v.get("dp_rank"), error=v.get("error"), timings=v.get("timings"))
+            polled = time.monotonic()
+            end = min(polled, hooks.arrived.get(v["id"], polled))
+            rec.update(status=v["status"], finished=end - t0, finished_polled=polled - t0,
+                       latency_s=end - sub, dp_rank=v.get("dp_rank"), error=v.get("error"),
+                       timings=v.get("timings"))
             if v["status"] == "completed":
                 data = httpx.get(f"{url}/v1/videos/{v['id']}/content", timeout=120).content
                 rec["sha256"] = hashlib.sha256(data).hexdigest()

@@ -59,3 +59,50 @@ def stop_serve(proc: subprocess.Popen, log: IO[str], grace_s: float) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     log.close()
+
+
+class CompletionHooks:
+    """The service's job webhooks, received on 127.0.0.1: when each video's final event came.
+
+    A client that polls sees a completion up to its poll interval late (serve_bench polls
+    each video every 0.5 s, 0.25 s late on average, and a makespan ends at the last one); the
+    webhook is sent when the record becomes final. ``flags(folder)``: the serve flags that
+    send every job's events here (a secret file written in ``folder``)."""
+
+    def __init__(self) -> None:
+        import base64
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.arrived: dict[str, float] = {}  # video id -> time.monotonic() of its final event
+        self.secret = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+        hooks = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                now = time.monotonic()
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                try:
+                    vid = json.loads(body)["data"]["id"]
+                    hooks.arrived.setdefault(vid, now)
+                except (ValueError, KeyError, TypeError):
+                    pass
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hooks"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def flags(self, folder: Path) -> list[str]:
+        secret = folder / "webhook-secret"
+        secret.write_text(self.secret)
+        return ["--webhook-url", self.url, "--webhook-secret-file", str(secret)]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

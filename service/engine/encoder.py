@@ -11,11 +11,8 @@ C // X264_THREADS encoder processes (``pool_size``): a full pool keeps the rank'
 busy without oversubscribing them. The pool size is free to follow the host; the thread
 count is not (it is part of the bytes).
 
-The encoders run at a lower CPU priority (``ENCODER_NICE``): the rank's threads launch the GPU
-work, and a launch that waits behind x264 leaves the GPU idle. On one H200 with three encoders
-of 4 threads busy beside the rank (16 cores), single denoising steps of short clips took 0.05-
-0.18 s longer than their neighbours (loadtest/results/h200-serve-short24-*). An encode gets the
-CPU the rank leaves, which is most of it: the rank feeds one GPU.
+The encoders run niced (engine.priority): a launch of the rank's that waits behind x264
+leaves the GPU idle, and an encode gets the CPU the rank leaves, which is most of it.
 """
 
 from __future__ import annotations
@@ -34,23 +31,14 @@ import numpy as np
 
 from service.models.video import X264_THREADS, encode_mp4
 
+from .priority import lower_this_thread
+
 log = logging.getLogger("dloserve.encoder")
 Done = Callable[[bytes | None, str | None], None]  # (mp4, error): exactly one is set
 
 
-ENCODER_NICE = 10  # added to an encoder process's niceness (Linux: its threads inherit it)
-
-
 def _warm() -> int:
     return 0
-
-
-def _lower_priority() -> None:
-    """The pool's initializer: this process (and the x264 threads it starts) below the rank."""
-    try:
-        os.nice(ENCODER_NICE)
-    except OSError as e:  # a platform without it: encode at the rank's priority
-        log.warning("MP4 encoder: could not lower its CPU priority: %s", e)
 
 
 def pool_size(cpus: float, threads: int = X264_THREADS) -> int:
@@ -113,7 +101,7 @@ class Encoder:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=_lower_priority)
+        return ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=lower_this_thread)
 
     @property
     def inflight(self) -> int:

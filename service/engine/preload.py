@@ -17,11 +17,14 @@ at module level: ``dloserve serve`` imports engine.standby before Serve starts.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from service.config import EngineConfig
+
+from .priority import lower_this_thread
 
 if TYPE_CHECKING:
     from .start import Preloaded
@@ -57,6 +60,7 @@ class Preload:
         self.config, self.standby = config, standby
         self.result: Preloaded | None = None
         self.problem: str | None = None  # why nothing is kept (logged; the load runs at setup)
+        self.nice: int | None = None  # the loading thread's niceness, once it runs
         self._thread = threading.Thread(target=self._run, name="preload", daemon=True)
         self._thread.start()
 
@@ -65,6 +69,9 @@ class Preload:
 
         from .start import preload
 
+        if self.standby:  # beside a serving rank: its CPU work below the rank's (engine.priority)
+            lower_this_thread()
+        self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         try:
             cuda = self.config.parallel.device == "cuda"
             device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -37,6 +37,7 @@ from service.config import EngineConfig
 
 from .place import RankPlace, rank_encoder, rank_encoder_count
 from .preload import Preload, preloadable
+from .priority import run_lowered
 from .warmhost import WarmHosts, gpu_per_process, hosted, warm_model_imports
 from .worker import RankActor
 
@@ -78,7 +79,11 @@ class WarmRankActor(RankActor):
         self.hosted = host is not None
         self.host_cuda_loaded = bool(host and host.get("cuda_loaded"))  # its GPU view is the host's
         self.adopted = False
-        self.import_s = warm_imports(config) + (host["import_s"] if host else 0.0)
+        beside = standby and self.shares_gpu  # a standby of a serving rank (not a pre-started one)
+        # It imports at background priority (engine.priority), as it loads ahead (engine.preload).
+        imports = (run_lowered(lambda: warm_imports(config), "standby-imports") if beside
+                   else warm_imports(config))
+        self.import_s = imports + (host["import_s"] if host else 0.0)
         # A standby's encoder processes start now too (a new rank's start while it loads).
         self._encoder = rank_encoder(config, place) if standby else None
         self.imported_at = time.time()

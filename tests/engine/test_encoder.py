@@ -96,14 +96,14 @@ def test_auto_pool_encodes_the_same_bytes() -> None:
 
 def test_encoders_run_below_the_rank_priority() -> None:
     """The encoder processes (and so their x264 threads) are niced below the rank's process."""
-    from service.engine.encoder import ENCODER_NICE
+    from service.engine.priority import BACKGROUND_NICE
 
     enc = Encoder(2)
     try:
         enc.wait_warm()
         pids = list(enc._pool._processes)  # noqa: SLF001 - the pool's own processes
         assert len(pids) == 2
-        want = [min(19, os.getpriority(os.PRIO_PROCESS, 0) + ENCODER_NICE)] * 2
+        want = [min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)] * 2
         end = time.monotonic() + 60  # one process may still be importing: its initializer comes first
         while [os.getpriority(os.PRIO_PROCESS, p) for p in pids] != want and time.monotonic() < end:
             time.sleep(0.1)

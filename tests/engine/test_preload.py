@@ -55,6 +55,22 @@ def test_a_failed_load_ahead_leaves_the_load_to_set_up(tmp_path) -> None:  # noq
     assert p.take(p.config) is None and "the load ahead failed" in (p.problem or "")
 
 
+def test_a_standby_loads_ahead_below_the_serving_threads(demo_model: str) -> None:
+    """A standby's load ahead runs niced (engine.priority); a pre-started rank's does not."""
+    import os
+    import threading
+
+    from service.engine.priority import BACKGROUND_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL))
+    for standby, want in ((True, min(19, base + BACKGROUND_NICE)), (False, base)):
+        p = Preload(spec, standby=standby)
+        assert p.wait()
+        assert p.nice == want
+        p.close()
+
+
 def test_each_bundle_adopts_the_process_loading_on_its_gpu() -> None:
     spec = replace(config(OffloadMode.RANK_LOCAL, dp=3), parallel=ParallelConfig(dp_size=3, gpus_per_rank=1))
     ex = RayExecutor(spec, prestarted=["p0", "p1", "p2"])
