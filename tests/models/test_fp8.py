@@ -1,9 +1,15 @@
 """``--quantization fp8`` end to end on the tiny demo pipeline (real diffusers Wan classes).
 
 The MP4 bytes are the same resident and offloaded (AllGather and rank-local, DP1 and DP2 on
-spawned gloo ranks), quantized at load or read from ``dloserve quantize``'s folder; the
-frames' PSNR against the unquantized pipeline is printed (the demo weights are noise: the
-figure says how far fp8 moves the output, not how good a video looks).
+spawned gloo ranks), for the weights quantized at load and for ``dloserve quantize``'s folder;
+the folder's weights are those the load quantizes, bit for bit. The frames' PSNR against the
+unquantized pipeline is printed (the demo weights are noise: the figure says how far fp8 moves
+the output, not how good a video looks).
+
+Frames from the two sources are compared bit for bit only within a source: the folder holds the
+layers fp8 leaves alone at other file offsets than the original, their mmap views are aligned
+otherwise, and a CPU BLAS may pick its kernel by alignment (MKL with AVX-512 on an AMD EPYC host:
+the same weights, cloned to aligned memory, give equal frames; as mapped, the last bits differ).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from loadtest.ranks import run_ranks
@@ -54,6 +61,18 @@ def _frames(model: str, cfg: EngineConfig) -> tuple[np.ndarray, dict | None, dic
 
 def test_quantize_writes_the_same_layout(demo_model: str, fp8_model: str) -> None:
     src, dst = Path(demo_model), Path(fp8_model)
+    fp8 = EngineConfig(model=ModelConfig(quantization="fp8"))
+    online = PipelineRunner.load(demo_model, "cpu", config=fp8)
+    stored = PipelineRunner.load(fp8_model, "cpu", config=fp8)
+    try:  # the folder's transformer is the one the load quantizes, every tensor bit for bit
+        a, b = online.transformer.state_dict(), stored.transformer.state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype, key
+            assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
+    finally:
+        online.close()
+        stored.close()
     files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(dst) for p in dst.rglob("*") if p.is_file())
     for rel in files:
@@ -88,7 +107,9 @@ def test_fp8_strategies_give_one_output(demo_model: str, fp8_model: str, residen
         if stats is not None:
             assert stats["quantization_source"] == name.split("-")[1]
             assert "torch.float8_e4m3fn" in stats["block_bytes_by_dtype"]
-    assert len(set(digests.values())) == 1, digests
+    for source in ("online", "prequantized"):  # one output per source, whatever the strategy
+        assert len({d for n, d in digests.items() if n.endswith(source)}) == 1, digests
+    assert psnr(frames["resident-online"], frames["resident-prequantized"]) > 40  # equal, or the last bits
     ref = resident.frames(REQ)
     assert digests["resident-online"] != sha(ref.tobytes())  # quantization changed something
     print(f"tiny demo, fp8 vs fp32 frames: PSNR {psnr(frames['allgather-online'], ref):.1f} dB")
@@ -129,13 +150,15 @@ def _dp2(rank: int, world: int, src: str, fp8: str) -> dict:
 @pytest.mark.e2e  # spawned DP2 ranks (tests/offload/test_fp8.py keeps a DP2 gloo check fast)
 def test_dp2_spawned_ranks_match_dp1(demo_model: str, fp8_model: str) -> None:
     res = run_ranks(_dp2, 2, demo_model, fp8_model, timeout=None)
-    runner = PipelineRunner.load(demo_model, "cpu",
-                                 config=EngineConfig(model=ModelConfig(quantization="fp8")))
-    try:
-        want = sha(runner.generate(REQ))
-    finally:
-        runner.close()
-    assert res[1]["allgather-online"] == res[1]["ranklocal-prequantized"] == want
+    want = {}  # each source's DP1 output (one source's against the other's: test_fp8_strategies_...)
+    for name, model in (("allgather-online", demo_model), ("ranklocal-prequantized", fp8_model)):
+        runner = PipelineRunner.load(model, "cpu", config=EngineConfig(model=ModelConfig(quantization="fp8")))
+        try:
+            want[name] = sha(runner.generate(REQ))
+        finally:
+            runner.close()
+    assert res[1]["allgather-online"] == want["allgather-online"]
+    assert res[1]["ranklocal-prequantized"] == want["ranklocal-prequantized"]
     ag = res[0]["allgather-online-stats"]
     assert ag["idle_forwards"] == REQ.forwards() and ag["gathered_bytes"] > 0 and ag["world_size"] == 2
 
