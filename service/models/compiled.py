@@ -8,6 +8,8 @@ before its forward and back at placeholders after it) stay eager around the comp
 The parameters are graph inputs (dynamo inlines built-in modules and lifts their tensors), so
 a slot swap changes only the tensors' storage, which no guard reads: no recompile after the
 first forward of a shape (tests/models/test_compiled.py counts them on CPU with aot_eager).
+The warm-up compiles the token count symbolic (``mark_token_dims``), so that first forward
+is the warm-up's for every size a request can have.
 
 What runs eager instead: a request with LoRA adapters (their side branches are per-request
 forward hooks on the Linears inside the block; ``eager()`` while it runs). Step caches wrap the
