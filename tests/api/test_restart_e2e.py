@@ -13,6 +13,7 @@ dashboard and its module processes are there too, and nothing of it outlives the
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -25,7 +26,7 @@ import pytest
 from tests.api.conftest import Serve, wait_final
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.e2e  # two `dloserve serve` start-ups and a 40-step job
+pytestmark = pytest.mark.e2e  # two `dloserve serve` start-ups and a 100-step job
 
 
 def record(folder: Path, vid: str) -> dict:
@@ -33,6 +34,13 @@ def record(folder: Path, vid: str) -> dict:
         return json.loads((folder / f"{vid}.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_a_restart_on_the_same_folder_finishes_every_job_from_its_step(euler_model: str, ray_tmp: Path,
@@ -49,7 +57,7 @@ def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
     args = (euler_model, "--port", port, "--results-url", str(folder), "--cpus-per-rank", "1",
             "--encoders-per-rank", "0")
     url = f"http://127.0.0.1:{port}"
-    body = {"prompt": "a job that outlives its server", "seed": 41, "num_inference_steps": 40}
+    body = {"prompt": "a job that outlives its server", "seed": 41, "num_inference_steps": 100}
     first = Serve(ray_tmp, *args, "--ray-dashboard")
     first.watch_until(lambda: "dloserve ready at" in first.output, timeout=300)
     assert len(first.seen) > 3, first.seen  # Ray's processes, the replica, the ranks
@@ -62,6 +70,12 @@ def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
     first.watch_until(lambda: (folder / f"{running}.state").exists()
                       and record(folder, running).get("status") == "in_progress", timeout=300)
     assert record(folder, queued).get("status") == "queued"
+    # The rank frozen first: the watchdog stops the cluster a second or three after the kill,
+    # and a fast host finished the job in that time (40 steps of the tiny model, 2026-12-03).
+    ranks = [p for p in first.seen if b"RankActor" in _cmdline(p)]
+    assert ranks, first.seen
+    for pid in ranks:
+        os.kill(pid, signal.SIGSTOP)
     first.stop(signal.SIGKILL, timeout=30)
     end = time.monotonic() + 120
     while first.survivors():  # the watchdog takes its cluster down, the dashboard's processes too
