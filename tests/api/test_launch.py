@@ -271,3 +271,23 @@ def test_the_job_store_the_launcher_starts_is_the_one_the_replica_connects_to(ra
         assert ray.get(early.status.remote())["jobs"] == 0
     finally:
         stop_store(url)
+
+
+def test_cpus_per_rank_comes_from_the_flag_then_the_host_then_the_default(ray_cluster: dict) -> None:
+    """``--cpus-per-rank`` wins; on a cluster of our own the host sizes it (this one's 2 CPUs,
+    less the ingress's: the floor of 1); a joined cluster keeps the old default. The reason
+    goes to /readyz (test_service.py) and the log."""
+    from service.api.launch_ahead import size_ranks
+    from service.config.parallel import CPUS_PER_RANK
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    given = p.parse_args(["/m", "--cpus-per-rank", "3"])
+    size_ranks(given, own_cluster=True)
+    assert (given.cpus_per_rank, given.cpus_per_rank_why) == (3.0, "--cpus-per-rank")
+    host = p.parse_args(["/m"])
+    size_ranks(host, own_cluster=True)
+    assert host.cpus_per_rank == 1.0 and "2 CPUs" in host.cpus_per_rank_why
+    joined = p.parse_args(["/m"])
+    size_ranks(joined, own_cluster=False)
+    assert joined.cpus_per_rank == CPUS_PER_RANK and "joined cluster" in joined.cpus_per_rank_why
