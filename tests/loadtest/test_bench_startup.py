@@ -22,7 +22,7 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     out = tmp_path / "startup.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "loadtest" / "bench_startup.py"), "--device", "cpu",
-         "--model", str(model), "--starts", "kill", "--size", "64x64x5", "--steps", "8", "--kill-at", "30",
+         "--model", str(model), "--starts", "kill", "--size", "64x64x5", "--steps", "10", "--kill-at", "50",
          "--euler", "--module", "--label", "tiny",
          "--out", str(out)],
         capture_output=True, text=True, timeout=900,
@@ -38,7 +38,7 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert start["command_to_ready_s"] >= start["startup"]["ready_s"]  # from the process's start
     killed = start["killed_request"]
     assert killed["status"] == "completed" and killed["resumed_from_step"] >= 1, killed
-    assert start["kill_at_progress"] >= 30 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
+    assert start["kill_at_progress"] >= 50 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
     # the rank process started before Ray (a warm host, engine.warmhost), imported beside Ray's and
     # Serve's start, and was adopted: the worker ran in that process
     (first,) = start["last_start"]
