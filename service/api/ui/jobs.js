@@ -7,6 +7,8 @@ import {remix} from "./form.js";
 import {clearPreview, refreshPreview} from "./preview.js";
 
 const UNFINISHED = new Set(["queued", "in_progress"]);
+/** Fired on document when the open video's object changes (the service panel listens). */
+export const VIDEOS_CHANGED = "dloserve:videos";
 const NEGATIVE = "dloserve.negativePrompts"; // what this tab sent: the video object omits it
 
 const state = {
@@ -190,6 +192,9 @@ export function show(video, {poll: startPolling = true} = {}) {
   state.current = video;
   if (state.listed.has(video.id)) state.listed.set(video.id, video);
   renderCurrent();
+  // The service panel re-renders its ranks now, not at its next /readyz: a short video can
+  // start and end between two of those.
+  document.dispatchEvent(new Event(VIDEOS_CHANGED));
   refreshPreview(video);
   loadAssignment(video, state.generation);
   const wasDone = sameVideo && previous.status === "completed" && state.blobUrl;

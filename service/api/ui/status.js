@@ -4,10 +4,11 @@
 
 import {call} from "./api.js";
 import {$, el, clear, setText, fillList, statusClass, short} from "./dom.js";
-import {running} from "./jobs.js";
+import {VIDEOS_CHANGED, running} from "./jobs.js";
 
 let timer = null;
 let latest = 0; // only the latest call renders and re-arms the timer (one polling loop)
+let lastReady = null; // the last /readyz answer: its ranks re-render when the open video changes
 
 function badge(stateWord, detail) {
   const node = $("state-badge");
@@ -87,9 +88,11 @@ export async function refreshStatus() {
       ["rebuilds", ready.rebuilds],
       ["last error", ready.last_error],
     ]);
+    lastReady = ready;
     renderGroups(ready);
   } catch (error) {
     if (mine !== latest) return;
+    lastReady = null;
     badge("unreachable", error.message);
     clear($("svc-summary"));
     clear($("svc-groups"));
@@ -97,3 +100,7 @@ export async function refreshStatus() {
   clearTimeout(timer);
   timer = setTimeout(refreshStatus, 2000);
 }
+
+document.addEventListener(VIDEOS_CHANGED, () => {
+  if (lastReady) renderGroups(lastReady);
+});
