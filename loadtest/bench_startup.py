@@ -116,7 +116,8 @@ def request(url: str, body: dict[str, Any]) -> tuple[str, float]:
 def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: float,
              kill_at: int = 10) -> dict[str, Any]:
     """One request undisturbed, then the same again with a rank SIGKILLed at >= ``kill_at`` %
-    progress."""
+    progress, once the service keeps a step of it (``resumable_step``: progress alone runs ahead
+    of the kept state, and a kill between the two reran from step 0)."""
     out: dict[str, Any] = {}
     vid, t = request(url, body)
     own = final(url, vid, timeout)
@@ -126,7 +127,8 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     _, before = readyz(url)
     gens = {g["group"]: g.get("generation", 0) for g in before.get("groups", [])}
     vid, t_sent = request(url, {**body, "prompt": "killed mid-request"})
-    while (v := httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json())["progress"] < kill_at:
+    while ((v := httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json())["progress"] < kill_at
+           or v.get("resumable_step", 0) < 1):
         if v["status"] in ("completed", "failed", "cancelled"):
             raise RuntimeError(f"the request to kill ended ({v['status']}) before it showed progress")
         time.sleep(0.05)
@@ -134,7 +136,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     out["rank_processes"] = len(ranks)
     t_kill = time.monotonic()
     os.kill(ranks[-1], signal.SIGKILL)
-    out["kill_at_progress"] = v["progress"]
+    out["kill_at_progress"], out["kill_at_resumable_step"] = v["progress"], v.get("resumable_step")
     out["kill_to_serving_s"] = round(wait_ready(url, proc, timeout, gens), 2)
     killed = final(url, vid, timeout)
     t_done = time.monotonic()

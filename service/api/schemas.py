@@ -273,6 +273,8 @@ class Video(BaseModel):
     dp_rank: int | None = None
     resumed_from_step: int = Field(0, description="its rank died and the run went on from this step of "
                                    "the one before (0: it never resumed)")
+    resumable_step: int = Field(0, description="the last step whose state the service keeps while it runs: "
+                                "if its rank dies now, the rerun goes on from this step (0: from the start)")
     priority: int = Field(0, description="lower is served first")
     preemptions: int = Field(0, description="times it was paused at a step for a better-priority job "
                              "(each time it went on from that step)")

@@ -104,7 +104,8 @@ class VideoService:
         self.started_at = time.time()
         self._draining: str | None = None
         self._closed = threading.Event()
-        self._progress: dict[str, int] = {}  # latest per job, sent by the heartbeat thread
+        # per job: progress and resumable_step, sent by the heartbeat thread
+        self._progress: dict[str, dict[str, int]] = {}
         self._previews: dict[str, tuple[int, bytes]] = {}  # latest image per job, sent the same way
         self._progress_lock = threading.Lock()
         # Storing a video (an upload, with S3) and its final record happen off the dispatcher
@@ -406,7 +407,7 @@ class VideoService:
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:
-            self._progress[ticket_id] = min(99, int(100 * step / max(1, total)))
+            self._progress.setdefault(ticket_id, {})["progress"] = min(99, int(100 * step / max(1, total)))
 
     def on_preview(self, ticket_id: str, step: int, total: int, image: bytes) -> None:
         with self._progress_lock:
@@ -414,13 +415,18 @@ class VideoService:
 
     def on_state(self, ticket_id: str, state: Any) -> None:
         self.states.offer(ticket_id, state)
+        # The dispatcher keeps it now: say so (a client, or a test that kills the rank, can
+        # know the rerun's starting point; progress alone runs ahead of the kept state).
+        with self._progress_lock:
+            self._progress.setdefault(ticket_id, {})["resumable_step"] = state.step
 
     def on_requeue(self, ticket: Ticket, why: str) -> None:
         self.states.urgent(ticket.id)  # paused or its group failed: its step is kept now
         with self._progress_lock:
-            self._progress.pop(ticket.id, None)
+            pending = self._progress.pop(ticket.id, {})
+        kept = {"resumable_step": pending["resumable_step"]} if "resumable_step" in pending else {}
         self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None,
-                     preemptions=ticket.preemptions)
+                     preemptions=ticket.preemptions, **kept)
 
     def _update(self, job_id: str, **fields: Any) -> None:
         """A status change from the dispatcher thread; a storage that refuses the write must

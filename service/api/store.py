@@ -56,6 +56,9 @@ def lock_folder(root: Path) -> Any:
     return f
 
 
+STEP_FIELDS = ("progress", "resumable_step")  # what ``progress`` may change
+
+
 class JobTable:
     """Thread-safe records over a ResultStorage; ``exclusive`` locks a local folder."""
 
@@ -101,10 +104,11 @@ class JobTable:
                 self.storage.write_record(rec.to_json())
             return rec
 
-    def progress(self, updates: dict[str, int]) -> None:
-        """Several jobs' progress at once (kept in memory: not worth a write each)."""
-        for job_id, pct in updates.items():
-            self.update(job_id, persist=False, progress=pct)
+    def progress(self, updates: dict[str, dict[str, int]]) -> None:
+        """Several jobs' per-step fields at once (``progress``, ``resumable_step``): kept in
+        memory, not worth a write each."""
+        for job_id, fields in updates.items():
+            self.update(job_id, persist=False, **{k: v for k, v in fields.items() if k in STEP_FIELDS})
 
     def put_previews(self, updates: dict[str, tuple[int, bytes]]) -> None:
         """Several jobs' latest preview images (kept in memory, like progress; a finished job

@@ -296,10 +296,14 @@ def test_a_rerun_that_goes_on_from_a_step_says_so(service) -> None:  # noqa: ANN
     ex.wait_assigned(rec.id)
     until(lambda: status(svc, rec.id) is JobStatus.IN_PROGRESS)
     assert video_object(svc.store.get(rec.id))["resumed_from_step"] == 0
+    assert video_object(svc.store.get(rec.id))["resumable_step"] == 0
     ex.hand_off(rec.id, StepState.of(1, 2, torch.zeros(1, 16, 2, 4, 4)))
+    # The video says which step the service keeps once it does (the heartbeat sends it).
+    until(lambda: video_object(svc.store.get(rec.id))["resumable_step"] == 1)
     ex.kill("g0")  # its rank died: it runs again, from step 1
     until(lambda: sum(a[2] == rec.id for a in ex.assigned) == 2)
     assert [a[3] for a in ex.assigned][-1].resume.step == 1
+    assert video_object(svc.store.get(rec.id))["resumable_step"] == 1  # queued again: still kept
     until(lambda: status(svc, rec.id) is JobStatus.IN_PROGRESS)
     ex.run(rec.id)
     until(lambda: status(svc, rec.id) is JobStatus.COMPLETED)
