@@ -179,8 +179,9 @@ class JobStore(JobTable):
                     continue  # another replica took it meanwhile
                 self._adopted.add(job_id)
                 request = self._requests.get(job_id)
-            self.update(job_id, dp_group=dp_group, node_id=node_id)
             state = None if request is None else state_of(self.storage.get_bytes(f"{job_id}.state"), request)
+            # the step it goes on from is the one written, not the one its lost group kept last
+            self.update(job_id, dp_group=dp_group, node_id=node_id, resumable_step=state.step if state else 0)
             taken.append((job_id, request if state is None else request.resumed(state), rec.owner))
         if taken:
             log.info("DP group %s on node %s took over %d jobs of lost groups", dp_group, node_id, len(taken))

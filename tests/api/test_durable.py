@@ -110,10 +110,12 @@ def test_a_restart_on_the_folder_runs_unfinished_jobs_again_from_their_steps(dem
             rec = store.get(job.id)
             assert rec.status is JobStatus.QUEUED and rec.dp_group in (None, svc.dp_group), rec
         ex.wait_assigned(running.id)  # one rank: the other waits its turn
+        assert video_object(store.get(running.id))["resumable_step"] == 2  # the state written
         again = [a[3] for a in ex.assigned if a[2] == running.id][-1]
         assert again.resume is not None and again.resume.step == 2 and again.seed == 1
         until(lambda: store.get(running.id).status is JobStatus.IN_PROGRESS)
         assert video_object(store.get(running.id))["resumed_from_step"] == 2
+        assert video_object(store.get(queued.id))["resumable_step"] == 0  # never handed a state off
         ex.run(running.id)
         ex.wait_assigned(queued.id)
         assert [a[3] for a in ex.assigned if a[2] == queued.id][-1].resume is None  # no state: from 0
