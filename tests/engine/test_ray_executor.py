@@ -50,8 +50,34 @@ def submit(d: Dispatcher, tid: str, req: GenerationRequest) -> None:
     d.submit(tid, req.compat_key(), req)
 
 
+class SharedEngine:
+    """A module's engine, shared by its tests (a start costs seconds), started on first use
+    and stopped where a test of the module starts an engine of its own: the session's Serve
+    app holds one CPU of the cluster's two, so a shared DP2 engine beside a test's own DP2
+    placement left that one waiting for CPUs (its set-up timeout is 900 s). Which comes first
+    is the test order's choice (pytest-randomly, seed 7, hung here)."""
+
+    def __init__(self, spec: EngineConfig, **kw: Any) -> None:
+        self.spec, self.kw = spec, kw
+        self._running: Iterator[tuple[Dispatcher, RecordingSink]] | None = None
+        self._value: tuple[Dispatcher, RecordingSink] | None = None
+
+    def get(self) -> tuple[Dispatcher, RecordingSink]:
+        if self._value is None:
+            self._running = running(self.spec, **self.kw)
+            self._value = next(self._running)
+        return self._value
+
+    def stop(self) -> None:
+        if self._running is not None:
+            self._running.close()  # running()'s finally: the dispatcher and its groups stop
+        self._running = self._value = None
+
+
 @pytest.fixture
-def ranklocal(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+def ranklocal(ray_cluster: dict, demo_model: str,
+              shared: SharedEngine) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    shared.stop()
     # auto, the default: on CPU ranks without a probe size it picks rank-local and says why
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.AUTO),
                         parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
@@ -87,7 +113,9 @@ def test_ranklocal_dead_rank_fails_only_its_own_request(ranklocal, resident) -> 
 
 
 @pytest.fixture
-def waves(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+def waves(ray_cluster: dict, demo_model: str,
+          shared: SharedEngine) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    shared.stop()
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
                         parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
                                                 encoders_per_rank=1),
@@ -126,18 +154,20 @@ def test_waves_hold_one_key_and_a_missed_deadline_rebuilds(waves, resident) -> N
 
 
 @pytest.fixture(scope="module")
-def allgather_engine(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+def shared(ray_cluster: dict, demo_model: str) -> Iterator[SharedEngine]:
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
                         parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
                                                 encoders_per_rank=1))
-    yield from running(spec, deadlines=DeadlinePolicy(base_s=300))
+    engine = SharedEngine(spec, deadlines=DeadlinePolicy(base_s=300))
+    yield engine
+    engine.stop()
 
 
 @pytest.fixture
-def allgather(allgather_engine: tuple[Dispatcher, RecordingSink]) -> tuple[Dispatcher, RecordingSink]:
+def allgather(shared: SharedEngine) -> tuple[Dispatcher, RecordingSink]:
     """The module's AllGather DP2 dispatcher (a start cost ~12 s), ready, its sink cleared: the
     previous test's jobs have all ended; its counts are read relative to the test's start."""
-    d, sink = allgather_engine
+    d, sink = shared.get()
     wait_ready(d)
     sink.reset()
     return d, sink

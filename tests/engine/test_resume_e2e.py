@@ -26,7 +26,7 @@ from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.router.dispatcher import Dispatcher
 from service.router.policy import DeadlinePolicy
-from tests.engine.test_ray_executor import running, submit, wait_ready
+from tests.engine.test_ray_executor import SharedEngine, running, submit, wait_ready
 from tests.fakes import RecordingSink
 
 pytestmark = pytest.mark.e2e  # kills real rank actors and waits for the rebuilds
@@ -39,30 +39,33 @@ def reference(euler_model: str) -> Iterator[PipelineRunner]:
     runner.close()
 
 
-def engine(model: str, dp: int, mode: OffloadMode) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    spec = EngineConfig(model, parallel=ParallelConfig(dp_size=dp, cpus_per_rank=0.5, pg_timeout_s=60,
+def spec(model: str, dp: int, mode: OffloadMode) -> EngineConfig:
+    return EngineConfig(model, parallel=ParallelConfig(dp_size=dp, cpus_per_rank=0.5, pg_timeout_s=60,
                                                        encoders_per_rank=0), offload=OffloadConfig(mode))
-    yield from running(spec, deadlines=DeadlinePolicy(base_s=300))
 
 
 @pytest.fixture(scope="module")
-def dp1_engine(ray_cluster: dict, euler_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    yield from engine(euler_model, 1, OffloadMode.RANK_LOCAL)
+def dp1_engine(ray_cluster: dict, euler_model: str) -> Iterator[SharedEngine]:
+    engine = SharedEngine(spec(euler_model, 1, OffloadMode.RANK_LOCAL), deadlines=DeadlinePolicy(base_s=300))
+    yield engine
+    engine.stop()
 
 
 @pytest.fixture
-def dp1(dp1_engine: tuple[Dispatcher, RecordingSink]) -> tuple[Dispatcher, RecordingSink]:
+def dp1(dp1_engine: SharedEngine) -> tuple[Dispatcher, RecordingSink]:
     """The module's one DP1 dispatcher (a start each cost ~10 s), ready, its sink cleared: each
     test's jobs have ended before the next begins, and a death in one is rebuilt before it."""
-    d, sink = dp1_engine
+    d, sink = dp1_engine.get()
     wait_ready(d)
     sink.reset()
     return d, sink
 
 
 @pytest.fixture
-def dp2(ray_cluster: dict, euler_model: str) -> Iterator[tuple[Dispatcher, RecordingSink]]:
-    yield from engine(euler_model, 2, OffloadMode.ALLGATHER)
+def dp2(ray_cluster: dict, euler_model: str,
+        dp1_engine: SharedEngine) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    dp1_engine.stop()  # its CPU: beside the session's Serve app, the DP2 group would not fit
+    yield from running(spec(euler_model, 2, OffloadMode.ALLGATHER), deadlines=DeadlinePolicy(base_s=300))
 
 
 def killed_then_resumed(d: Dispatcher, sink: RecordingSink, reference: PipelineRunner,
