@@ -116,8 +116,8 @@ def request(url: str, body: dict[str, Any]) -> tuple[str, float]:
 def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: float,
              kill_at: int = 10) -> dict[str, Any]:
     """One request undisturbed, then the same again with a rank SIGKILLed at >= ``kill_at`` %
-    progress, once the service keeps a step of it (``resumable_step``: progress alone runs ahead
-    of the kept state, and a kill between the two reran from step 0)."""
+    progress, once the service keeps a step of it (``resumable_step``: progress alone does not
+    say that a rerun would go on from a step, the kept state comes after its step)."""
     out: dict[str, Any] = {}
     vid, t = request(url, body)
     own = final(url, vid, timeout)
