@@ -78,7 +78,8 @@ class JobTable:
         for d in storage.read_records():
             try:
                 rec = JobRecord.from_json(d)
-            except (TypeError, ValueError):
+            except Exception as e:  # noqa: BLE001 - one record never stops a start
+                log.warning("job record %s skipped: %s", d.get("id"), str(e)[:200] or type(e).__name__)
                 continue  # a record this version cannot read: not a job it knows
             self._jobs[rec.id] = rec
 

@@ -90,7 +90,7 @@ def test_a_job_no_replica_takes_fails_after_the_wait(store: JobStore,
     time.sleep(0.01)
     assert store.reap() == 1
     msg = store.get("video_1").error["message"]
-    assert "DP group g1" in msg and "no replica took it over within 0 s" in msg
+    assert "DP group g1" in msg and "no replica of model 'demo' took it over within 0 s" in msg
     assert store.adopt("g2", "node-2", "demo", 5) == []
 
 
