@@ -41,6 +41,7 @@ from service.models.request import GenerationRequest
 
 NAMESPACE = "dloserve"
 ADOPT_WAIT_S = 300.0  # a lost group's job waits this long for another replica to take it
+CONFIRM_WAIT_S = 120.0  # a taken job its replica has not confirmed holding by then is taken back
 log = logging.getLogger("dloserve.jobs")
 
 
@@ -87,6 +88,7 @@ class JobStore(JobTable):
         self._orphans: dict[str, tuple[float, str]] = {}  # job of a lost group -> (since, why)
         self._adopted: set[str] = set()  # jobs run again once already: a second loss fails them
         self._models: dict[str, float] = {}  # model -> when a replica serving it last asked to adopt
+        self._unconfirmed: dict[str, tuple[float, str]] = {}  # job taken by adopt -> (when, by which group)
         self._recover()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="dloserve-reaper", daemon=True)
@@ -168,6 +170,7 @@ class JobStore(JobTable):
             self._requests.pop(job_id, None)
             self._orphans.pop(job_id, None)
             self._adopted.discard(job_id)
+            self._unconfirmed.pop(job_id, None)
 
     def adopt(self, dp_group: str, node_id: str, model: str, limit: int) -> list[tuple[str, Any, str | None]]:
         """Up to ``limit`` jobs of lost groups for a serving replica of ``model`` to run, oldest
@@ -200,10 +203,36 @@ class JobStore(JobTable):
                 break
             with self._beat_lock:
                 self._adopted.add(job_id)
+                self._unconfirmed[job_id] = (time.monotonic(), dp_group)
             taken.append((job_id, request if state is None else request.resumed(state), rec.owner))
         if taken:
             log.info("DP group %s on node %s took over %d jobs of lost groups", dp_group, node_id, len(taken))
         return taken
+
+    def confirm(self, dp_group: str, ids: list[str]) -> None:
+        """``dp_group`` holds (or has ended) these jobs ``adopt`` gave it. One never confirmed
+        (the answer to ``adopt`` lost on the way, a replica that failed between) is taken back
+        after ``CONFIRM_WAIT_S``: held by no dispatcher, it would wait as ``queued`` forever."""
+        with self._beat_lock:
+            for i in ids:
+                if self._unconfirmed.get(i, (0.0, dp_group))[1] == dp_group:
+                    self._unconfirmed.pop(i, None)
+
+    def _reclaim(self, now: float) -> None:
+        with self._beat_lock:
+            late = [(i, g) for i, (at, g) in self._unconfirmed.items() if now - at > CONFIRM_WAIT_S]
+        for i, g in late:
+            rec = self.get(i)
+            with self._beat_lock:
+                self._unconfirmed.pop(i, None)
+                if rec is None or rec.final or rec.dp_group != g:
+                    continue
+                self._adopted.discard(i)
+                self._orphans[i] = (now, f"DP group {g} took this job over but never confirmed it")
+                self._cancelled.setdefault(g, []).append(i)  # should it hold it after all: it stops
+            log.warning("DP group %s never confirmed taking over %s: it waits for a replica again", g, i)
+            self.update(i, dp_group=None, node_id=None, status=JobStatus.QUEUED, progress=0, wave=None,
+                        dp_rank=None)
 
     def request_cancel(self, job_id: str) -> None:
         """Tell the job's DP group, at its next heartbeat, to cancel it."""
@@ -241,6 +270,7 @@ class JobStore(JobTable):
     def reap(self) -> int:
         """Fail the jobs of groups silent for ``group_timeout_s``; returns how many."""
         now, failed = time.monotonic(), 0
+        self._reclaim(now)
         for g in self.live_groups():
             with self._beat_lock:
                 last, node = self._seen.get(g, (self.started, "unknown"))

@@ -147,13 +147,16 @@ class VideoService:
         if (not self.cfg.job_retries or self._draining or room <= 0
                 or self.dispatcher.availability()[0] is not Availability.SERVING):
             return
-        for job_id, req, owner in self.store.adopt(self.dp_group, self.node_id, self.model_name, room):
+        taken = self.store.adopt(self.dp_group, self.node_id, self.model_name, room)
+        for job_id, req, owner in taken:
             try:
                 self._take_over(job_id, req, owner)
             except Exception as e:  # noqa: BLE001 - it is this replica's now: never left held by nobody
                 log.exception("could not take over %s", job_id)
                 self.store.fail([job_id], "dp_group_lost", f"it could not run again after its DP group "
                                 f"was lost: {type(e).__name__}: {str(e)[:200]}; submit it again")
+        if taken:  # held or ended now (a lost answer: the store takes them back, CONFIRM_WAIT_S)
+            self.store.confirm(self.dp_group, [job_id for job_id, _, _ in taken])
 
     def _take_over(self, job_id: str, req: GenerationRequest, owner: str | None) -> None:
         """Queue one adopted job: not a revoked key's; from its kept state only where this

@@ -52,6 +52,7 @@ def test_a_request_and_a_state_come_back_equal_and_bad_files_read_as_nothing() -
                             cache=CacheSpec("first_block", threshold=0.1), extra={"max_sequence_length": 64})
     back = request_of(request_bytes(req))
     assert back == req and back.image == req.image and back.priority == -2
+    assert request_digest(back) == request_digest(req)  # a state written before a restart is its state after
     state = StepState.of(2, 4, torch.arange(2 * 16 * 3, dtype=torch.bfloat16).reshape(1, 16, 2, 1, 3))
     raw = state_bytes(state, "video_a", request_digest(req))
     again = state_of(raw, req, "video_a")
