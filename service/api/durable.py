@@ -2,11 +2,15 @@
 
 ``<id>.req``: its request, JSON (the image as base64, adapters as resolved, the step cache),
 written by the job store when it accepts the job. ``<id>.state``: its last kept per-step
-state (models/resume.py): one JSON header line (step, total, dtype, shape) and the latents'
-raw bytes, written by the replica that runs it at most every ``STATE_EVERY_S`` per job and
-at once when it is paused for a better priority. Both are 0600 like every result file
-(results.py), both go when the job ends or is deleted. A file that cannot be read back is
-no file: the job reruns from step 0 (no state) or fails with a reason (no request).
+state (models/resume.py): one JSON header line (step, total, dtype, shape, and whose: the
+job id and its request's digest) and the latents' raw bytes, written by the replica that runs
+it at most every ``STATE_EVERY_S`` per job and at once when it is paused for a better
+priority. Both are 0600 like every result file (results.py), both go when the job ends or is
+deleted. They are read as data another process may have written: capped, never through a
+link or from a FIFO (``ResultStorage.read_capped``), any parse error caught. A request that
+cannot be used fails its one job with a reason naming the file; a state that is not its job's
+and request's, or whose latents are not the shape and dtype the model makes for the request
+(the replica checks that: ``usable_state``), is none: the job reruns from step 0.
 
 Neither is pickle: a results bucket's contents are data, never code to run.
 """
