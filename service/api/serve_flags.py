@@ -152,7 +152,7 @@ def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The instance's webhook (the secret file checked here, its path made absolute) and each
     key's own from the key file, by key hash. WebhookConfigError or OSError names what is wrong."""
     from service.api.keys import key_hash, parse_key_lines
-    from service.api.webhooks import WebhookConfigError, check_url, parse_secret, warn_if_shared
+    from service.api.webhooks import WebhookConfigError, check_url, parse_secret, warn_of
 
     out: dict[str, Any] = {}
     if bool(args.webhook_url) != bool(args.webhook_secret_file):
@@ -161,16 +161,15 @@ def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
         path = os.path.abspath(os.path.expanduser(args.webhook_secret_file))
         with open(path) as f:
             parse_secret(f.read(), f"--webhook-secret-file {path}")
-        warn_if_shared(path, "--webhook-secret-file")
         out.update(webhook_url=check_url(args.webhook_url, "--webhook-url"), webhook_secret_file=path)
     if args.api_key_file:
         with open(args.api_key_file) as f:
             hooks = {key_hash(e.key): e.webhook for e in parse_key_lines(f, args.api_key_file) if e.webhook}
         if hooks:
-            warn_if_shared(args.api_key_file, "--api-key-file (its webhook_secret= values)")
             out["key_webhooks"] = hooks
     if args.webhook_allow_private:
         out["webhook_allow_private"] = True
+    warn_of(out, args.api_key_file)
     return out
 
 

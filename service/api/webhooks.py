@@ -27,6 +27,7 @@ import base64
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
@@ -35,6 +36,7 @@ import os
 import stat
 import threading
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +79,35 @@ def warn_if_shared(path: str, what: str) -> bool:
                     what, path, mode)
         return True
     return False
+
+
+def warn_if_private(url: str, source: str) -> bool:
+    """Log a warning when ``url`` names a loopback or private address outright (an IP, or
+    localhost): without --webhook-allow-private each delivery to it is refused. (A name is
+    checked at each connect only: what it resolves to may change.) True if it was."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        private = host == "localhost" or not ipaddress.ip_address(host).is_global
+    except ValueError:
+        return False
+    if private:
+        log.warning("%s %s is a private address: its deliveries are refused without --webhook-allow-private",
+                    source, url)
+    return private
+
+
+def warn_of(settings: dict[str, Any], key_file: str | None) -> None:
+    """At start (serve's flags, as ``webhook_settings`` made them): secrets others can read,
+    and targets that name a private address the deliveries to which will be refused."""
+    if settings.get("webhook_secret_file"):
+        warn_if_shared(settings["webhook_secret_file"], "--webhook-secret-file")
+    if settings.get("key_webhooks") and key_file:
+        warn_if_shared(key_file, "--api-key-file (its webhook_secret= values)")
+    if not settings.get("webhook_allow_private"):
+        if settings.get("webhook_url"):
+            warn_if_private(settings["webhook_url"], "--webhook-url")
+        for hook in settings.get("key_webhooks", {}).values():
+            warn_if_private(hook["url"], "a key's webhook_url")
 
 
 def check_url(url: str, source: str = "webhook url") -> str:

@@ -261,12 +261,17 @@ def test_secret_files_readable_by_others_are_warned_of_and_the_private_flag_reac
         path.chmod(0o600)
     with caplog.at_level("WARNING", logger="dloserve.webhooks"):
         cfg = ServiceConfig(**webhook_settings(p.parse_args(argv)))
-    assert caplog.records == [] and "allow_private" not in cfg.webhook_targets()
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "readable" not in warned and "allow_private" not in cfg.webhook_targets()
+    assert "--webhook-url http://127.0.0.1:9/ops is a private address" in warned  # refused unless allowed
+    assert "a key's webhook_url http://127.0.0.1:9/a is a private address" in warned
+    caplog.clear()
     secret.chmod(0o644)
     keys.chmod(0o640)
     with caplog.at_level("WARNING", logger="dloserve.webhooks"):
         cfg = ServiceConfig(**webhook_settings(p.parse_args([*argv, "--webhook-allow-private"])))
     warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "private address" not in warned
     assert f"--webhook-secret-file {secret} is readable by other users (mode 644)" in warned
     assert f"--api-key-file (its webhook_secret= values) {keys} is readable" in warned
     assert cfg.webhook_targets()["allow_private"] is True
