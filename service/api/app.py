@@ -42,6 +42,7 @@ from service.api.http import (
     Uploads,
     allowed_methods,
     error,
+    failed_job,
     read_capped,
     video_response,
 )
@@ -326,9 +327,7 @@ class VideoIngress:
             await asyncio.sleep(0.1)
         headers = {"x-video-id": vid}
         if final.status is not JobStatus.COMPLETED:
-            err = final.error or {}
-            return error(500, err.get("message", "generation failed"), None, kind="server_error",
-                         code=err.get("code", "generation_failed"), headers=headers)
+            return failed_job(final.error, headers, STORAGE_RETRY_S)
         gone = f"video {vid} has no content (expired or deleted)"
         # S3: network calls, off the event loop
         video = await asyncio.to_thread(video_response, self.svc.storage, vid, request, headers)

@@ -131,6 +131,8 @@ class ServiceConfig(BaseModel):
     key_webhooks: dict[str, dict[str, str]] = Field(
         default_factory=dict, description="per-key webhooks by key hash: {url, secret} (the key file's "
         "webhook_url= and webhook_secret=): that key's jobs only")
+    webhook_allow_private: bool = Field(False, description="webhooks may go to loopback, private and "
+                                        "link-local addresses (--webhook-allow-private; off: refused)")
 
     @model_validator(mode="after")
     def _webhook_pairs(self) -> ServiceConfig:
@@ -148,6 +150,8 @@ class ServiceConfig(BaseModel):
             spec["secret"] = Path(self.webhook_secret_file).expanduser().read_text().strip()
         if self.key_webhooks:
             spec["keys"] = {owner_id(h): dict(w) for h, w in self.key_webhooks.items()}
+        if spec and self.webhook_allow_private:
+            spec["allow_private"] = True
         return spec or None
 
     @field_validator("offload")

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "key file's webhook_url= and webhook_secret=")
     p.add_argument("--webhook-secret-file", default=None,
                    help="file holding the whsec_<base64> secret that signs --webhook-url's events")
+    p.add_argument("--webhook-allow-private", action="store_true",
+                   help="let webhooks (the instance's and keys') go to loopback, private and link-local "
+                        "addresses; without it a target resolving to one is refused at each connect")
     p.add_argument("--max-body-bytes", type=int, default=65536,
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--body-timeout-s", type=float, default=10.0,
@@ -149,7 +152,7 @@ def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The instance's webhook (the secret file checked here, its path made absolute) and each
     key's own from the key file, by key hash. WebhookConfigError or OSError names what is wrong."""
     from service.api.keys import key_hash, parse_key_lines
-    from service.api.webhooks import WebhookConfigError, check_url, parse_secret
+    from service.api.webhooks import WebhookConfigError, check_url, parse_secret, warn_of
 
     out: dict[str, Any] = {}
     if bool(args.webhook_url) != bool(args.webhook_secret_file):
@@ -164,6 +167,9 @@ def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
             hooks = {key_hash(e.key): e.webhook for e in parse_key_lines(f, args.api_key_file) if e.webhook}
         if hooks:
             out["key_webhooks"] = hooks
+    if args.webhook_allow_private:
+        out["webhook_allow_private"] = True
+    warn_of(out, args.api_key_file)
     return out
 
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
-from service.api.durable import StateKeeper
+from service.api.durable import StateKeeper, usable_state
 from service.api.images import take_image
-from service.api.keys import AuthError, Caller, Keys
+from service.api.keys import AuthError, Caller, Keys, owner_id
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError, open_storage
 from service.api.schemas import BodyError, Video, validate_create
@@ -86,6 +86,7 @@ class VideoService:
         self._cache_default = self.engine.step_cache
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
+        self._owners = {owner_id(h) for h in cfg.api_key_hashes}  # an adopted job's key must be one
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
         if node_id is None:
             import ray
@@ -140,14 +141,44 @@ class VideoService:
 
     def _adopt(self) -> None:
         """Take over jobs of lost DP groups (another replica's, or a node's), while this one
-        serves and has room in its queue: they run again here."""
+        serves and has room in its queue: they run again here. Each is checked on its own
+        (one that cannot run here ends with the reason; the others still run)."""
         room = self.cfg.queue_size - self.dispatcher.depth
         if (not self.cfg.job_retries or self._draining or room <= 0
                 or self.dispatcher.availability()[0] is not Availability.SERVING):
             return
-        for job_id, req, owner in self.store.adopt(self.dp_group, self.node_id, self.model_name, room):
-            if self.dispatcher.adopt(job_id, req.compat_key(), req, tenant=owner):
-                log.info("took over %s from a lost DP group", job_id)
+        taken = self.store.adopt(self.dp_group, self.node_id, self.model_name, room)
+        for job_id, req, owner in taken:
+            try:
+                self._take_over(job_id, req, owner)
+            except Exception as e:  # noqa: BLE001 - it is this replica's now: never left held by nobody
+                log.exception("could not take over %s", job_id)
+                self.store.fail([job_id], "dp_group_lost", f"it could not run again after its DP group "
+                                f"was lost: {type(e).__name__}: {str(e)[:200]}; submit it again")
+        if taken:  # held or ended now (a lost answer: the store takes them back, CONFIRM_WAIT_S)
+            self.store.confirm(self.dp_group, [job_id for job_id, _, _ in taken])
+
+    def _take_over(self, job_id: str, req: GenerationRequest, owner: str | None) -> None:
+        """Queue one adopted job: not a revoked key's; from its kept state only where this
+        model can go on from it (its latents' shape and dtype, a resumable request), else from 0."""
+        if owner is not None and not self.keys.open and owner not in self._owners:
+            self.store.fail([job_id], "key_revoked", "its API key was removed from the key file before "
+                            "it ran again after a restart")
+            return
+        if req.resume is not None and not (self._resumable(req) and
+                                           usable_state(req.resume, self.adapter.latent_spec(req))):
+            log.warning("the kept state of %s does not fit this model's run of it (shape %s, dtype %s): "
+                        "it reruns from step 0", job_id, list(req.resume.shape), req.resume.dtype)
+            req = req.resumed(None)
+            self.store.progress({job_id: {"resumable_step": 0}})
+        self.states.track(job_id, req)
+        if self.dispatcher.adopt(job_id, req.compat_key(), req, tenant=owner):
+            log.info("took over %s from a lost DP group", job_id)
+
+    def _resumable(self, req: GenerationRequest) -> bool:
+        """What the rank's ``PipelineRunner.resumable`` answers, from the config files alone."""
+        cache = req.cache if req.cache is not None else self._cache_default
+        return self.adapter.resumable(req) and not (cache is not None and cache.enabled)
 
     # -- requests ----------------------------------------------------------------------
     def create(self, fields: dict[str, Any], owner: str | None = None, strict: bool = True) -> JobRecord:
@@ -203,6 +234,7 @@ class VideoService:
             self.storage_health.failed(e, len(str(rec.to_json())))
             raise
         try:
+            self.states.track(rec.id, req)
             self.dispatcher.submit(rec.id, req.compat_key(), req, tenant=owner)
         except Exception:
             self.store.delete(rec.id)
