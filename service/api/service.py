@@ -38,7 +38,7 @@ from service.models.checks import check_request
 from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
 from service.models.lora_registry import LoraRegistry, Registered
-from service.models.registry import load_adapter, resolve_model
+from service.models.registry import load_adapter, request_defaults, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
 from service.router.health import Availability
@@ -82,7 +82,8 @@ class VideoService:
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
         self.adapter_io = AdapterIO(cfg.lora_io_threads, cfg.lora_read_timeout_s)  # POST /v1/loras' reads
-        self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
+        # a field a request leaves out: the service's defaults, else the model folder's, else ours
+        self.defaults = GenerationRequest(prompt="-", **{**request_defaults(self.model_dir), **cfg.defaults})
         self._cache_default = self.engine.step_cache
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)

@@ -35,7 +35,6 @@ TEXT = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, relative_a
             relative_attention_max_distance=16)
 # The request it was trained for (the service's and ``generate``'s defaults with this model).
 REQUEST = dict(width=64, height=64, num_frames=17, fps=8, num_inference_steps=20, guidance_scale=4.0)
-DEFAULTS_FILE = "dloserve_defaults.json"  # a model folder's own default request (models/registry.py)
 
 
 def model_dir() -> Path:
@@ -69,4 +68,7 @@ def write_untrained(path: str | os.PathLike, seed: int = 0) -> Path:
 
 
 def write_defaults(folder: Path) -> None:
+    """The request it was trained for, as the folder's default request (models/registry.py)."""
+    from ..registry import DEFAULTS_FILE
+
     (folder / DEFAULTS_FILE).write_text(json.dumps(REQUEST, indent=2, sort_keys=True) + "\n")
