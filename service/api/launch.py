@@ -31,7 +31,7 @@ from service.api.serve_flags import (
     results_url,
     webhook_settings,
 )
-from service.api.startup import process_started_at
+from service.api.startup import Launched, process_started_at
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
@@ -195,17 +195,17 @@ def _run(args: argparse.Namespace) -> int:
     marks["ray_up"] = time.time()
     prestarted = ahead.prestart_ranks(cfg, args, _own_cluster["started"])  # they load while Serve starts
     ahead.start_store(cfg)
-    cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted,
-                                 "ingress_executable": ahead.ingress_executable()})
+    launched = Launched(marks, prestarted, ahead.ingress_executable())
     app_import.join()
     from service.api.app import deploy
 
     _store_url["url"] = cfg.results_url
     mode = cfg.offload["mode"]
-    print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "
+    sp = cfg.sequence_parallel_size
+    print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
           f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
           f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
-    deploy(cfg, args.host, args.port)
+    deploy(cfg, args.host, args.port, launched=launched)
     url = f"http://{args.host}:{args.port}"
     try:
         _wait_ready(url, cfg.instance or "", args.ready_timeout_s)

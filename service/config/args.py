@@ -27,7 +27,7 @@ from .offload import (
     parse_probe_size,
 )
 from .parallel import CPUS_PER_RANK, STRATEGIES, ParallelConfig
-from .scheduler import SchedulerConfig
+from .scheduler import WAVE_DEADLINE_BASE_S, WAVE_DEADLINE_PER_FORWARD_S, SchedulerConfig
 
 # The flag groups, and which front end declares which.
 OFFLOAD, LORA, PLACEMENT, QUEUE = ("ranks and offload", "LoRA adapters (docs/lora.md)",
@@ -163,9 +163,11 @@ class EngineArgs:
         "the request on a rank whose process died runs again, ahead of the queue, up to this many times "
         "(the group's other requests, which only stood by, always do); 0: no request runs again, they "
         "fail with the reason", type=_count)
-    wave_deadline_base_s: float = flag(60.0, PLACEMENT, "fixed part of each request's deadline", type=float)
+    wave_deadline_base_s: float = flag(
+        WAVE_DEADLINE_BASE_S, PLACEMENT, "fixed part of each request's deadline", type=float)
     wave_deadline_per_forward_s: float = flag(
-        10.0, PLACEMENT, "deadline = base + this x forwards x (pixels*frames / 832*480*81)", type=float)
+        WAVE_DEADLINE_PER_FORWARD_S, PLACEMENT,
+        "deadline = base + this x forwards x (pixels*frames / 832*480*81)", type=float)
     max_wait_ms: float = flag(
         SchedulerConfig.max_wait_ms, QUEUE, "how long a partial wave waits for more compatible requests",
         type=float)
