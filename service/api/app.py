@@ -52,6 +52,7 @@ from service.api.openapi import body_rules, instance_openapi
 from service.api.origin import LOOPBACK_HOSTS, refusal
 from service.api.previews import RESPONSES as PREVIEW_RESPONSES
 from service.api.previews import preview_response
+from service.api.ray_hooks import start_controller, wait_proxies
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError
 from service.api.schemas import (
@@ -66,7 +67,6 @@ from service.api.schemas import (
     media_type,
     parse_body,
 )
-from service.api.serve_start import start_controller, wait_proxies
 from service.api.service import ServiceConfig, VideoService, video_object
 from service.api.startup import Launched
 from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
@@ -573,7 +573,7 @@ def build_app(args: dict[str, Any], launched: Launched | None = None) -> Any:
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
            proxy_location: str = "EveryNode", launched: Launched | None = None) -> DeploymentHandle:
     """Start Serve on host:port and run the app (used by the CLI and tests); Serve's HTTP
-    proxies start beside the replica (serve_start.py) and are up when this returns."""
+    proxies start beside the replica (ray_hooks.py) and are up when this returns."""
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     proxies = start_controller({"host": host, "port": port}, proxy_location)
