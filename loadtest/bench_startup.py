@@ -256,7 +256,8 @@ def main() -> int:
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"runs": []}
     run: dict[str, Any] = {"label": args.label, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
                            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                           "machine": machine(), "model": args.model, "starts": []}
+                           "machine": machine(), "model": args.model, "starts": [],
+                           "env": {k: v for k, v in os.environ.items() if k.startswith("DLOSERVE_")}}
     doc["runs"].append(run)
     with tempfile.TemporaryDirectory() as tmp:
         args.served = args.model
