@@ -1,5 +1,9 @@
 """The flags of ``dloserve serve`` and what they become: a ServiceConfig (the Serve app's
-``args``), the results URL and the API-key hashes. Parsing only; ``launch`` runs it."""
+``args``), the results URL and the API-key hashes. Parsing only; ``launch`` runs it.
+
+Each setting's flag is declared from its field (ServiceConfig's marked ``Flag``, EngineArgs'),
+its default written there once; here only what is no field: the results folder's per-port
+default, the keys (the config holds their hashes), the webhook pair and the launcher's own."""
 
 from __future__ import annotations
 
@@ -25,11 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name, info, flag in service_flags():
         g.add_argument(*(flag.names or (f"--{name.replace('_', '-')}",)), dest=name,
                        help=info.description, **_argparse_kw(info, flag))
-    launcher = p.add_argument_group("launcher")
-    launcher.add_argument("--host", default="127.0.0.1")
-    launcher.add_argument("--port", type=int, default=8000)
-    launcher.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                          help="Ray cluster to join (default: start a local one)")
     g.add_argument("--results-url", "--results-dir", dest="results_url", default=None,
                    help="folder or fsspec URL (s3://bucket/prefix) for job records and MP4s, seen "
                         "by every replica (default ~/.cache/dloserve/results/port-PORT; locked)")
@@ -49,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "key file's webhook_url= and webhook_secret=")
     g.add_argument("--webhook-secret-file", default=None,
                    help="file holding the whsec_<base64> secret that signs --webhook-url's events")
+    launcher = p.add_argument_group("launcher")
+    launcher.add_argument("--host", default="127.0.0.1")
+    launcher.add_argument("--port", type=int, default=8000)
+    launcher.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                          help="Ray cluster to join (default: start a local one)")
     launcher.add_argument("--drain-timeout-s", type=float, default=60.0,
                           help="on SIGTERM: how long running jobs may take to finish")
     launcher.add_argument("--ready-timeout-s", type=float, default=1800.0)
