@@ -43,7 +43,8 @@ def run_one(model: str, device: str, standby: bool, steps: int) -> dict[str, Any
     from tests.fakes import RecordingSink
 
     gpus = 1.0 if device == "cuda" else 0.0
-    parallel = ParallelConfig(cpus_per_rank=0.5 if not gpus else 1.0, gpus_per_rank=gpus, standby=standby)
+    parallel = ParallelConfig(cpus_per_rank=0.5 if not gpus else 1.0, gpus_per_rank=gpus,
+                              rank_standby=standby)
     spec = EngineConfig(model, parallel=parallel, offload=OffloadConfig(OffloadMode.ALLGATHER))
     sink = RecordingSink()
     d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=1800))

@@ -100,10 +100,10 @@ class ServiceConfig(BaseModel):
     scheduler: Literal["continuous", "waves"] = S.scheduler
     starve_s: float = Field(S.starve_s, gt=0)
     encoders_per_rank: int | None = Field(P.encoders_per_rank, ge=0, description="None: from the rank's CPUs")
-    rank_standby: bool | None = Field(P.standby, description="a pre-imported process per rank replaces one "
-                                      "that dies; None: on GPU ranks")
-    rank_standby_preload: bool = Field(P.standby_preload, description="a standby of a one-process group "
-                                       "loads the pipeline while it waits")
+    rank_standby: bool | None = Field(P.rank_standby, description="a pre-imported process per rank "
+                                      "replaces one that dies; None: on GPU ranks")
+    rank_standby_preload: bool = Field(P.rank_standby_preload, description="a standby of a one-process "
+                                       "group loads the pipeline while it waits")
     wave_deadline_base_s: float = Field(D.base_s, ge=0, description="fixed part of each request's deadline")
     wave_deadline_per_forward_s: float = Field(D.per_forward_s, ge=0, description="deadline = base + this x "
                                                "forwards x (pixels*frames / 832*480*81)")
@@ -254,8 +254,8 @@ class ServiceConfig(BaseModel):
         parallel = ParallelConfig(dp_size=self.data_parallel_size, sp_size=self.sequence_parallel_size,
                                   cpus_per_rank=self.cpus_per_rank, gpus_per_rank=self.gpus_per_rank,
                                   strategy=self.placement_strategy, pg_timeout_s=self.pg_timeout_s,
-                                  encoders_per_rank=self.encoders_per_rank, standby=self.rank_standby,
-                                  standby_preload=self.rank_standby_preload)
+                                  encoders_per_rank=self.encoders_per_rank, rank_standby=self.rank_standby,
+                                  rank_standby_preload=self.rank_standby_preload)
         scheduler = SchedulerConfig(scheduler=self.scheduler, queue_size=self.queue_size,
                                     starve_s=self.starve_s, max_wait_ms=self.max_wait_ms,
                                     max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries)
@@ -270,7 +270,7 @@ class ServiceConfig(BaseModel):
                 "offload": offload_mapping(config), "cpus_per_rank": p.cpus_per_rank,
                 "gpus_per_rank": p.gpus_per_rank, "placement_strategy": p.strategy,
                 "pg_timeout_s": p.pg_timeout_s, "encoders_per_rank": p.encoders_per_rank,
-                "rank_standby": p.standby, "rank_standby_preload": p.standby_preload,
+                "rank_standby": p.rank_standby, "rank_standby_preload": p.rank_standby_preload,
                 "scheduler": s.scheduler, "queue_size": s.queue_size,
                 "starve_s": s.starve_s, "max_wait_ms": s.max_wait_ms, "max_queue_wait_s": s.max_queue_wait_s,
                 "job_retries": s.job_retries}

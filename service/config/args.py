@@ -148,12 +148,12 @@ class EngineArgs:
         "MP4 encoder processes beside each rank (default: auto, the rank's CPUs // x264 threads per "
         "encode, at least 1; 0: encode on the rank)", type=int)
     rank_standby: bool | None = flag(
-        ParallelConfig.standby, PLACEMENT,
+        ParallelConfig.rank_standby, PLACEMENT,
         "keep one pre-imported process per rank waiting, so a rank that dies is replaced without a new "
         "interpreter and its imports (host memory: about one process's imports per rank); default: on "
         "with GPU ranks, off on CPU", action=argparse.BooleanOptionalAction)
     rank_standby_preload: bool = flag(
-        ParallelConfig.standby_preload, PLACEMENT,
+        ParallelConfig.rank_standby_preload, PLACEMENT,
         "a standby of a one-process group (DP1, or rank-local/resident ranks) also loads the pipeline "
         "and warms the compiled blocks while it waits, so it takes over in about a second (device "
         "memory: one more copy of what stays on the GPU; it drops its load when that leaves under a "
@@ -238,8 +238,8 @@ class EngineArgs:
         cpus = self.cpus_per_rank if self.cpus_per_rank is not None else (cpus_per_rank or CPUS_PER_RANK)
         parallel = ParallelConfig(dp_size=self.data_parallel_size, sp_size=self.sequence_parallel_size,
                                   cpus_per_rank=cpus, gpus_per_rank=gpus, strategy=self.placement_strategy,
-                                  encoders_per_rank=self.encoders_per_rank, standby=self.rank_standby,
-                                  standby_preload=self.rank_standby_preload)
+                                  encoders_per_rank=self.encoders_per_rank, rank_standby=self.rank_standby,
+                                  rank_standby_preload=self.rank_standby_preload)
         offload = OffloadConfig(
             mode=self.mode(),
             resident_layers=self.dlo_resident_layers,
