@@ -14,10 +14,8 @@ rebuilt rank's pid is the standby's.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import signal
 import sys
 import time
@@ -33,6 +31,7 @@ from service.config import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.fakes (the in-memory executor); service is installed
+from loadtest.reporting import header  # noqa: E402
 
 
 def run_one(model: str, device: str, standby: bool, steps: int) -> dict[str, Any]:
@@ -103,9 +102,7 @@ def main() -> int:
             ray.shutdown()
             if attempt == 3:
                 raise
-    res: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                           "host": platform.node(), "date": dt.datetime.now().isoformat(),
-                           "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "runs": []}
+    res: dict[str, Any] = {**header(args.device), "runs": []}
     try:
         for standby in (True, False):
             res["runs"].append(run_one(args.model, args.device, standby, args.steps))
