@@ -105,8 +105,13 @@ def test_field_flags_are_declared_from_their_field() -> None:
 
 
 def test_old_serve_config_keys_still_work_and_say_the_new_one() -> None:
-    with pytest.warns(FutureWarning, match="dp_size is deprecated: write data_parallel_size"):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         cfg = ServiceConfig(dp_size=2, limits={"max_steps": 7}, deadline={"base_s": 1.0})
+    assert [str(w.message) for w in said if w.category is FutureWarning] == [
+        "Serve config key dp_size is deprecated: write data_parallel_size",
+        "Serve config key limits is deprecated: write max_steps",
+        "Serve config key deadline is deprecated: write wave_deadline_base_s"]
     assert (cfg.data_parallel_size, cfg.max_steps, cfg.wave_deadline_base_s) == (2, 7, 1.0)
     with pytest.raises(ValueError, match="dp_size and data_parallel_size both given"):
         ServiceConfig(dp_size=2, data_parallel_size=2)
