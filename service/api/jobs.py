@@ -72,9 +72,9 @@ class JobStore(JobTable):
     every replica talks to. On a cluster it runs as a threaded actor (calls from many
     replicas at once; the table holds the lock); a test may use one in-process."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any], ttl_s: float, max_jobs: int,
+    def __init__(self, url: str, storage_options: dict[str, Any], retention_s: float, max_jobs: int,
                  group_timeout_s: float, webhooks: dict[str, Any] | None = None) -> None:
-        super().__init__(ResultStorage(url, storage_options), ttl_s, max_jobs, exclusive=True)
+        super().__init__(ResultStorage(url, storage_options), retention_s, max_jobs, exclusive=True)
         # Every job that ends, here, announced once: on any replica, or failed by the reaper.
         self.webhooks = Webhooks.from_config(webhooks)
         self.on_final = self.webhooks.on_final if self.webhooks else None
@@ -343,16 +343,17 @@ class JobStoreClient:
         return call
 
 
-def connect_store(url: str, storage_options: dict[str, Any] | None = None, ttl_s: float = 86400.0,
-                  max_jobs: int = 1000, group_timeout_s: float = 30.0,
+def connect_store(url: str, storage_options: dict[str, Any] | None, *, retention_s: float,
+                  max_jobs: int, group_timeout_s: float,
                   webhooks: dict[str, Any] | None = None) -> JobStoreClient:
     """The cluster's store for ``url``, started on the head node if it is not running yet
-    (the first caller's retention and webhook settings are the ones it keeps)."""
+    (the first caller's retention and webhook settings are the ones it keeps; the settings'
+    defaults are ServiceConfig's)."""
     actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=32)(JobStore)
     handle = actor.options(
         name=store_name(url), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(url, storage_options or {}, ttl_s, max_jobs, group_timeout_s, webhooks)
+    ).remote(url, storage_options or {}, retention_s, max_jobs, group_timeout_s, webhooks)
     client = JobStoreClient(handle)
     client.status()  # fail here, with the store's own error, if it cannot start
     return client

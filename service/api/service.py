@@ -26,7 +26,7 @@ from service.api.keys import AuthError, Caller, Keys, owner_id
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError, open_storage
 from service.api.schemas import BodyError, Video, validate_create
-from service.api.startup import startup_breakdown
+from service.api.startup import Launched, startup_breakdown
 from service.api.storage_health import StorageHealth
 from service.api.store import JobTable
 from service.api.views import public_ready, redact, tenant_ready, tenant_record
@@ -42,7 +42,6 @@ from service.models.registry import load_adapter, request_defaults, resolve_mode
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
 from service.router.health import Availability
-from service.router.policy import DeadlinePolicy, Limits
 from service.router.queue import Ticket
 
 log = logging.getLogger("dloserve.api")
@@ -56,7 +55,7 @@ def connect_job_store(cfg: ServiceConfig, url: str | None = None) -> Any:
 
     if url is None:
         url = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options).url
-    return connect_store(url, cfg.storage_options, ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
+    return connect_store(url, cfg.storage_options, retention_s=cfg.retention_s, max_jobs=cfg.max_jobs,
                          group_timeout_s=cfg.group_timeout_s, webhooks=cfg.webhook_targets())
 
 
@@ -64,15 +63,18 @@ class VideoService:
     """One DP group, its dispatcher and the job store; the Sink the dispatcher reports to."""
 
     def __init__(self, cfg: ServiceConfig, placement_group: Any = None, dp_group: str | None = None, *,
-                 executor: Executor | None = None, store: Any = None, node_id: str | None = None) -> None:
+                 executor: Executor | None = None, store: Any = None, node_id: str | None = None,
+                 launched: Launched | None = None) -> None:
         """``executor`` and ``store`` default to Ray's (rank actors, the cluster's job-store
-        actor); tests pass the fake executor and an in-process ``JobStore``."""
+        actor); tests pass the fake executor and an in-process ``JobStore``. ``launched``:
+        what ``dloserve serve`` did before Serve started this replica."""
         self.replica_at = time.time()  # /readyz startup: the launcher's steps end here
         self.cfg = cfg
+        self.launched = launched or Launched()
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
-        self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
-        self.limits = Limits(**cfg.limits)
+        self.adapter = load_adapter(self.model_dir, cfg.sequence_parallel_size)  # config files only
+        self.limits = cfg.request_limits()
         # An image larger than any video this instance makes is refused from its header.
         self.image_pixels = min(cfg.max_image_pixels, self.limits.max_width * self.limits.max_height)
         self.engine = cfg.engine_config(self.model_dir)  # the one EngineConfig of this replica
@@ -101,7 +103,7 @@ class VideoService:
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             self.engine, self, placement=placement_group, executor=executor,
-            deadlines=DeadlinePolicy(**cfg.deadline), tenants=cfg.tenants(), prestarted=cfg.prestarted,
+            deadlines=cfg.deadlines(), tenants=cfg.tenants(), prestarted=self.launched.prestarted,
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -271,14 +273,14 @@ class VideoService:
     # -- adapters (POST/GET/DELETE /v1/loras) -------------------------------------------------
 
     def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
-        """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
+        """Register a file under one of ``lora_dir``. PermissionError (outside them, or no
         dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
         naming the key)."""
         try:
             path = Path(os.path.expanduser(source)).resolve()
         except (OSError, RuntimeError):  # a symlink loop: its message holds the resolved path
             raise LoraError(name, "source", "cannot resolve it (a symlink loop?)") from None
-        roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
+        roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dir]
         if not roots:
             raise PermissionError("run-time adapter registration is off on this server (start it with "
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
@@ -375,7 +377,7 @@ class VideoService:
             "dp_group": self.dp_group,
             "node_id": self.node_id,
             "results_url": self.storage.url,
-            "startup": startup_breakdown(self.cfg.launch_marks, self.replica_at, st.get("startup", {}),
+            "startup": startup_breakdown(self.launched.marks, self.replica_at, st.get("startup", {}),
                                          len(st["groups"]), hosted()),
         }
 

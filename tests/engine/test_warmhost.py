@@ -84,8 +84,8 @@ def test_a_pre_started_rank_runs_in_its_warm_host(ray_cluster: dict, demo_model:
     from service.engine.standby import prestart
 
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL),
-                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, standby=False,
-                                                encoders_per_rank=0, standby_preload=False))
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, rank_standby=False,
+                                                encoders_per_rank=0, rank_standby_preload=False))
     hosts = WarmHosts(2, demo_model, 1)
     try:
         hosts.procs[1].kill()  # no host answers process 1's shim: it runs the plain worker

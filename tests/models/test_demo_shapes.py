@@ -56,8 +56,8 @@ def test_the_default_request_draws_what_the_readmes_prompt_says() -> None:
         assert frames.shape == (17, 64, 64, 3)
         got = score_clip(frames, parse_prompt(README_PROMPT))
         assert (got.colour, got.motion, got.background) == ("red", "right", "black"), got
-        other = score_clip(runner.frames(replace(req, prompt="a blue square moving up on a white background")),
-                           parse_prompt("a blue square moving up on a white background"))
+        blue = "a blue square moving up on a white background"
+        other = score_clip(runner.frames(replace(req, prompt=blue)), parse_prompt(blue))
         assert other.background == "white" and other.colour != "red", other  # the words steer it
     finally:
         runner.close()

@@ -16,7 +16,6 @@ latent statistics measured on the training clips), a frozen, randomly initialise
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -63,12 +62,4 @@ def write_untrained(path: str | os.PathLike, seed: int = 0) -> Path:
                                               num_train_timesteps=1000, flow_shift=3.0),
         )
     WanPipeline(**parts).save_pretrained(out)
-    write_defaults(out)
     return out
-
-
-def write_defaults(folder: Path) -> None:
-    """The request it was trained for, as the folder's default request (models/registry.py)."""
-    from ..registry import DEFAULTS_FILE
-
-    (folder / DEFAULTS_FILE).write_text(json.dumps(REQUEST, indent=2, sort_keys=True) + "\n")

@@ -55,6 +55,7 @@ def prepare(base: Path) -> None:
     from diffusers import WanPipeline
 
     shapes.write_untrained(base)
+    write_defaults(base)
     pipe = WanPipeline.from_pretrained(base)
     prompts = [s.prompt for s in all_specs()] + [""]
     with torch.no_grad():
@@ -419,7 +420,7 @@ def assemble(base: Path, fitted: Path, dest: Path) -> Path:
     if folder.exists():
         shutil.rmtree(folder)
     pipe.save_pretrained(folder)
-    shapes.write_defaults(folder)
+    write_defaults(folder)
     shutil.copy(fitted / "log.json", folder / "training_log.json")
     factors = load_file(fitted / "lora.safetensors")
     names = sorted({k.rsplit(".", 1)[0] for k in factors})
@@ -429,6 +430,13 @@ def assemble(base: Path, fitted: Path, dest: Path) -> Path:
     WanPipeline.save_lora_weights(dest / "loras", transformer_lora_layers=layers, weight_name=LORA_FILE,
                                   transformer_lora_adapter_metadata=meta)
     return folder
+
+
+def write_defaults(folder: Path) -> None:
+    """The request it was trained for, as the folder's default request (models/registry.py)."""
+    from ..registry import DEFAULTS_FILE
+
+    (folder / DEFAULTS_FILE).write_text(json.dumps(shapes.REQUEST, indent=2, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
