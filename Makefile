@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup setup-system test test-random e2e soak multinode deploy-check ui-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch clean
+.PHONY: setup setup-system test test-random e2e soak multinode deploy-check ui-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch quality clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -84,7 +84,12 @@ batch:
 	$(BIN)/python -m service.jobs.batch --prompts $(PROMPTS) --out out/batch --data-parallel-size 2
 
 generate:
-	$(BIN)/dloserve generate --prompt "a red fox running through snow" --out out/demo.mp4
+	$(BIN)/dloserve generate --prompt "a red circle moving right on a black background" --seed 7 --out out/demo.mp4
+
+# The trained demo model's quality under every setting that changes numbers (CPU columns; about
+# 40 min on 2 cores): exits 1 when one misses its threshold (loadtest/quality.py says which).
+quality:
+	$(BIN)/python loadtest/quality.py --check
 
 bench:
 	$(BIN)/python loadtest/bench_offload.py

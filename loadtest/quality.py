@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -28,7 +27,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.reporting import RESULTS, write_report  # noqa: E402
+from loadtest.reporting import RESULTS, header, machine_kind, write_report  # noqa: E402
 
 SETTINGS = ("exact", "dlo", "fp8", "half-steps", "first_block", "mag", "lora")
 EXACT_MIN = {"colour": 0.90, "motion": 0.85}
@@ -56,15 +55,15 @@ def run_setting(setting: str, model_dir: str, device: str, seeds: list[int],
 
     from service.config.cache import CacheSpec
     from service.models import GenerationRequest, PipelineRunner
-    from service.models.demo import shapes
     from service.models.demo.clips import ClipSpec
     from service.models.demo.score import prompt_set, score_clip, summarise
     from service.models.demo.train import SWAP
+    from service.models.registry import request_defaults
 
     runner = PipelineRunner.load(model_dir, device, config=_config(setting, model_dir))  # DP1: no group
-    base = GenerationRequest(prompt="-", **{k: v for k, v in shapes.REQUEST.items()})
+    base = GenerationRequest(prompt="-", **request_defaults(model_dir))  # the model's own request
     if setting == "half-steps":
-        base = replace(base, num_inference_steps=base.num_inference_steps // 2)
+        base = replace(base, num_inference_steps=max(1, base.num_inference_steps // 2))
     if setting in ("first_block", "mag"):
         base = replace(base, cache=CacheSpec(method=setting))
     truth = (lambda s: s)  # noqa: E731
@@ -144,17 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in settings:
         results[s] = run_setting(s, model_dir, a.device, seeds, a.limit)
         print(s, results[s]["summary"], f"{results[s]['seconds']} s", flush=True)
-    import torch
-
-    report = {
-        "benchmark": "quality", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else ""},
-        "model": Path(model_dir).name, "seeds": seeds, "results": results, "misses": verdicts(results),
-    }
-    kind = "h200" if "H200" in report["machine"]["gpu"] else a.device
-    out = a.out or RESULTS / f"{kind}-quality-{dt.date.today().isoformat()}.json"
+    report = {"benchmark": "quality", **header(a.device), "model": Path(model_dir).name, "seeds": seeds,
+              "results": results, "misses": verdicts(results)}
+    out = a.out or RESULTS / f"{machine_kind(report, a.device)}-quality-{dt.date.today().isoformat()}.json"
     print("wrote", write_report(report, out))
     for m in report["misses"]:
         print("MISSED:", m)

@@ -1,0 +1,39 @@
+"""loadtest/quality.py cannot rot: one prompt per setting on the noise preset (fast), the report's
+shape, and the thresholds' verdicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loadtest import quality
+
+
+def test_a_quick_run_writes_a_scored_report_and_dlo_matches_exact(demo_model: str, tmp_path: Path) -> None:
+    out = tmp_path / "q.json"
+    assert quality.main(["--settings", "exact,dlo,half-steps", "--seeds", "0", "--limit", "2",
+                         "--model", demo_model, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["command"] and report["date"] and report["machine"]["cpus"]
+    results = report["results"]
+    # the noise preset has no defaults file: our request's (2 steps, 32x32)
+    assert results["exact"]["summary"]["clips"] == 2 and results["exact"]["request"]["steps"] == 2
+    assert results["half-steps"]["request"]["steps"] == 1
+    assert results["dlo"]["digests"] == results["exact"]["digests"]  # offload: the same frames
+    assert not any("dlo" in m for m in report["misses"])
+
+
+def test_the_verdicts_name_each_missed_threshold() -> None:
+    def summary(colour: float, motion: float) -> dict:
+        return {"summary": {"colour": colour, "motion": motion}, "digests": ["a"]}
+
+    good = {"exact": summary(0.95, 0.9), "fp8": summary(0.94, 0.89), "dlo": summary(0.95, 0.9),
+            "lora": summary(0.8, 1.0)}
+    assert quality.verdicts(good) == []
+    bad = {"exact": summary(0.85, 0.8), "fp8": summary(0.8, 0.8), "lora": summary(0.5, 1.0),
+           "dlo": {"summary": {}, "digests": ["b"]}}
+    misses = quality.verdicts(bad)
+    assert any(m.startswith("exact colour") for m in misses)
+    assert any(m.startswith("exact motion") for m in misses)
+    assert any(m.startswith("fp8 colour") for m in misses) and "dlo frames differ from exact's" in misses
+    assert any(m.startswith("lora colour") for m in misses)
