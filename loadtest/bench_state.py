@@ -65,7 +65,7 @@ def measure(shape: tuple[int, ...], dtype: torch.dtype, device: str, reps: int,
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        tap.take(1, 2, latents, lambda st, box=box, got=got: (box.append(st), got.set()))
+        tap.take(1, 2, latents, None, lambda st, box=box, got=got: (box.append(st), got.set()))
         t1 = time.perf_counter()
         got.wait()
         t2 = time.perf_counter()
@@ -100,9 +100,9 @@ def run_once(runner: Any, req: Any, dev: torch.device, tap: StateTap | None) -> 
         else:
             ends.append(time.perf_counter())
 
-    def on_latents(step: int, total: int, latents: torch.Tensor) -> None:
+    def on_latents(step: int, total: int, latents: torch.Tensor, loop: dict[str, Any]) -> None:
         t = time.perf_counter()
-        tap.take(step, total, latents, lambda st, t=t: landed.append(time.perf_counter() - t))
+        tap.take(step, total, latents, loop, lambda st, t=t: landed.append(time.perf_counter() - t))
         took.append(time.perf_counter() - t)
 
     t0 = time.perf_counter()

@@ -2,8 +2,9 @@
 
 ``<id>.req``: its request, JSON (the image as base64, adapters as resolved, the step cache),
 written by the job store when it accepts the job. ``<id>.state``: its last kept per-step
-state (models/resume.py): one JSON header line (step, total, dtype, shape) and the latents'
-raw bytes, written by the replica that runs it at most every ``STATE_EVERY_S`` per job and
+state (models/resume.py): one JSON header line (step, total, dtype, shape, and the loop's
+state as JSON with its tensors' dtypes and shapes), the latents' raw bytes, then the loop
+tensors' raw bytes, written by the replica that runs it at most every ``STATE_EVERY_S`` per job and
 at once when it is paused for a better priority. Both are 0600 like every result file
 (results.py), both go when the job ends or is deleted. A file that cannot be read back is
 no file: the job reruns from step 0 (no state) or fails with a reason (no request).
@@ -57,8 +58,9 @@ def request_of(data: bytes | None) -> GenerationRequest | None:
 
 
 def state_bytes(state: StepState) -> bytes:
-    head = {"step": state.step, "total": state.total, "dtype": state.dtype, "shape": list(state.shape)}
-    return json.dumps(head).encode() + b"\n" + np.ascontiguousarray(state.data).tobytes()
+    head = {"step": state.step, "total": state.total, "dtype": state.dtype, "shape": list(state.shape),
+            **state.loop_header()}
+    return json.dumps(head).encode() + b"\n" + np.ascontiguousarray(state.data).tobytes() + state.loop_bytes()
 
 
 def state_of(data: bytes | None, req: GenerationRequest) -> StepState | None:
@@ -73,10 +75,14 @@ def state_of(data: bytes | None, req: GenerationRequest) -> StepState | None:
     except (ValueError, TypeError, KeyError):
         return None
     size = DTYPE_BYTES.get(dtype, 0) * math.prod(shape)
-    if not sep or not size or size > MAX_STATE_BYTES or len(raw) != size \
+    if not sep or not size or size > MAX_STATE_BYTES or len(raw) < size \
             or not 0 < step < total == req.num_inference_steps:
         return None  # torn, foreign, or not a step this request can go on from
-    return StepState(step, total, dtype, shape, np.frombuffer(raw, dtype=np.uint8).copy())
+    latents = StepState(step, total, dtype, shape, np.frombuffer(raw, dtype=np.uint8, count=size).copy())
+    try:
+        return latents.with_loop(head, raw[size:])
+    except (ValueError, TypeError, KeyError):
+        return None  # no loop state (a file of an older release), or not a whole one
 
 
 class StateKeeper:

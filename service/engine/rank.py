@@ -127,7 +127,7 @@ class RankWorker:
         self.rank, self.world, self.control = rank, world, control
         self.sequence_parallel, self.lead = sequence_parallel, lead
         self.encoder = encoder or Encoder(0)
-        self.tap = StateTap()  # each step's latents of a resumable request, to the driver (engine.state)
+        self.tap = StateTap()  # each step's state of a resumable request, to the driver (engine.state)
         self.head_wait_s = head_wait_s
         # Offload counters are read on the tick thread, between forwards: no fill is being
         # issued then, so reading them races with nothing.
@@ -428,9 +428,9 @@ class RankWorker:
             self._marks["last_step"] = now  # the last one ends denoising (its scheduler step too)
             self._emit_locked(Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=step, total=total))
 
-        def on_latents(step: int, total: int, latents: torch.Tensor) -> None:
+        def on_latents(step: int, total: int, latents: torch.Tensor, loop: dict[str, Any]) -> None:
             # A STEP of its own, carrying the state (on a GPU it follows once the copy landed).
-            self.tap.take(step, total, latents, lambda st: self._emit_locked(
+            self.tap.take(step, total, latents, loop, lambda st: self._emit_locked(
                 Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=st.step, total=st.total, state=st)))
 
         frames = None

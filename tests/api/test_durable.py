@@ -39,6 +39,10 @@ from tests.fakes import FakeExecutor
 BODY = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 4}
 
 
+# what models/loop.py takes, in small
+LOOP = {"scheduler": {"_step_index": 2, "model_outputs": [None, torch.ones(1, 16, 2, 1, 3)]}}
+
+
 def until(cond: Callable[[], object], timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -52,11 +56,16 @@ def test_a_request_and_a_state_come_back_equal_and_bad_files_read_as_nothing() -
                             cache=CacheSpec("first_block", threshold=0.1), extra={"max_sequence_length": 64})
     back = request_of(request_bytes(req))
     assert back == req and back.image == req.image and back.priority == -2
-    state = StepState.of(2, 4, torch.arange(2 * 16 * 3, dtype=torch.bfloat16).reshape(1, 16, 2, 1, 3))
+    state = StepState.of(2, 4, torch.arange(2 * 16 * 3, dtype=torch.bfloat16).reshape(1, 16, 2, 1, 3), LOOP)
     again = state_of(state_bytes(state), req)
     assert again is not None and again.step == 2 and torch.equal(again.tensor(), state.tensor())
+    kept = again.loop_tree()["scheduler"]
+    assert kept["_step_index"] == 2
+    assert torch.equal(kept["model_outputs"][1], LOOP["scheduler"]["model_outputs"][1])
     raw = state_bytes(state)
     assert state_of(raw[:-1], req) is None  # torn
+    assert state_of(raw + b"\0", req) is None  # bytes no tensor claims
+    assert state_of(state_bytes(StepState.of(2, 4, state.tensor())), req) is None  # no loop state
     assert state_of(raw, GenerationRequest(prompt="fox", num_inference_steps=8)) is None  # not its steps
     assert state_of(b"{}\n", req) is None and state_of(None, req) is None
     assert request_of(b"not json") is None and request_of(None) is None
@@ -66,7 +75,7 @@ def test_a_request_and_a_state_come_back_equal_and_bad_files_read_as_nothing() -
 def test_a_replica_keeps_states_privately_once_per_interval_and_never_after_the_end(tmp_path: Path) -> None:
     storage = ResultStorage(str(tmp_path))
     keeper = StateKeeper(storage, every_s=10.0)
-    st = [StepState.of(k, 4, torch.full((1, 16, 1, 2, 2), float(k))) for k in (1, 2, 3)]
+    st = [StepState.of(k, 4, torch.full((1, 16, 1, 2, 2), float(k)), LOOP) for k in (1, 2, 3)]
     keeper.offer("video_a", st[0])
     assert keeper.write_due(now=100.0) == 1
     path = tmp_path / "video_a.state"
@@ -97,7 +106,7 @@ def test_a_restart_on_the_folder_runs_unfinished_jobs_again_from_their_steps(dem
         running = svc.create(dict(BODY))
         queued = svc.create({**BODY, "seed": 2})
         ex.wait_assigned(running.id)
-        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0)))
+        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0), LOOP))
         until(lambda: (first / f"{running.id}.state").exists())
         until(lambda: store.get(running.id).status is JobStatus.IN_PROGRESS)
         shutil.copytree(first, after, ignore=shutil.ignore_patterns(".lock"))  # the folder as a crash left it
@@ -161,7 +170,7 @@ def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(demo_mode
         running = first.create(dict(BODY))
         queued = first.create({**BODY, "seed": 2})
         ex.wait_assigned(running.id)
-        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0)))
+        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0), LOOP))
         until(lambda: (tmp_path / f"{running.id}.state").exists())
         first.close()  # what a Ray actor's __del__ does on SIGTERM
         for job, status in ((running, JobStatus.IN_PROGRESS), (queued, JobStatus.QUEUED)):
