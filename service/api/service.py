@@ -405,6 +405,10 @@ class VideoService:
         self._update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"],
                      resumed_from_step=info.get("resumed_from_step", 0))
 
+    def on_not_resumable(self, ticket_id: str, why: str) -> None:
+        """Its rank keeps no state of it: a rerun would start from step 0, for this reason."""
+        self._update(ticket_id, not_resumable=why)
+
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:
             self._progress.setdefault(ticket_id, {})["progress"] = min(99, int(100 * step / max(1, total)))

@@ -416,8 +416,19 @@ class RankWorker:
                 self._expected = self.runner.adapter.forwards(job.req)
                 self._phase = Phase.HEAD
                 self._marks = {"start": time.monotonic()}
-                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id))
+                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id,
+                                 not_resumable=self._not_resumable(job.req)))
             self._run(job)
+
+    def _not_resumable(self, req: GenerationRequest) -> str:
+        """Why a rerun of ``req`` would start from step 0 (the lead rank says; "" where its
+        state is kept, or the request is refused anyway)."""
+        if not self.lead:
+            return ""
+        try:
+            return self.runner.resume_blocker(req)
+        except Exception:  # noqa: BLE001 - a request its validation refuses next: nothing to say here
+            return ""
 
     def _run(self, job: Job) -> None:
         steps: list[float] = []
