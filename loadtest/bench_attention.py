@@ -20,17 +20,15 @@ a CPU, ``--small`` runs the references and the quantization only (a smoke test o
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_offload import _machine
+from reporting import header
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.models import fp8_attention as fa
@@ -108,8 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     heads, dim = (2, 64) if args.small else (40, 128)
     sizes = [300, 1000] if args.small else [32760, 4096, 75600]
     rows: list[dict[str, Any]] = []
-    report = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": _machine(args.device),
-              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "heads": heads, "head_dim": dim,
+    report = {**header(args.device), "heads": heads, "head_dim": dim,
               "torch_fp8": torch_fp8(dev), "kernel": fa.available(dev) or "runs", "rows": rows}
     best: dict[str, tuple[float, tuple[int, ...]]] = {}
 

@@ -25,7 +25,6 @@ per skipped forward carry over to a real model, not how many forwards skip.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import os
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from reporting import RESULTS, write_report
+from reporting import RESULTS, header, machine_kind, write_report
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.config.cache import CacheSpec
@@ -199,10 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(Path(tempfile.gettempdir()) / f"dloserve-bench-{args.preset}-L{args.layers}")
         if not (Path(args.model) / "model_index.json").is_file():
             write_demo_model(args.model, args.preset, args.layers, init_device=args.device, progress=True)
-    machine = {"device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else ""}
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine,
+        **header(args.device),
         "model": {"preset": args.preset, "layers": args.layers, "path": args.model},
         "request": {"size": args.size, "steps": args.steps, "cfg": True},
         "note": "demo weights are noise: skip rates say nothing about quality or trained checkpoints",
@@ -210,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp2:
         report["dp2"] = dp2(args)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
-    kind = "h200" if "H200" in machine["gpu"] else args.device
+    kind = machine_kind(report, args.device)
     default = Path(os.environ["OUT"]) / "bench_cache.json" if os.environ.get("OUT") else \
         RESULTS / f"{kind}-cache-{report['date'][:10]}.json"
     out = Path(args.out or default)

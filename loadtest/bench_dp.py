@@ -13,7 +13,6 @@ the SHA-256 of each rank's output checked against DP1 on the same input.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import sys
@@ -23,10 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_offload import _machine, host_memory, inputs
 from offload_strategies import _meta_transformer
 from ranks import run_ranks
-from reporting import RESULTS, token_list, write_report
+from reporting import RESULTS, header, host_memory, inputs, token_list, write_report
 
 from service.offload import enable_layerwise_offload
 from service.offload.comm import all_gather
@@ -146,9 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = {"world": n, "allgather": ag, "ranks": ranks}
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     report = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(args.device),
+        **header(args.device),
         "model": {"preset": args.preset, "layers": args.layers},
         "forwards_per_rank": args.forwards,
         "runs": runs,

@@ -30,15 +30,12 @@ Parts (``--parts``, default ``threads,stream``; both need only numpy + av + the 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import multiprocessing as mp
 import os
-import platform
 import resource
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -46,6 +43,7 @@ from typing import Any
 
 import numpy as np
 from clips import clip, frames_sha256
+from reporting import header
 
 from service.models import video
 
@@ -348,26 +346,6 @@ def part_decode(args: argparse.Namespace, width: int, height: int, frames_n: int
     return row
 
 
-def machine(device: str) -> dict[str, Any]:
-    import av
-
-    cpu = ""
-    try:
-        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    out: dict[str, Any] = {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(),
-                           "affinity": len(os.sched_getaffinity(0)), "loadavg": os.getloadavg(),
-                           "python": platform.python_version(), "numpy": np.__version__, "av": av.__version__,
-                           "x264_params": video.x264_options()["x264-params"]}
-    if device == "cuda":
-        import torch
-
-        out["gpu"] = torch.cuda.get_device_name(0)
-        out["torch"] = torch.__version__
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="threads,stream", help="threads,stream,decode")
@@ -385,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     w, h, t = (int(v) for v in args.size.split("x"))
     parts = [x for x in args.parts.split(",") if x]
     clips = {k: clip(k, t, h, w) for k in args.clips.split(",") if k}
-    res: dict[str, Any] = {"command": " ".join(["python", *sys.argv]),
-                           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                           "machine": machine(args.device), "size": args.size, "fps": FPS,
+    import av
+
+    res: dict[str, Any] = {**header(args.device, numpy=np.__version__, av=av.__version__,
+                                    x264_params=video.x264_options()["x264-params"]),
+                           "size": args.size, "fps": FPS,
                            "x264_threads": video.X264_THREADS,
                            "clips_sha256": {k: frames_sha256(f) for k, f in clips.items()}}
     if "threads" in parts:

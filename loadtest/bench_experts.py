@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_offload import Timer, _machine, host_memory
+from reporting import Timer, header, host_memory
 
 from service.config.offload import parse_probe_size
 from service.models.experts import NONE, choose
@@ -319,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_len = len(plan_of(adapter, *parse_probe_size(sizes[0]), args.steps))
     offset = args.offset if args.offset is not None else plan_len // 2
     report: dict[str, Any] = {
-        "command": [sys.executable, *sys.argv], "date": date.isoformat(timespec="seconds"),
-        "machine": _machine(args.device), "args": vars(args), "offset": offset,
+        **header(args.device), "args": vars(args), "offset": offset,
         "model": {"path": args.model, "card": adapter.card(),
                   "checkpoint_bytes": _checkpoint_bytes(args.model)},
         "runs": {}, "summary": [],

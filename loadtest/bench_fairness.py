@@ -20,12 +20,9 @@ traffic takes seconds and is exactly reproducible from ``--seed``. The two polic
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import heapq
 import itertools
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -37,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.fakes (the in-memory executor); service is installed
 
+from loadtest.reporting import header  # noqa: E402
 from service.engine.outcome import Outcome  # noqa: E402
 from service.models.request import GenerationRequest  # noqa: E402
 from service.router.dispatcher import Dispatcher  # noqa: E402
@@ -176,9 +174,7 @@ def main() -> int:
             k: round(before[k] / after[k], 1) if after[k] else None for k in ("mean_s", "p95_s", "max_s")}
         results[scheduler]["after_within_bound"] = after["max_s"] <= args.job_s
     doc = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": dt.date.today().isoformat(),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        **header(),
         "params": {k: v for k, v in vars(args).items() if k != "out"},
         "bound_s": args.job_s,  # the target: another key's first job waits at most one job's time
         "what": "wait of key-b's and key-c's one job (first attempt to a rank) while key-a floods; "

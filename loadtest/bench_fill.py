@@ -13,7 +13,6 @@ ratio to ``loadtest/results/``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import re
 import sys
 import time
@@ -24,8 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadtest.bench_startup import machine  # noqa: E402
-from loadtest.reporting import write_report  # noqa: E402
+from loadtest.reporting import header, write_report  # noqa: E402
 from service.offload.checkpoint import Checkpoint  # noqa: E402
 from service.offload.fill import fill_blocks  # noqa: E402
 from service.offload.layout import BlockLayout, plan_block  # noqa: E402
@@ -91,8 +89,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     best = {k: min(v) for k, v in runs.items()}
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
+        **header(),
         "blocks": len(items), "bytes": total, "device": str(dev), "threads": torch.get_num_threads(),
         "seconds": runs, "best_s": best, "gb_per_s": {k: round(total / v / 1e9, 2) for k, v in best.items()},
         "speedup_fill_over_host": round(best["host"] / best["fill"], 2), "equal": True}

@@ -18,7 +18,6 @@ relative L2 error against bf16 resident, and the issue's targets checked.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import os
@@ -30,10 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import reporting
 import torch
-from bench_offload import SHAPES, Timer, _machine, _probe_in_subprocess, host_memory, inputs
 from offload_strategies import _keep_fp32, _meta_transformer
-from reporting import RESULTS, check_tokens, machine_kind, token_list, write_report
 
 RUNS = ("bf16-resident", "bf16-dlo", "fp8-resident", "fp8-dlo")
 COMPUTES = ("upcast", "scaled_mm")
@@ -55,7 +53,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(args.fp8_model if fp8 and args.fp8_model else args.model) / "transformer"
     dtype = getattr(torch, args.dtype) if args.dtype else None
     keep = _keep_fp32() if dtype is not None else ()
-    before = host_memory()
+    before = reporting.host_memory()
     t0 = time.perf_counter()
     module, handle = _meta_transformer(folder), None
     q = "fp8" if fp8 else None
@@ -70,7 +68,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     res: dict[str, Any] = {"run": run, "load_s": time.perf_counter() - t0, "computes": {},
-                           "host": {"after_load": host_memory()}}
+                           "host": {"after_load": reporting.host_memory()}}
     text_dim = json.loads((folder / "config.json").read_text())["text_dim"]
     x_dtype = module.patch_embedding.weight.dtype
     for compute in (args.computes if fp8 else ["bf16"]):
@@ -84,7 +82,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - e.g. a compute the device lacks; the others still run
             out["error"] = repr(e)[-2000:]
         res["computes"][compute] = out
-    res["host"]["end"] = host_memory()
+    res["host"]["end"] = reporting.host_memory()
     res["host"]["growth_pss_bytes"] = res["host"]["after_load"]["pss_bytes"] - before["pss_bytes"]
     if handle is not None:
         st = handle.stats()
@@ -100,7 +98,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _workload(args: argparse.Namespace, module: torch.nn.Module, handle: Any, dev: torch.device, tokens: int,
               text_dim: int, dtype: torch.dtype, save: Path) -> dict[str, Any]:
-    x = inputs(tokens, text_dim, dev, dtype)
+    x = reporting.inputs(tokens, text_dim, dev, dtype)
     reps = args.reps if tokens < 30000 else max(1, args.reps - 1)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -109,7 +107,7 @@ def _workload(args: argparse.Namespace, module: torch.nn.Module, handle: Any, de
     times, digest = [], ""
     with torch.no_grad():
         for i in range(args.warmup + reps):
-            with Timer(dev) as t:
+            with reporting.Timer(dev) as t:
                 y = module(**x, return_dict=False)[0]
             if i == 0:
                 first = y.float().cpu()
@@ -217,13 +215,12 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             prep["quantize"] = quantize_pipeline(args.model, args.fp8_model)
             print(f"quantized in {prep['quantize']['seconds']:.0f} s", flush=True)
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": _machine(args.device),
+        **reporting.header(args.device),
         "model": {"preset": args.preset, "layers": args.layers, "path": args.model,
                   "fp8_path": args.fp8_model},
         "fp8_source": args.fp8_source, "tokens": args.tokens, "reps": args.reps, "prepare": prep, "runs": {}}
     if args.device == "cuda":
-        report["machine"]["pinned_h2d_gb_per_s"] = _probe_in_subprocess(args)
+        report["machine"]["pinned_h2d_gb_per_s"] = reporting.h2d_probe_in_subprocess()
     with tempfile.TemporaryDirectory(prefix="bench-fp8-") as outputs:
         for run in args.runs:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -266,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="a Wan pipeline folder; default: write the preset to a temp dir (reused)")
     p.add_argument("--fp8-source", choices=("online", "prequantized"), default="online")
     p.add_argument("--fp8-model", help=argparse.SUPPRESS)
-    p.add_argument("--tokens", type=token_list, default=[4096, 32760])
+    p.add_argument("--tokens", type=reporting.token_list, default=[4096, 32760])
     p.add_argument("--runs", type=lambda s: s.split(","), default=None,
                    help=f"comma-separated from {','.join(RUNS)},fp8-ranklocal")
     p.add_argument("--computes", type=lambda s: s.split(","), default=list(COMPUTES))
@@ -279,18 +276,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--outputs", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    check_tokens(p, args.tokens, SHAPES)
+    reporting.check_tokens(p, args.tokens, reporting.SHAPES)
     if args.worker:
         Path(args.out).write_text(json.dumps(worker(args)))
         return 0
     if args.runs is None:
         args.runs = list(RUNS) + (["fp8-ranklocal"] if args.fp8_source == "prequantized" else [])
     report = run_all(args)
-    kind = machine_kind(report, args.device)
+    kind = reporting.machine_kind(report, args.device)
     default = Path(os.environ["OUT"]) / "bench_fp8.json" if os.environ.get("OUT") else \
-        RESULTS / f"{kind}-fp8-{report['date'][:10]}.json"
+        reporting.RESULTS / f"{kind}-fp8-{report['date'][:10]}.json"
     out = Path(args.out or default)
-    write_report(report, out)
+    reporting.write_report(report, out)
     print(table(report))
     print(json.dumps({"targets": report["targets"], "errors": report["errors"]}, indent=1))
     print(f"wrote {out} ({report['seconds']:.0f} s)")

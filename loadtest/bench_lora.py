@@ -17,7 +17,6 @@ CFG: the ratio is the same per step.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import hashlib
 import json
@@ -30,9 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_offload import SHAPES, Timer, _machine, inputs
 from offload_strategies import _keep_fp32, _meta_transformer
-from reporting import RESULTS, check_tokens, machine_kind, token_list, write_report
+from reporting import (
+    RESULTS,
+    SHAPES,
+    Timer,
+    check_tokens,
+    header,
+    inputs,
+    machine_kind,
+    token_list,
+    write_report,
+)
 
 STRATEGIES = ("resident", "dlo")
 TARGET = 1.05
@@ -151,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if not lora.is_file():
         write_demo_lora(args.model, lora, rank=args.rank, dtype=dtype, device=args.device, strength=0.05)
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": _machine(args.device),
+        **header(args.device),
         "model": {"preset": args.preset, "layers": args.layers, "dim": cfg["num_attention_heads"] *
                   cfg["attention_head_dim"], "path": args.model},
         "adapter": {"rank": args.rank, "file_bytes": lora.stat().st_size, "path": str(lora)},

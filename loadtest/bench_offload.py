@@ -15,11 +15,8 @@ SHA-256 of the output (bitwise equality with resident).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,58 +27,22 @@ from typing import Any
 
 import torch
 from offload_strategies import CPU_STRATEGIES, STRATEGIES, load
-from reporting import RESULTS, check_tokens, machine_kind, token_list, write_report
+from reporting import (
+    RESULTS,
+    SHAPES,
+    Timer,
+    check_tokens,
+    h2d_probe_in_subprocess,
+    header,
+    host_memory,
+    inputs,
+    machine,
+    machine_kind,
+    token_list,
+    write_report,
+)
 
-# tokens -> latent (frames, height, width) for Wan's patch (1, 2, 2)
-SHAPES = {
-    64: (1, 16, 16),
-    4096: (1, 128, 128),  # 1024x1024 image
-    32760: (21, 60, 104),  # 480x832, 81 frames
-    75600: (21, 90, 160),  # 720x1280, 81 frames
-}
-TEXT_TOKENS = 512
-
-
-def host_memory() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        key = line.split(":")[0]
-        if key in ("Rss", "Pss"):
-            out[key.lower() + "_bytes"] = int(line.split()[1]) * 1024
-    return out
-
-
-def inputs(tokens: int, text_dim: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    f, h, w = SHAPES[tokens]
-    g = torch.Generator().manual_seed(tokens)
-    return {
-        "hidden_states": torch.randn(1, 16, f, h, w, generator=g).to(device, dtype),
-        "timestep": torch.tensor([500], device=device),
-        "encoder_hidden_states": torch.randn(1, TEXT_TOKENS, text_dim, generator=g).to(device, dtype),
-    }
-
-
-class Timer:
-    """CUDA events on the current stream, or the wall clock on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def __enter__(self) -> Timer:
-        if self.cuda:
-            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.a.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            self.b.record()
-            self.b.synchronize()
-            self.ms = self.a.elapsed_time(self.b)
-        else:
-            self.ms = (time.perf_counter() - self.t0) * 1000
+_machine = machine  # bench_compute.py's import; it may take reporting.machine instead
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,18 +120,6 @@ def _host_alloc_stats() -> dict[str, int]:
     return {k: v for k, v in s.items() if "allocated_bytes" in k or "reserved_bytes" in k}
 
 
-def h2d_probe(nbytes: int = 2**30, reps: int = 10) -> float:
-    """Pinned host -> device copy bandwidth (GB/s), median of ``reps``."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps + 2):
-        with Timer(torch.device("cuda")) as t:
-            dst.copy_(src, non_blocking=True)
-        times.append(t.ms)
-    return nbytes / (statistics.median(times[2:]) / 1000) / 1e9
-
-
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if args.model is None:
         from service.models.demo import write_demo_model
@@ -197,15 +146,13 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{strategy}: done in {time.perf_counter() - t0:.0f} s", flush=True)
             print("RESULT " + json.dumps(results[strategy]), flush=True)  # kept if a later one hangs
     report = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(args.device),
+        **header(args.device),
         "model": {"preset": args.preset, "layers": args.layers, "path": args.model},
         "tokens": args.tokens,
         "strategies": results,
     }
     if args.device == "cuda":
-        report["machine"]["pinned_h2d_gb_per_s"] = _probe_in_subprocess(args)
+        report["machine"]["pinned_h2d_gb_per_s"] = h2d_probe_in_subprocess()
     _compare(report)
     return report
 
@@ -214,28 +161,6 @@ def _forward_args(args: argparse.Namespace) -> list[str]:
     return ["--device", args.device, "--preset", args.preset, "--layers", str(args.layers),
             "--model", args.model, "--tokens", ",".join(map(str, args.tokens)),
             "--reps", str(args.reps), "--warmup", str(args.warmup)]
-
-
-def _probe_in_subprocess(args: argparse.Namespace) -> float:
-    code = "import sys; sys.path.insert(0, %r); import bench_offload as b; print(b.h2d_probe())"
-    out = subprocess.run([sys.executable, "-c", code % str(Path(__file__).parent)], text=True,
-                         capture_output=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def _machine(device: str) -> dict[str, Any]:
-    m = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-         "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
-    if device == "cuda":
-        m["gpu"] = torch.cuda.get_device_name(0)
-        m["cuda"] = torch.version.cuda
-        try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 text=True, capture_output=True, timeout=20)
-            m["driver"] = smi.stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return m
 
 
 def _compare(report: dict[str, Any]) -> None:

@@ -20,7 +20,6 @@ ends to ``OUT_DIR/<part>.json`` with command, machine, date and side-by-side rat
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import statistics
@@ -32,9 +31,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_offload import Timer, _machine, h2d_probe, host_memory, inputs
 from offload_strategies import _keep_fp32, _meta_transformer
 from ranks import run_ranks
+from reporting import Timer, h2d_probe, header, host_memory, inputs
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.config.offload import parse_probe_size
@@ -334,9 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             result = parts[name](args)
         except Exception as e:  # noqa: BLE001 - the other parts still run and are written
             result = {"error": repr(e)[-3000:]}
-        report = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-                  "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                  "machine": _machine(args.device), "part": name, "seconds": time.perf_counter() - t0,
+        report = {**header(args.device), "part": name, "seconds": time.perf_counter() - t0,
                   "model": {"preset": args.preset, "layers": args.layers}, **result}
         (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
         brief = {k: v for k, v in report.items() if k in ("rows", "auto_picks", "error")}

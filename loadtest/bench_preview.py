@@ -15,17 +15,15 @@ on them): the projection and encodes, and a one-frame decode by a VAE of Wan2.1'
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import io
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from reporting import header
 
 from service.models import preview
 
@@ -121,11 +119,7 @@ def main() -> None:
     a = p.parse_args()
     w, h, f = (int(v) for v in a.size.split("x"))
     res: dict[str, Any] = {
-        "command": "python loadtest/bench_preview.py "
-                   + " ".join(f"--{k} {v}" for k, v in vars(a).items() if v),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"{torch.get_num_threads()} threads",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **header(threads=torch.get_num_threads()),
         "demo": part_demo(w, h, f, a.steps, a.reps),
         "p480": part_480p(a.reps),
     }

@@ -23,20 +23,18 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loadtest.bench_startup import machine  # noqa: E402
+from loadtest.reporting import header  # noqa: E402
 
 CHILD = r"""
 import json, os, subprocess, sys, threading, time
 variant = sys.argv[1]
 t0 = time.time()
 import ray
-from ray._private import ray_constants
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-ray_constants.ENABLE_RAY_CLUSTER = False
+from service.api.ray_hooks import loopback_node, session_dirs
+loopback_node()
 side = []
 if variant in ("host", "launcher", "noprestart"):
     side.append(subprocess.Popen([sys.executable, "-c",
@@ -58,7 +56,7 @@ class Nop:
 actors = [Nop.remote() for _ in range(4)]
 ray.get([a.ping.remote() for a in actors])
 t3 = time.time()
-logs = ray._private.worker._global_node.get_logs_dir_path()
+logs = str(session_dirs()[0] / "logs")
 began = {}
 for f in sorted(os.listdir(logs)):
     if f.endswith((".err", ".out", ".log")) and not f.startswith(("worker-", "python-core")):
@@ -114,8 +112,7 @@ def main() -> None:
         for v in args.variants.split(","):
             runs.append(run_variant(v))
             print(json.dumps(runs[-1]), flush=True)
-    result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    "machine": machine(), "runs": runs}
+    result: dict = {**header(), "runs": runs}
     if args.imports:
         result["imports"] = [
             import_profile("from service.engine.warmhost import import_for; import_for(None, 1)"),

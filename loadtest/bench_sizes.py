@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_offload import _machine
-from reporting import write_report
+from reporting import header, write_report
 
 VARIANTS = ("marked", "static")
 
@@ -105,8 +104,7 @@ def main() -> int:
     if args.variant:
         Path(args.result).write_text(json.dumps(run_variant(args)))
         return 0
-    report: dict[str, Any] = {"command": " ".join(sys.argv), "machine": _machine(args.device),
-                              "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cache": args.cache,
+    report: dict[str, Any] = {**header(args.device), "cache": args.cache,
                               "steps": args.steps, "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.variants.split(","):

@@ -18,7 +18,6 @@ SHA-256 of the uint8 frames, and against dp1-dlo the largest difference and the 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import math
 import statistics
@@ -31,9 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from bench_offload import _machine, host_memory, inputs
 from ranks import run_ranks
-from reporting import RESULTS, token_list, write_report
+from reporting import RESULTS, header, host_memory, inputs, token_list, write_report
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 
@@ -227,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = None if args.gen == "none" else [int(v) for v in args.gen.split("x")]
     backend = "nccl" if args.device == "cuda" else "gloo"
     report: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": _machine(args.device), "model": {"preset": args.preset, "layers": args.layers},
+        **header(args.device), "model": {"preset": args.preset, "layers": args.layers},
         "reps": args.reps, "runs": {}, "summary": [], "generate": [],
     }
     with tempfile.TemporaryDirectory() as scratch:

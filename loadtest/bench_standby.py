@@ -14,10 +14,8 @@ rebuilt rank's pid is the standby's.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import signal
 import sys
 import time
@@ -33,6 +31,7 @@ from service.config import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.fakes (the in-memory executor); service is installed
+from loadtest.reporting import header  # noqa: E402
 
 
 def run_one(model: str, device: str, standby: bool, steps: int) -> dict[str, Any]:
@@ -43,7 +42,8 @@ def run_one(model: str, device: str, standby: bool, steps: int) -> dict[str, Any
     from tests.fakes import RecordingSink
 
     gpus = 1.0 if device == "cuda" else 0.0
-    parallel = ParallelConfig(cpus_per_rank=0.5 if not gpus else 1.0, gpus_per_rank=gpus, standby=standby)
+    parallel = ParallelConfig(cpus_per_rank=0.5 if not gpus else 1.0, gpus_per_rank=gpus,
+                              rank_standby=standby)
     spec = EngineConfig(model, parallel=parallel, offload=OffloadConfig(OffloadMode.ALLGATHER))
     sink = RecordingSink()
     d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=1800))
@@ -102,9 +102,7 @@ def main() -> int:
             ray.shutdown()
             if attempt == 3:
                 raise
-    res: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                           "host": platform.node(), "date": dt.datetime.now().isoformat(),
-                           "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "runs": []}
+    res: dict[str, Any] = {**header(args.device), "runs": []}
     try:
         for standby in (True, False):
             res["runs"].append(run_one(args.model, args.device, standby, args.steps))

@@ -36,10 +36,8 @@ The kill to the resumed request's end on one H200 (``/tmp/wan12``: ``dloserve de
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -51,26 +49,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from reporting import header
 
 from service.api.hostproc import matching
 from service.engine.ports import free_port
 
 KINDS = ("ready", "kill", "kill-nostandby")
-
-
-def machine() -> dict[str, Any]:
-    """The host and its GPUs, without initialising CUDA in this process."""
-    out: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(),
-                           "python": platform.python_version()}
-    try:
-        out["mem_gb"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError):
-        pass
-    if shutil.which("nvidia-smi"):
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-                            "--format=csv,noheader"], capture_output=True, text=True, check=False)
-        out["gpus"] = [g.strip() for g in q.stdout.splitlines() if g.strip()]
-    return out
 
 
 def readyz(url: str) -> tuple[int, dict[str, Any]]:
@@ -254,9 +238,8 @@ def main() -> int:
         p.error(f"--starts: {bad} not in {KINDS}")
     out = Path(args.out)
     doc: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"runs": []}
-    run: dict[str, Any] = {"label": args.label, "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-                           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                           "machine": machine(), "model": args.model, "starts": []}
+    run: dict[str, Any] = {"label": args.label, **header(args.device), "model": args.model, "starts": [],
+                           "env": {k: v for k, v in os.environ.items() if k.startswith("DLOSERVE_")}}
     doc["runs"].append(run)
     with tempfile.TemporaryDirectory() as tmp:
         args.served = args.model

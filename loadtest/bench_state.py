@@ -32,14 +32,10 @@ The default shape is a 480p x 81 Wan latent (16 channels, 21 latent frames, 60 x
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
-import os
 import pickle
-import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -48,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reporting import header
 
 from service.api.durable import state_bytes
 from service.api.results import ResultStorage
@@ -277,14 +274,6 @@ def sizes(args: argparse.Namespace, storage: ResultStorage) -> list[dict[str, An
     return rows
 
 
-def machine(device: str) -> dict[str, Any]:
-    out = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "loadavg": list(os.getloadavg()), "torch": torch.__version__}
-    if device == "cuda":
-        out["gpu"] = torch.cuda.get_device_name()
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=None, help=f"comma-separated of {PARTS} (default: tap, and steps "
@@ -313,9 +302,7 @@ def main() -> int:
         ap.error("--parts steps needs --model")
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
-    out: dict[str, Any] = {"command": "python loadtest/bench_state.py " + " ".join(sys.argv[1:]),
-                           "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                           "machine": machine(a.device)}
+    out: dict[str, Any] = header(a.device)
     if "tap" in parts:
         shape = tuple(int(x) for x in a.shape.split(","))
         with tempfile.TemporaryDirectory() as tmp:

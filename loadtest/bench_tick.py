@@ -13,17 +13,15 @@ timed as back-to-back agreements with nothing else to do (``--calls`` of them).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 from ranks import run_ranks
+from reporting import header
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.engine.events import EventKind
@@ -74,9 +72,7 @@ def main() -> int:
     ranks = run_ranks(_rank, 2, model, args.steps, args.calls, timeout=600)
     per_tick = [r["agree_s"] / r["ticks"] * 1e6 for r in ranks]
     res = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": dt.date.today().isoformat(),
-        "machine": {"host": platform.node(), "cpu": platform.processor() or platform.machine()},
+        **header(),
         "ranks": ranks,
         "agree_us_per_tick": [round(x, 1) for x in per_tick],
         "agree_share_of_serve": [round(r["agree_s"] / r["serve_s"], 4) for r in ranks],

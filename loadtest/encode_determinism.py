@@ -27,17 +27,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import reporting
 
 SMALL = {  # name: (kind, width, height, frames); each worker encodes each of these every round
     "noise-96x96x9": ("noise", 96, 96, 9),
@@ -153,27 +153,20 @@ def _load(seconds: float) -> None:
         time.sleep(rng.uniform(0, 0.01))
 
 
-def machine() -> dict[str, Any]:
+def encoder_facts() -> dict[str, Any]:
+    """The machine's facts for this benchmark beyond the harness's: x264's settings, AVX-512."""
     import av
     import numpy as np
 
     from service.models import video
 
-    cpu = ""
-    flags: set[str] = set()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
+        flags = next((set(ln.split(":", 1)[1].split()) for ln in open("/proc/cpuinfo")
+                      if ln.startswith("flags")), set())
     except OSError:
-        pass
-    return {"host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(),
-            "affinity": len(os.sched_getaffinity(0)), "avx512f": "avx512f" in flags,
-            "python": platform.python_version(), "numpy": np.__version__, "av": av.__version__,
-            "x264_params": video.x264_options()["x264-params"], "x264_threads": video.X264_THREADS,
-            "loadavg": os.getloadavg()}
+        flags = set()
+    return dict(avx512f="avx512f" in flags, numpy=np.__version__, av=av.__version__,
+                             x264_params=video.x264_options()["x264-params"], x264_threads=video.X264_THREADS)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -237,9 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "x264_threads": sorted({r["threads"] for r in rs}),
                      "sliced_threads": sorted({r["sliced_threads"] for r in rs}),
                      "median_s": sorted(r["s"] for r in rs)[len(rs) // 2]}
-    return {"command": " ".join(["python", *sys.argv]),
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "machine": machine(), "fault": args.fault, "fps": FPS,
+    return {**reporting.header(**encoder_facts()), "fault": args.fault, "fps": FPS,
             "workers": [cfg for cfg, _ in workers], "load_processes": args.load,
             "wall_s": round(wall, 1), "total_encodes": len(records), "failed_workers": failed,
             "one_file_per_input": bool(per) and not failed and all(

@@ -20,7 +20,6 @@ Three parts, all in this process, written to one JSON (default
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import math
@@ -32,8 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_offload import _machine
 from offload_strategies import _keep_fp32, _meta_transformer
+from reporting import header
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.config.offload import parse_probe_size
@@ -164,9 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = args.sizes or [[32, 32, 5], [128, 128, 9]]
     t0 = time.perf_counter()
-    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    report: dict[str, Any] = {"command": " ".join([Path(sys.executable).name] + sys.argv), "date": date,
-                              "machine": _machine("cpu"), "threads": torch.get_num_threads()}
+    report: dict[str, Any] = {**header("cpu"), "threads": torch.get_num_threads()}
     big = Path(tempfile.gettempdir()) / f"dloserve-fp8err-wan14b-shape-L{args.layers}"
     if not (big / "model_index.json").is_file():
         write_demo_model(big, "wan14b-shape", args.layers)
@@ -180,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         for preset, size in zip(("tiny", "small"), sizes, strict=True)]
     print("frames", json.dumps(report["frames"]), flush=True)
     report["seconds"] = time.perf_counter() - t0
-    out = Path(args.out or Path(__file__).parent / "results" / f"cpu-fp8-{date[:10]}.json")
+    out = Path(args.out or Path(__file__).parent / "results" / f"cpu-fp8-{report['date'][:10]}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {out} ({report['seconds']:.0f} s)")

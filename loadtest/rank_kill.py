@@ -15,10 +15,8 @@ standby) for the comparison; the JSON has /readyz's ``startup`` (the command to 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import re
 import signal
 import sys
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from reporting import header
 from serving import final, start_serve, stop_serve, wait_ready
 
 from service.api.hostproc import matching
@@ -57,9 +56,7 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     t0 = time.monotonic()
     proc = start_serve(cmd, log, env)
-    res: dict[str, Any] = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                           "host": platform.node(), "date": dt.datetime.now().isoformat(),
-                           "cpus": os.cpu_count()}
+    res: dict[str, Any] = header()
     try:
         res["ready_s"] = round(wait_ready(url, 900), 1)
         w, h, f = (int(x) for x in args.size.split("x"))

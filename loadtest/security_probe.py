@@ -12,10 +12,8 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -27,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from reporting import header
 
 from service.api.hostproc import descendants, listeners, matching
 from service.engine.ports import free_port
@@ -106,9 +105,7 @@ def main() -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     res = {
-        "command": " ".join(["python", *sys.argv]),
-        "date": dt.date.today().isoformat(),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+        **header(),
         "declared_100MB": {"status": status, "seconds": round(latency, 3)},
         "streamed_8x100MB": {"statuses": sorted(codes), "seconds": round(streamed_s, 2),
                              "rss_before_mb": {k: round(v / 2**20) for k, v in before.items()},

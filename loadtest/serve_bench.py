@@ -26,11 +26,9 @@ to 10 minutes): results accumulate in ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -41,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from reporting import header
 from serving import CompletionHooks, final, start_serve, stop_serve, wait_ready
 
 from service.engine.ports import free_port
@@ -281,25 +280,6 @@ def _drive(url: str, items: list[dict[str, Any]], hooks: CompletionHooks) -> lis
 
 # -- main ------------------------------------------------------------------------------------
 
-def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(),
-                            "python": platform.python_version()}
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpus"] = [torch.cuda.get_device_name(g) for g in range(torch.cuda.device_count())]
-    except ImportError:
-        pass
-    try:
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, timeout=10).stdout.split()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        pass
-    return info
-
-
 def open_loop_makespan(items: list[dict[str, Any]], gpu_s: list[float], n: int) -> float:
     """Makespan of the same arrivals on ``n`` resident GPUs, each request to the first free
     GPU in arrival order: the best a system without lock-step could do with this workload."""
@@ -387,9 +367,9 @@ def main() -> int:
     items = workload(args.mix, args.requests, args.rate_per_min, args.seed)
     if res.get("workload") not in (None, items):
         raise SystemExit(f"{out} holds another workload: use a new --out")
-    cmdline = " ".join([Path(sys.executable).name, *sys.argv])
-    res.update(workload=items, machine=machine(), model=args.model, dp=args.dp, mix=args.mix)
-    res.setdefault("commands", []).append({"command": cmdline, "date": dt.datetime.now().isoformat()})
+    run = header()
+    res.update(workload=items, machine=run.pop("machine"), model=args.model, dp=args.dp, mix=args.mix)
+    res.setdefault("commands", []).append(run)
     Path(args.logdir).mkdir(parents=True, exist_ok=True)
     if args.ideal:
         res["ideal"] = run_ideal(args, items, Path(args.logdir))

@@ -101,7 +101,8 @@ class CompletionHooks:
     def flags(self, folder: Path) -> list[str]:
         secret = folder / "webhook-secret"
         secret.write_text(self.secret)
-        return ["--webhook-url", self.url, "--webhook-secret-file", str(secret)]
+        # a receiver on loopback: the operator's allow flag (a public-only default refuses it)
+        return ["--webhook-url", self.url, "--webhook-secret-file", str(secret), "--webhook-allow-private"]
 
     def close(self) -> None:
         self._server.shutdown()

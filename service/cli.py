@@ -37,18 +37,20 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     from service.models.request import GenerationRequest
 
     d = GenerationRequest(prompt="x")
+    model_default = "(default: the model folder's dloserve_defaults.json, else %s)"
     p = sub.add_parser("generate", help="generate one video to an MP4 file")
-    p.add_argument("--model", default=None, help="diffusers pipeline folder (default: tiny demo model)")
+    p.add_argument("--model", default=None, help="diffusers pipeline folder (default: the trained demo "
+                                                 "model, service/models/demo/weights/wan-shapes)")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--negative-prompt", default=d.negative_prompt)
+    p.add_argument("--negative-prompt", default=None, help=model_default % repr(d.negative_prompt))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default="out.mp4")
-    p.add_argument("--height", type=int, default=d.height)
-    p.add_argument("--width", type=int, default=d.width)
-    p.add_argument("--num-frames", type=int, default=d.num_frames)
-    p.add_argument("--fps", type=int, default=d.fps)
-    p.add_argument("--steps", type=int, default=d.num_inference_steps)
-    p.add_argument("--guidance-scale", type=float, default=d.guidance_scale)
+    p.add_argument("--height", type=int, default=None, help=model_default % d.height)
+    p.add_argument("--width", type=int, default=None, help=model_default % d.width)
+    p.add_argument("--num-frames", type=int, default=None, help=model_default % d.num_frames)
+    p.add_argument("--fps", type=int, default=None, help=model_default % d.fps)
+    p.add_argument("--steps", type=int, default=None, help=model_default % d.num_inference_steps)
+    p.add_argument("--guidance-scale", type=float, default=None, help=model_default % d.guidance_scale)
     p.add_argument("--guidance-scale-2", type=float, default=None,
                    help="Wan2.2 A14B: the low-noise expert's guidance (default: --guidance-scale)")
     p.add_argument("--image", default=None,
@@ -144,21 +146,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             check_image(image, "--image")
         except RequestError as e:
             return _fail(str(e))
+    from service.models.adapter import ModelError
+    from service.models.registry import request_defaults, resolve_model
+
+    try:
+        defaults = request_defaults(resolve_model(args.model))
+    except ModelError as e:
+        return _fail(str(e))
+    given = {"negative_prompt": args.negative_prompt, "height": args.height, "width": args.width,
+             "num_frames": args.num_frames, "fps": args.fps, "num_inference_steps": args.steps,
+             "guidance_scale": args.guidance_scale, "flow_shift": args.flow_shift}
     extra = {} if args.guidance_scale_2 is None else {"guidance_scale_2": args.guidance_scale_2}
-    req = GenerationRequest(
-        image=image,
-        extra=extra,
-        prompt=args.prompt,
-        negative_prompt=args.negative_prompt,
-        seed=args.seed,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        fps=args.fps,
-        num_inference_steps=args.steps,
-        guidance_scale=args.guidance_scale,
-        flow_shift=args.flow_shift,
-    )
+    req = GenerationRequest(image=image, extra=extra, prompt=args.prompt, seed=args.seed,
+                            **{**defaults, **{k: v for k, v in given.items() if v is not None}})
     req.check()  # model-independent checks first: no demo model is written for a bad request
     import torch
 

@@ -45,16 +45,17 @@ def refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 # The two fast tests call the command's main() in this process: a subprocess spent ~15 s of
 # make test's time importing torch and diffusers again, for what the e2e tests below (each a
 # real `dloserve` subprocess) show already; the command's own code paths are the same.
-def test_generate_with_no_model_uses_the_demo(tmp_path: Path, demo_model: str,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "fox.mp4"
-    # The demo_model fixture already filled the default cache; this must find it there.
-    assert cli_main(["generate", "--prompt", "a red fox running through snow", "--seed", "1",
-                     "--out", str(out)]) == 0, capsys.readouterr().err[-3000:]
+def test_generate_with_no_model_uses_the_trained_demo_and_its_defaults(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "circle.mp4"
+    # No --model: the committed trained model, at the request its folder names as default
+    # (64x64, 17 frames); --steps still wins over the folder's 20.
+    assert cli_main(["generate", "--prompt", "a red circle moving right on a black background", "--seed", "1",
+                     "--steps", "4", "--out", str(out)]) == 0, capsys.readouterr().err[-3000:]
     r = capsys.readouterr()
     assert "denoising" in r.err  # the progress bar over steps
-    assert f"wrote {out}" in r.out and "resident, DP1" in r.out
-    assert decode_mp4(out.read_bytes()).shape == (5, 32, 32, 3)
+    assert f"wrote {out}" in r.out and "resident, DP1" in r.out and "17 frames 64x64" in r.out
+    assert decode_mp4(out.read_bytes()).shape == (17, 64, 64, 3)
 
 
 @pytest.mark.e2e  # two spawned rank processes; the engine's DP2 equality is in tests/engine/test_local.py

@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Literal
 
 import ray
@@ -42,6 +43,7 @@ from service.api.http import (
     Uploads,
     allowed_methods,
     error,
+    failed_job,
     read_capped,
     video_response,
 )
@@ -51,6 +53,7 @@ from service.api.openapi import body_rules, instance_openapi
 from service.api.origin import LOOPBACK_HOSTS, refusal
 from service.api.previews import RESPONSES as PREVIEW_RESPONSES
 from service.api.previews import preview_response
+from service.api.ray_hooks import start_controller, wait_proxies
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError
 from service.api.schemas import (
@@ -65,8 +68,8 @@ from service.api.schemas import (
     media_type,
     parse_body,
 )
-from service.api.serve_start import start_controller, wait_proxies
 from service.api.service import ServiceConfig, VideoService, video_object
+from service.api.startup import Launched
 from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
 from service.api.storage_health import cause_of
 from service.api.ui import HEADERS as PAGE_HEADERS
@@ -205,13 +208,13 @@ async def _headers(request: Request, call_next: Any) -> Response:
                   health_check_period_s=5, health_check_timeout_s=30)
 @serve.ingress(app)
 class VideoIngress:
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], launched: Launched | None = None) -> None:
         from service.engine.metrics import log_to_stderr
 
         log_to_stderr()
         self.svc = VideoService(
             ServiceConfig(**config), placement_group=ray.util.get_current_placement_group(),
-            dp_group=serve.get_replica_context().replica_id.unique_id,
+            dp_group=serve.get_replica_context().replica_id.unique_id, launched=launched,
         )
         if not self.svc.cfg.api_key_hashes:
             log.warning("no API key configured: every client can read and delete every job made "
@@ -326,9 +329,7 @@ class VideoIngress:
             await asyncio.sleep(0.1)
         headers = {"x-video-id": vid}
         if final.status is not JobStatus.COMPLETED:
-            err = final.error or {}
-            return error(500, err.get("message", "generation failed"), None, kind="server_error",
-                         code=err.get("code", "generation_failed"), headers=headers)
+            return failed_job(final.error, headers, STORAGE_RETRY_S)
         gone = f"video {vid} has no content (expired or deleted)"
         # S3: network calls, off the event loop
         video = await asyncio.to_thread(video_response, self.svc.storage, vid, request, headers)
@@ -552,30 +553,31 @@ class VideoIngress:
             svc.close()
 
 
-def build_app(args: dict[str, Any]) -> Any:
-    """Serve application builder: placement-group bundles come from the config."""
+def build_app(args: dict[str, Any], launched: Launched | None = None) -> Any:
+    """Serve application builder: placement-group bundles come from the config; ``launched``:
+    what ``dloserve serve`` did before (none from a Serve config file)."""
     cfg = ServiceConfig(**args)
     bundles = cfg.engine_config().parallel.bundles()
     actor = dict(VideoIngress.ray_actor_options or {})
-    if cfg.ingress_executable:  # the launcher's warm host: the replica's imports are done
-        actor["runtime_env"] = {"py_executable": cfg.ingress_executable}
+    if launched and launched.ingress_executable:  # the launcher's warm host: its imports are done
+        actor["runtime_env"] = {"py_executable": launched.ingress_executable}
     return VideoIngress.options(
         num_replicas=cfg.num_replicas,
         placement_group_bundles=bundles,
-        placement_group_strategy=cfg.strategy,
+        placement_group_strategy=cfg.placement_strategy,
         ray_actor_options=actor,
-    ).bind(cfg.model_dump())
+    ).bind(cfg.model_dump(), launched)
 
 
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
-           proxy_location: str = "EveryNode") -> DeploymentHandle:
+           proxy_location: str = "EveryNode", launched: Launched | None = None) -> DeploymentHandle:
     """Start Serve on host:port and run the app (used by the CLI and tests); Serve's HTTP
-    proxies start beside the replica (serve_start.py) and are up when this returns."""
+    proxies start beside the replica (ray_hooks.py) and are up when this returns."""
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     proxies = start_controller({"host": host, "port": port}, proxy_location)
-    if cfg.launch_marks:  # /readyz's startup: Serve's controller is up
-        cfg = cfg.model_copy(update={"launch_marks": {**cfg.launch_marks, "serve_up": time.time()}})
-    handle = serve.run(build_app(cfg.model_dump()), name=name, route_prefix="/")
+    if launched and launched.marks:  # /readyz's startup: Serve's controller is up
+        launched = replace(launched, marks={**launched.marks, "serve_up": time.time()})
+    handle = serve.run(build_app(cfg.model_dump(), launched), name=name, route_prefix="/")
     wait_proxies(proxies, PROXY_START_TIMEOUT_S)
     return handle

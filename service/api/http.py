@@ -34,6 +34,19 @@ def error(status: int, message: str, param: str | None = None, kind: str = "inva
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def failed_job(err: dict[str, Any] | None, headers: dict[str, str], retry_after_s: int) -> JSONResponse:
+    """A job that ended failed, answered whole (``/v1/videos/sync``): 507 with Retry-After where
+    its result could not be stored (a full or refusing results storage, as a create refused
+    for it is), 500 with the reason otherwise; the API's error shape either way."""
+    err = err or {}
+    code = err.get("code", "generation_failed")
+    message = err.get("message", "generation failed")
+    if code == "storage_failed":
+        return error(507, message, None, kind="server_error", code=code,
+                     headers={**headers, "Retry-After": str(retry_after_s)})
+    return error(500, message, None, kind="server_error", code=code, headers=headers)
+
+
 class TooLarge(Exception):
     """The body is over the limit (413)."""
 

@@ -32,7 +32,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from service.api.durable import request_bytes, request_of, state_of
+from service.api.durable import read_request, read_state, request_bytes
 from service.api.records import JobRecord, JobStatus
 from service.api.results import ResultStorage
 from service.api.store import JobTable
@@ -41,6 +41,7 @@ from service.models.request import GenerationRequest
 
 NAMESPACE = "dloserve"
 ADOPT_WAIT_S = 300.0  # a lost group's job waits this long for another replica to take it
+CONFIRM_WAIT_S = 120.0  # a taken job its replica has not confirmed holding by then is taken back
 log = logging.getLogger("dloserve.jobs")
 
 
@@ -71,9 +72,9 @@ class JobStore(JobTable):
     every replica talks to. On a cluster it runs as a threaded actor (calls from many
     replicas at once; the table holds the lock); a test may use one in-process."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any], ttl_s: float, max_jobs: int,
+    def __init__(self, url: str, storage_options: dict[str, Any], retention_s: float, max_jobs: int,
                  group_timeout_s: float, webhooks: dict[str, Any] | None = None) -> None:
-        super().__init__(ResultStorage(url, storage_options), ttl_s, max_jobs, exclusive=True)
+        super().__init__(ResultStorage(url, storage_options), retention_s, max_jobs, exclusive=True)
         # Every job that ends, here, announced once: on any replica, or failed by the reaper.
         self.webhooks = Webhooks.from_config(webhooks)
         self.on_final = self.webhooks.on_final if self.webhooks else None
@@ -86,6 +87,8 @@ class JobStore(JobTable):
         self._requests: dict[str, Any] = {}  # unfinished job -> its request (to run it elsewhere)
         self._orphans: dict[str, tuple[float, str]] = {}  # job of a lost group -> (since, why)
         self._adopted: set[str] = set()  # jobs run again once already: a second loss fails them
+        self._models: dict[str, float] = {}  # model -> when a replica serving it last asked to adopt
+        self._unconfirmed: dict[str, tuple[float, str]] = {}  # job taken by adopt -> (when, by which group)
         self._recover()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="dloserve-reaper", daemon=True)
@@ -106,7 +109,14 @@ class JobStore(JobTable):
         for rec in self.list():
             if rec.final:
                 continue
-            request = request_of(self.storage.get_bytes(f"{rec.id}.req"))
+            try:
+                request = read_request(self.storage, rec.id)
+            except ValueError as e:  # this job cannot run again; the others still can
+                log.warning("job %s cannot run again: its request file %s", rec.id, e)
+                if not rec.dp_group or rec.node_id not in live:
+                    self.fail([rec.id], "dp_group_lost", f"the service restarted before this job ended, and "
+                              f"its kept request cannot be used ({str(e)[:300]}); submit it again")
+                continue
             if request is None:
                 if not rec.dp_group:
                     self.fail([rec.id], "dp_group_lost", "its DP group was lost and the job store restarted "
@@ -160,13 +170,16 @@ class JobStore(JobTable):
             self._requests.pop(job_id, None)
             self._orphans.pop(job_id, None)
             self._adopted.discard(job_id)
+            self._unconfirmed.pop(job_id, None)
 
     def adopt(self, dp_group: str, node_id: str, model: str, limit: int) -> list[tuple[str, Any, str | None]]:
         """Up to ``limit`` jobs of lost groups for a serving replica of ``model`` to run, oldest
         first: (id, request, owner), the request resumed from its kept state where there is
-        one that it can go on from. They are its jobs from now on."""
+        one of its own that it can go on from. They are its jobs from now on. A job is taken
+        only with its record updated: one that cannot be is left for the next call."""
         taken: list[tuple[str, Any, str | None]] = []
         with self._beat_lock:
+            self._models[model] = time.monotonic()
             waiting = sorted(self._orphans.items(), key=lambda kv: kv[1][0])
         for job_id, _ in waiting:
             if len(taken) >= limit:
@@ -175,17 +188,51 @@ class JobStore(JobTable):
             if rec is None or rec.final or rec.model != model:
                 continue
             with self._beat_lock:
-                if self._orphans.pop(job_id, None) is None:
+                orphan = self._orphans.pop(job_id, None)
+                if orphan is None:
                     continue  # another replica took it meanwhile
-                self._adopted.add(job_id)
                 request = self._requests.get(job_id)
-            state = None if request is None else state_of(self.storage.get_bytes(f"{job_id}.state"), request)
-            # the step it goes on from is the one written, not the one its lost group kept last
-            self.update(job_id, dp_group=dp_group, node_id=node_id, resumable_step=state.step if state else 0)
+            state = None if request is None else read_state(self.storage, job_id, request)  # never raises
+            try:  # the step it goes on from is the one written, not the one its lost group kept last
+                self.update(job_id, dp_group=dp_group, node_id=node_id,
+                            resumable_step=state.step if state else 0)
+            except Exception:  # noqa: BLE001 - a refused write: it waits for the next adopt
+                log.exception("could not hand %s to DP group %s", job_id, dp_group)
+                with self._beat_lock:
+                    self._orphans[job_id] = orphan
+                break
+            with self._beat_lock:
+                self._adopted.add(job_id)
+                self._unconfirmed[job_id] = (time.monotonic(), dp_group)
             taken.append((job_id, request if state is None else request.resumed(state), rec.owner))
         if taken:
             log.info("DP group %s on node %s took over %d jobs of lost groups", dp_group, node_id, len(taken))
         return taken
+
+    def confirm(self, dp_group: str, ids: list[str]) -> None:
+        """``dp_group`` holds (or has ended) these jobs ``adopt`` gave it. One never confirmed
+        (the answer to ``adopt`` lost on the way, a replica that failed between) is taken back
+        after ``CONFIRM_WAIT_S``: held by no dispatcher, it would wait as ``queued`` forever."""
+        with self._beat_lock:
+            for i in ids:
+                if self._unconfirmed.get(i, (0.0, dp_group))[1] == dp_group:
+                    self._unconfirmed.pop(i, None)
+
+    def _reclaim(self, now: float) -> None:
+        with self._beat_lock:
+            late = [(i, g) for i, (at, g) in self._unconfirmed.items() if now - at > CONFIRM_WAIT_S]
+        for i, g in late:
+            rec = self.get(i)
+            with self._beat_lock:
+                self._unconfirmed.pop(i, None)
+                if rec is None or rec.final or rec.dp_group != g:
+                    continue
+                self._adopted.discard(i)
+                self._orphans[i] = (now, f"DP group {g} took this job over but never confirmed it")
+                self._cancelled.setdefault(g, []).append(i)  # should it hold it after all: it stops
+            log.warning("DP group %s never confirmed taking over %s: it waits for a replica again", g, i)
+            self.update(i, dp_group=None, node_id=None, status=JobStatus.QUEUED, progress=0, wave=None,
+                        dp_rank=None)
 
     def request_cancel(self, job_id: str) -> None:
         """Tell the job's DP group, at its next heartbeat, to cancel it."""
@@ -223,6 +270,7 @@ class JobStore(JobTable):
     def reap(self) -> int:
         """Fail the jobs of groups silent for ``group_timeout_s``; returns how many."""
         now, failed = time.monotonic(), 0
+        self._reclaim(now)
         for g in self.live_groups():
             with self._beat_lock:
                 last, node = self._seen.get(g, (self.started, "unknown"))
@@ -250,10 +298,14 @@ class JobStore(JobTable):
     def _expire_orphans(self, now: float) -> int:
         with self._beat_lock:
             late = [(i, why) for i, (since, why) in self._orphans.items() if now - since > ADOPT_WAIT_S]
+            serving = sorted(m for m, at in self._models.items() if now - at <= max(ADOPT_WAIT_S, 60.0))
         n = 0
         for i, why in late:
-            n += self.fail([i], "dp_group_lost", f"{why}, and no replica took it over within "
-                           f"{ADOPT_WAIT_S:.0f} s; submit it again")
+            rec = self.get(i)
+            model = repr(rec.model) if rec is not None else "its model"
+            here = f"replicas here serve {', '.join(map(repr, serving))}" if serving else "no replica asked"
+            n += self.fail([i], "dp_group_lost", f"{why}, and no replica of model {model} took it over "
+                           f"within {ADOPT_WAIT_S:.0f} s ({here}); submit it again")
         if n:
             from service.engine.metrics import metrics
 
@@ -291,16 +343,17 @@ class JobStoreClient:
         return call
 
 
-def connect_store(url: str, storage_options: dict[str, Any] | None = None, ttl_s: float = 86400.0,
-                  max_jobs: int = 1000, group_timeout_s: float = 30.0,
+def connect_store(url: str, storage_options: dict[str, Any] | None, *, retention_s: float,
+                  max_jobs: int, group_timeout_s: float,
                   webhooks: dict[str, Any] | None = None) -> JobStoreClient:
     """The cluster's store for ``url``, started on the head node if it is not running yet
-    (the first caller's retention and webhook settings are the ones it keeps)."""
+    (the first caller's retention and webhook settings are the ones it keeps; the settings'
+    defaults are ServiceConfig's)."""
     actor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1, max_concurrency=32)(JobStore)
     handle = actor.options(
         name=store_name(url), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(head_node_id(), soft=False),
-    ).remote(url, storage_options or {}, ttl_s, max_jobs, group_timeout_s, webhooks)
+    ).remote(url, storage_options or {}, retention_s, max_jobs, group_timeout_s, webhooks)
     client = JobStoreClient(handle)
     client.status()  # fail here, with the store's own error, if it cannot start
     return client

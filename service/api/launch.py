@@ -31,7 +31,7 @@ from service.api.serve_flags import (
     results_url,
     webhook_settings,
 )
-from service.api.startup import process_started_at
+from service.api.startup import Launched, process_started_at
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
@@ -195,17 +195,17 @@ def _run(args: argparse.Namespace) -> int:
     marks["ray_up"] = time.time()
     prestarted = ahead.prestart_ranks(cfg, args, _own_cluster["started"])  # they load while Serve starts
     ahead.start_store(cfg)
-    cfg = cfg.model_copy(update={"launch_marks": marks, "prestarted": prestarted,
-                                 "ingress_executable": ahead.ingress_executable()})
+    launched = Launched(marks, prestarted, ahead.ingress_executable())
     app_import.join()
     from service.api.app import deploy
 
     _store_url["url"] = cfg.results_url
     mode = cfg.offload["mode"]
-    print(f"deploying {cfg.model} DP{cfg.dp_size}{f' x SP{cfg.sp_size}' if cfg.sp_size > 1 else ''} "
+    sp = cfg.sequence_parallel_size
+    print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
           f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
           f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
-    deploy(cfg, args.host, args.port)
+    deploy(cfg, args.host, args.port, launched=launched)
     url = f"http://{args.host}:{args.port}"
     try:
         _wait_ready(url, cfg.instance or "", args.ready_timeout_s)
@@ -242,10 +242,9 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
 
     start_watchdog()  # a SIGKILL of this process leaves none of the cluster's behind
     if loopback:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        from ray._private import ray_constants
+        from service.api.ray_hooks import loopback_node
 
-        ray_constants.ENABLE_RAY_CLUSTER = False  # read at import: ray may be imported already
+        loopback_node()
     # No runtime_env: the workers inherit this process's environment through the raylet, so
     # Serve's controller, its proxy and the job store start as plain workers, not through the
     # runtime-env agent.
@@ -280,7 +279,7 @@ def _report_listeners(host: str) -> None:
     names = ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in found)
     if host in LOOPBACK:
         replica = [x for x in found if str(x["process"]).startswith(SERVE_REPLICA)]
-        if replica:  # Ray 2.60 binds it to [::]:0 in serve/_private/replica.py, whatever the node
+        if replica:  # Ray 2.60 binds it to [::]:0 (Serve's replica module), whatever the node
             print(f"dloserve serve: note: Serve's replica gRPC server (calls between deployments) listens "
                   f"on {', '.join(str(x['port']) for x in replica)} on every interface (Ray binds it so); "
                   "Ray's token authentication refuses callers without the cluster's token",
@@ -372,32 +371,13 @@ _store_url: dict[str, str] = {}
 
 
 def _stop_http() -> None:
-    """End HTTP before anything behind it: the Serve controller first (it would start a new
-    proxy), then the proxies. Clients then get a refused connection, never a 404 from a
-    proxy whose app was deleted under it (what ``serve.delete`` before the proxy's end
-    did for about 2 s). The replica and the job store go with the cluster afterwards: the
-    drain has stored every outcome."""
-    import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE, SERVE_PROXY_NAME
+    """End HTTP before anything behind it (service.api.ray_hooks.stop_http): clients then get a
+    refused connection, never a 404 from a proxy whose app was deleted under it (what
+    ``serve.delete`` before the proxy's end did for about 2 s). The replica and the job store
+    go with the cluster afterwards: the drain has stored every outcome."""
+    from service.api.ray_hooks import stop_http
 
-    def kill(name: str) -> None:
-        try:
-            ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
-        except ValueError:
-            return  # not running
-        end = time.monotonic() + 10
-        while time.monotonic() < end:
-            try:
-                ray.get_actor(name, namespace=SERVE_NAMESPACE)
-            except ValueError:
-                return  # gone: its name is free
-            time.sleep(0.05)
-
-    proxies = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-               if a.get("namespace") == SERVE_NAMESPACE and a["name"].startswith(SERVE_PROXY_NAME)]
-    kill(SERVE_CONTROLLER_NAME)
-    for name in proxies:
-        kill(name)
+    stop_http()
 
 
 def _stop_store() -> None:

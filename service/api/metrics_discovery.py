@@ -14,21 +14,23 @@ import os
 from pathlib import Path
 
 import ray
-from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
+
+from service.api.ray_hooks import autoscaler_metrics_address, session_dirs
+
+PROMETHEUS_SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # the dashboard's name for it
 
 
 def write_service_discovery(session_dir: str | None = None, temp_dir: str | None = None) -> Path:
     """Write the file (atomically) and its link from ``temp_dir``; the folders default to this
     driver's Ray session's. Returns the file's path."""
-    node = ray._private.worker.global_worker.node
-    session = Path(session_dir or node.get_session_dir_path())
-    temp = Path(temp_dir or node.get_temp_dir_path())
+    if session_dir and temp_dir:
+        session, temp = Path(session_dir), Path(temp_dir)
+    else:
+        session, temp = session_dirs()
     targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n.get("Alive")]
-    from ray.experimental.internal_kv import _internal_kv_get
-
-    autoscaler = _internal_kv_get(b"AutoscalerMetricsAddress")
+    autoscaler = autoscaler_metrics_address()
     if autoscaler:
-        targets.append(autoscaler.decode())
+        targets.append(autoscaler)
     target = session / PROMETHEUS_SERVICE_DISCOVERY_FILE
     tmp = session / f"tmp_{PROMETHEUS_SERVICE_DISCOVERY_FILE}"
     tmp.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": targets}]))

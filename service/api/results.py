@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +33,12 @@ from fsspec.core import url_to_fs
 CHUNK = 1 << 20
 TMP = re.compile(r"^\..+\.[0-9a-f]{8}\.tmp$")  # put_bytes' temp names
 STALE_TMP_S = 600.0  # a temp file this old is no write in progress: a killed writer's
+MAX_RECORD_BYTES = 1 << 20  # a job record is a few KiB: a larger <id>.json is not one of ours
+log = logging.getLogger("dloserve.results")
+
+
+class UnusableFile(ValueError):
+    """A file in the results storage that no writer of ours left (its message names it)."""
 
 
 class StorageError(OSError):
@@ -126,6 +134,37 @@ class ResultStorage:
         except (FileNotFoundError, OSError):
             return None
 
+    def read_capped(self, name: str, max_bytes: int) -> bytes | None:
+        """``name``'s bytes, None if it does not exist; UnusableFile (naming it) for what a
+        writer of ours never leaves: a link, a FIFO or a device (opened without blocking
+        and without following links, then refused), or more than ``max_bytes`` (refused
+        before a byte is read). A results folder is data another process may have touched."""
+        if self.local_path is None:
+            try:
+                if int(self.fs.size(self._path(name))) > max_bytes:
+                    raise UnusableFile(f"{self._path(name)} is over {max_bytes} bytes")
+                return self.fs.cat_file(self._path(name))
+            except FileNotFoundError:
+                return None
+        path = self.local_path / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # ELOOP: a symlink
+            why = os.strerror(e.errno or 0)
+            raise UnusableFile(f"{path} cannot be opened as a plain file ({why})") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnusableFile(f"{path} is not a regular file")
+            if st.st_size > max_bytes:
+                raise UnusableFile(f"{path} is {st.st_size} bytes, over {max_bytes}")
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # grew meanwhile
+            raise UnusableFile(f"{path} is over {max_bytes} bytes")
+        return data
+
     def exists(self, name: str) -> bool:
         return bool(self.fs.exists(self._path(name)))
 
@@ -164,15 +203,16 @@ class ResultStorage:
         self.put_bytes(f"{rec['id']}.json", json.dumps(rec).encode())
 
     def read_records(self) -> list[dict[str, Any]]:
+        """Every record that reads back as one; any other ``.json`` (torn by a killed process,
+        a link, a FIFO, oversize, nested past the parser's depth) is logged and skipped."""
         recs = []
         for name in self.names(".json"):
-            data = self.get_bytes(name)
             try:
-                rec = json.loads(data or b"")
+                rec = json.loads(self.read_capped(name, MAX_RECORD_BYTES) or b"")
                 if isinstance(rec, dict) and "id" in rec:
                     recs.append(rec)
-            except ValueError:
-                continue  # a torn write from a killed process: the job is unknown
+            except Exception as e:  # noqa: BLE001 - RecursionError too: one file never stops a start
+                log.warning("job record %s skipped: %s", self._path(name), str(e)[:200] or type(e).__name__)
         return recs
 
     def write_video(self, job_id: str, mp4: bytes) -> None:

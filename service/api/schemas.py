@@ -24,6 +24,8 @@ NESTED_OBJECTS = frozenset({"cache"})  # object fields whose errors name the inn
 NUMERIC_FIELDS = frozenset({"width", "height", "seconds", "num_frames", "fps", "seed", "num_inference_steps",
                             "guidance_scale", "flow_shift", "max_sequence_length", "guidance_scale_2",
                             "priority"})
+# A form's number, as JSON writes one: no "4_0" (Python's int() reads 40), "+4", " 4", "0x10".
+FORM_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
 class LoraUse(BaseModel):
@@ -384,6 +386,9 @@ def validate_create(data: dict[str, Any], strict: bool = True) -> VideoCreate:
     for name in NUMERIC_FIELDS & set(data):
         if isinstance(data[name], bool):  # pydantic's lax mode would read true as 1
             raise BodyError(name, "must be a number, not a boolean", "type_error")
+        if not strict and isinstance(data[name], str) and not FORM_NUMBER.fullmatch(data[name]):
+            raise BodyError(name, f"must be a decimal number as JSON writes one, got {data[name][:40]!r}",
+                            "type_error")
     try:
         return VideoCreate.model_validate(data, strict=strict)
     except ValidationError as e:

@@ -1,92 +1,102 @@
 """The flags of ``dloserve serve`` and what they become: a ServiceConfig (the Serve app's
-``args``), the results URL and the API-key hashes. Parsing only; ``launch`` runs it."""
+``args``), the results URL and the API-key hashes. Parsing only; ``launch`` runs it.
+
+Each setting's flag is declared from its field (ServiceConfig's marked ``Flag``, EngineArgs'),
+its default written there once; here only what is no field: the results folder's per-port
+default, the keys (the config holds their hashes), the webhook pair and the launcher's own."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import types
+import typing
 import uuid
 from typing import Any
 
+SERVICE = "service"  # the flags declared from ServiceConfig's fields
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``dloserve serve`` flags: the engine's (EngineArgs), the service's (one per
+    ServiceConfig field marked ``Flag``, declared from the field) and the launcher's own."""
     from service.config.args import SERVE, EngineArgs
 
     p.add_argument("model", nargs="?", default=None, help="diffusers pipeline dir (default: demo)")
     EngineArgs.add_cli_args(p, SERVE)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                   help="Ray cluster to join (default: start a local one)")
-    p.add_argument("--num-replicas", type=int, default=1, help="DP groups (one per replica)")
-    p.add_argument("--max-width", type=int, default=1280)
-    p.add_argument("--max-height", type=int, default=1280)
-    p.add_argument("--max-pixels", type=int, default=1280 * 720)
-    p.add_argument("--max-frames", type=int, default=129)
-    p.add_argument("--max-steps", type=int, default=100)
-    p.add_argument("--results-url", "--results-dir", dest="results_url", default=None,
+    g = p.add_argument_group(SERVICE)
+    for name, info, flag in service_flags():
+        g.add_argument(*(flag.names or (f"--{name.replace('_', '-')}",)), dest=name,
+                       help=info.description, **_argparse_kw(info, flag))
+    g.add_argument("--results-url", "--results-dir", dest="results_url", default=None,
                    help="folder or fsspec URL (s3://bucket/prefix) for job records and MP4s, seen "
                         "by every replica (default ~/.cache/dloserve/results/port-PORT; locked)")
-    p.add_argument("--storage-options", type=json.loads, default={}, metavar="JSON",
-                   help='fsspec options for --results-url, e.g. \'{"endpoint_url": "http://minio:9000"}\' '
-                        "(credentials: the usual environment, e.g. AWS_ACCESS_KEY_ID)")
-    p.add_argument("--group-timeout-s", type=float, default=30.0,
-                   help="a replica (DP group) silent this long is lost: its jobs fail with a reason")
-    p.add_argument("--retention-s", type=float, default=86400.0, help="keep finished jobs this long")
-    p.add_argument("--max-jobs", type=int, default=1000, help="keep at most this many jobs")
-    p.add_argument("--api-key", action="append", default=None,
+    g.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' (repeatable); jobs belong to their key. "
                         "Visible in the process list: prefer --api-key-file or DLOSERVE_API_KEYS")
-    p.add_argument("--api-key-file", default=None,
+    g.add_argument("--api-key-file", default=None,
                    help="one API key per line: KEY, or KEY max_queued=N max_running=N (that key's "
                         "own limits); '#' starts a comment line")
-    p.add_argument("--admin-key", action="append", default=None,
+    g.add_argument("--admin-key", action="append", default=None,
                    help="a key that reads /readyz's detail and every key's /v1/waves (repeatable; "
                         "visible in the process list: prefer --admin-key-file)")
-    p.add_argument("--admin-key-file", default=None, help="one admin key per line")
-    p.add_argument("--max-queued-per-key", type=int, default=16,
-                   help="queued jobs per API key; beyond it 429 quota_exceeded (0: no limit but "
-                        "--queue-size)")
-    p.add_argument("--max-running-per-key", type=int, default=0,
-                   help="jobs per API key on ranks at once (0: as many as are free)")
-    p.add_argument("--lora-dir", action="append", default=[], metavar="FOLDER",
-                   help="POST /v1/loras may register .safetensors files under FOLDER (repeatable; "
-                        "none: adapters come only from --lora NAME=PATH at start)")
-    p.add_argument("--webhook-url", default=None,
+    g.add_argument("--admin-key-file", default=None, help="one admin key per line")
+    g.add_argument("--webhook-url", default=None,
                    help="POST signed video.completed / video.failed / video.cancelled events of every "
                         "job to URL (Standard Webhooks; needs --webhook-secret-file). A key's own: the "
                         "key file's webhook_url= and webhook_secret=")
-    p.add_argument("--webhook-secret-file", default=None,
+    g.add_argument("--webhook-secret-file", default=None,
                    help="file holding the whsec_<base64> secret that signs --webhook-url's events")
-    p.add_argument("--max-body-bytes", type=int, default=65536,
-                   help="larger request bodies are refused with 413 before they are read")
-    p.add_argument("--body-timeout-s", type=float, default=10.0,
-                   help="a request body must arrive within this long, or 408 (slow clients)")
-    p.add_argument("--first-byte-timeout-s", type=float, default=3.0,
-                   help="a request body must start within this long, or 408 (headers sent, then nothing)")
-    p.add_argument("--max-uploads-per-key", type=int, default=8,
-                   help="request bodies one API key may send at once; more get 429 at once (0: no cap)")
-    p.add_argument("--max-uploads-per-address", type=int, default=16,
-                   help="request bodies one client address may send at once (0: no cap; behind a "
-                        "proxy every client has the proxy's address)")
-    p.add_argument("--max-image-bytes", type=int, default=8 * 2**20,
-                   help="largest input_reference image file; where the model takes images a body may be "
-                        "this much larger than --max-body-bytes (x 4/3 for base64 in JSON)")
-    p.add_argument("--max-image-pixels", type=int, default=4096 * 4096,
-                   help="largest input_reference image (width x height from its header, before decoding); "
-                        "the service also caps it at its largest video, --max-width x --max-height")
-    p.add_argument("--drain-timeout-s", type=float, default=60.0,
-                   help="on SIGTERM: how long running jobs may take to finish")
-    p.add_argument("--ready-timeout-s", type=float, default=1800.0)
-    p.add_argument("--rank-prestart", action=argparse.BooleanOptionalAction, default=True,
-                   help="on a cluster of its own with one replica: start the rank processes right after "
-                        "Ray, so they import while Serve and the ingress start (default on)")
-    p.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
-                   help="on a cluster of its own: start Ray's dashboard (127.0.0.1:8265; `ray job submit`, "
-                        "`ray list`, `serve status`); off by default: it delays Ray's start by seconds")
-    p.add_argument("--join-timeout-s", type=float, default=60.0,
-                   help="with --address: give up joining the cluster after this long")
+    g.add_argument("--webhook-allow-private", action="store_true",
+                   help="let webhooks (the instance's and keys') go to loopback, private and link-local "
+                        "addresses; without it a target resolving to one is refused at each connect")
+    launcher = p.add_argument_group("launcher")
+    launcher.add_argument("--host", default="127.0.0.1")
+    launcher.add_argument("--port", type=int, default=8000)
+    launcher.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                          help="Ray cluster to join (default: start a local one)")
+    launcher.add_argument("--drain-timeout-s", type=float, default=60.0,
+                          help="on SIGTERM: how long running jobs may take to finish")
+    launcher.add_argument("--ready-timeout-s", type=float, default=1800.0)
+    launcher.add_argument("--rank-prestart", action=argparse.BooleanOptionalAction, default=True,
+                          help="on a cluster of its own with one replica: start the rank processes right "
+                               "after Ray, so they import while Serve and the ingress start (default on)")
+    launcher.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
+                          help="on a cluster of its own: start Ray's dashboard (127.0.0.1:8265; `ray job "
+                               "submit`, `ray list`, `serve status`); off by default: it delays Ray's "
+                               "start by seconds")
+    launcher.add_argument("--join-timeout-s", type=float, default=60.0,
+                          help="with --address: give up joining the cluster after this long")
+
+
+def service_flags() -> list[tuple[str, Any, Any]]:
+    """(name, pydantic FieldInfo, Flag) of every ServiceConfig field that is a flag."""
+    from service.api.config import Flag, ServiceConfig
+
+    out = []
+    for name, info in ServiceConfig.model_fields.items():
+        flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
+        if flag is not None:
+            out.append((name, info, flag))
+    return out
+
+
+def _argparse_kw(info: Any, flag: Any) -> dict[str, Any]:
+    """``add_argument``'s type and default from the field: its annotation (None dropped), its
+    default (a fresh list or mapping each parse)."""
+    ann = info.annotation
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):  # X | None: X
+        ann = next(t for t in typing.get_args(ann) if t is not type(None))
+    kind = typing.get_origin(ann) or ann
+    kw: dict[str, Any] = {"default": info.get_default(call_default_factory=True)}
+    if kind is dict:
+        kw["type"] = json.loads
+    elif kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif kind is not list:
+        kw["type"] = kind
+    return {**kw, **flag.kw}
 
 
 def config_from_args(args: argparse.Namespace, gpus_per_rank: float, engine: Any = None) -> Any:
@@ -103,45 +113,24 @@ def config_from_args(args: argparse.Namespace, gpus_per_rank: float, engine: Any
     engine = replace(engine, parallel=replace(engine.parallel, gpus_per_rank=gpus_per_rank,
                                               **({} if args.cpus_per_rank is None
                                                  else {"cpus_per_rank": args.cpus_per_rank})))
-    extra: dict[str, Any] = {"results_url": results_url(args), "group_timeout_s": args.group_timeout_s,
-                             "storage_options": args.storage_options}
+    flags = {name: (getattr(args, name) or None) if flag.zero_is_none else getattr(args, name)
+             for name, _, flag in service_flags()}
     quotas = api_keys(args)
     return ServiceConfig(
         **ServiceConfig.from_engine(engine),
+        **flags,
         model=args.model,
         cpus_per_rank_why=getattr(args, "cpus_per_rank_why", None) or (
             "the default" if args.cpus_per_rank is None else "--cpus-per-rank"),
-        num_replicas=args.num_replicas,
-        retention_s=args.retention_s,
-        max_jobs=args.max_jobs,
-        limits={
-            "max_width": args.max_width,
-            "max_height": args.max_height,
-            "max_pixels": args.max_pixels,
-            "max_frames": args.max_frames,
-            "max_steps": args.max_steps,
-        },
-        deadline={
-            "base_s": args.wave_deadline_base_s,
-            "per_forward_s": args.wave_deadline_per_forward_s,
-        },
+        wave_deadline_base_s=args.wave_deadline_base_s,
+        wave_deadline_per_forward_s=args.wave_deadline_per_forward_s,
         instance=uuid.uuid4().hex[:12],
+        results_url=results_url(args),
         api_key_hashes=sorted(quotas),
         key_quotas={h: q for h, q in quotas.items() if q},
         admin_key_hashes=admin_key_hashes(args),
-        max_queued_per_key=args.max_queued_per_key or None,
-        max_running_per_key=args.max_running_per_key or None,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout_s,
-        first_byte_timeout_s=args.first_byte_timeout_s,
-        max_uploads_per_key=args.max_uploads_per_key or None,
-        max_uploads_per_address=args.max_uploads_per_address or None,
         loras=dict(lora_flags(args)[0]),
-        lora_dirs=list(args.lora_dir),
-        max_image_bytes=args.max_image_bytes,
-        max_image_pixels=args.max_image_pixels,
         **webhook_settings(args),
-        **extra,
     )
 
 
@@ -149,7 +138,7 @@ def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The instance's webhook (the secret file checked here, its path made absolute) and each
     key's own from the key file, by key hash. WebhookConfigError or OSError names what is wrong."""
     from service.api.keys import key_hash, parse_key_lines
-    from service.api.webhooks import WebhookConfigError, check_url, parse_secret
+    from service.api.webhooks import WebhookConfigError, check_url, parse_secret, warn_of
 
     out: dict[str, Any] = {}
     if bool(args.webhook_url) != bool(args.webhook_secret_file):
@@ -164,6 +153,9 @@ def webhook_settings(args: argparse.Namespace) -> dict[str, Any]:
             hooks = {key_hash(e.key): e.webhook for e in parse_key_lines(f, args.api_key_file) if e.webhook}
         if hooks:
             out["key_webhooks"] = hooks
+    if args.webhook_allow_private:
+        out["webhook_allow_private"] = True
+    warn_of(out, args.api_key_file)
     return out
 
 

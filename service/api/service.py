@@ -20,13 +20,13 @@ from typing import Any
 
 from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
-from service.api.durable import StateKeeper
+from service.api.durable import StateKeeper, usable_state
 from service.api.images import take_image
-from service.api.keys import AuthError, Caller, Keys
+from service.api.keys import AuthError, Caller, Keys, owner_id
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError, open_storage
 from service.api.schemas import BodyError, Video, validate_create
-from service.api.startup import startup_breakdown
+from service.api.startup import Launched, startup_breakdown
 from service.api.storage_health import StorageHealth
 from service.api.store import JobTable
 from service.api.views import public_ready, redact, tenant_ready, tenant_record
@@ -38,11 +38,10 @@ from service.models.checks import check_request
 from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
 from service.models.lora_registry import LoraRegistry, Registered
-from service.models.registry import load_adapter, resolve_model
+from service.models.registry import load_adapter, request_defaults, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
 from service.router.health import Availability
-from service.router.policy import DeadlinePolicy, Limits
 from service.router.queue import Ticket
 
 log = logging.getLogger("dloserve.api")
@@ -56,7 +55,7 @@ def connect_job_store(cfg: ServiceConfig, url: str | None = None) -> Any:
 
     if url is None:
         url = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options).url
-    return connect_store(url, cfg.storage_options, ttl_s=cfg.retention_s, max_jobs=cfg.max_jobs,
+    return connect_store(url, cfg.storage_options, retention_s=cfg.retention_s, max_jobs=cfg.max_jobs,
                          group_timeout_s=cfg.group_timeout_s, webhooks=cfg.webhook_targets())
 
 
@@ -64,15 +63,18 @@ class VideoService:
     """One DP group, its dispatcher and the job store; the Sink the dispatcher reports to."""
 
     def __init__(self, cfg: ServiceConfig, placement_group: Any = None, dp_group: str | None = None, *,
-                 executor: Executor | None = None, store: Any = None, node_id: str | None = None) -> None:
+                 executor: Executor | None = None, store: Any = None, node_id: str | None = None,
+                 launched: Launched | None = None) -> None:
         """``executor`` and ``store`` default to Ray's (rank actors, the cluster's job-store
-        actor); tests pass the fake executor and an in-process ``JobStore``."""
+        actor); tests pass the fake executor and an in-process ``JobStore``. ``launched``:
+        what ``dloserve serve`` did before Serve started this replica."""
         self.replica_at = time.time()  # /readyz startup: the launcher's steps end here
         self.cfg = cfg
+        self.launched = launched or Launched()
         self.model_dir = resolve_model(cfg.model)
         self.model_name = cfg.model_name or Path(self.model_dir).name
-        self.adapter = load_adapter(self.model_dir, cfg.sp_size)  # config files only, no weights
-        self.limits = Limits(**cfg.limits)
+        self.adapter = load_adapter(self.model_dir, cfg.sequence_parallel_size)  # config files only
+        self.limits = cfg.request_limits()
         # An image larger than any video this instance makes is refused from its header.
         self.image_pixels = min(cfg.max_image_pixels, self.limits.max_width * self.limits.max_height)
         self.engine = cfg.engine_config(self.model_dir)  # the one EngineConfig of this replica
@@ -82,10 +84,12 @@ class VideoService:
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
         self.adapter_io = AdapterIO(cfg.lora_io_threads, cfg.lora_read_timeout_s)  # POST /v1/loras' reads
-        self.defaults = GenerationRequest(prompt="-", **cfg.defaults)
+        # a field a request leaves out: the service's defaults, else the model folder's, else ours
+        self.defaults = GenerationRequest(prompt="-", **{**request_defaults(self.model_dir), **cfg.defaults})
         self._cache_default = self.engine.step_cache
         self.dp_group = dp_group or uuid.uuid4().hex[:12]
         self.keys = Keys(cfg.api_key_hashes, cfg.admin_key_hashes)
+        self._owners = {owner_id(h) for h in cfg.api_key_hashes}  # an adopted job's key must be one
         self.storage = open_storage(os.path.expanduser(cfg.results_url), cfg.storage_options)
         if node_id is None:
             import ray
@@ -99,7 +103,7 @@ class VideoService:
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             self.engine, self, placement=placement_group, executor=executor,
-            deadlines=DeadlinePolicy(**cfg.deadline), tenants=cfg.tenants(), prestarted=cfg.prestarted,
+            deadlines=cfg.deadlines(), tenants=cfg.tenants(), prestarted=self.launched.prestarted,
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -140,14 +144,43 @@ class VideoService:
 
     def _adopt(self) -> None:
         """Take over jobs of lost DP groups (another replica's, or a node's), while this one
-        serves and has room in its queue: they run again here."""
+        serves and has room in its queue: they run again here. Each is checked on its own
+        (one that cannot run here ends with the reason; the others still run)."""
         room = self.cfg.queue_size - self.dispatcher.depth
         if (not self.cfg.job_retries or self._draining or room <= 0
                 or self.dispatcher.availability()[0] is not Availability.SERVING):
             return
-        for job_id, req, owner in self.store.adopt(self.dp_group, self.node_id, self.model_name, room):
-            if self.dispatcher.adopt(job_id, req.compat_key(), req, tenant=owner):
-                log.info("took over %s from a lost DP group", job_id)
+        taken = self.store.adopt(self.dp_group, self.node_id, self.model_name, room)
+        for job_id, req, owner in taken:
+            try:
+                self._take_over(job_id, req, owner)
+            except Exception as e:  # noqa: BLE001 - it is this replica's now: never left held by nobody
+                log.exception("could not take over %s", job_id)
+                self.store.fail([job_id], "dp_group_lost", f"it could not run again after its DP group "
+                                f"was lost: {type(e).__name__}: {str(e)[:200]}; submit it again")
+        if taken:  # held or ended now (a lost answer: the store takes them back, CONFIRM_WAIT_S)
+            self.store.confirm(self.dp_group, [job_id for job_id, _, _ in taken])
+
+    def _take_over(self, job_id: str, req: GenerationRequest, owner: str | None) -> None:
+        """Queue one adopted job: not a revoked key's; from its kept state only where this
+        model can go on from it (its latents' shape and dtype, a resumable request), else from 0."""
+        if owner is not None and not self.keys.open and owner not in self._owners:
+            self.store.fail([job_id], "key_revoked", "its API key was removed from the key file before "
+                            "it ran again after a restart")
+            return
+        if req.resume is not None and not (self._resumable(req) and
+                                           usable_state(req.resume, self.adapter.latent_spec(req))):
+            log.warning("the kept state of %s does not fit this model's run of it (shape %s, dtype %s): "
+                        "it reruns from step 0", job_id, list(req.resume.shape), req.resume.dtype)
+            req = req.resumed(None)
+            self.store.progress({job_id: {"resumable_step": 0}})
+        self.states.track(job_id, req)
+        if self.dispatcher.adopt(job_id, req.compat_key(), req, tenant=owner):
+            log.info("took over %s from a lost DP group", job_id)
+
+    def _resumable(self, req: GenerationRequest) -> bool:
+        """What the rank's ``PipelineRunner.resumable`` answers, from the config files alone."""
+        return not self.adapter.resume_blocker(req)
 
     # -- requests ----------------------------------------------------------------------
     def create(self, fields: dict[str, Any], owner: str | None = None, strict: bool = True) -> JobRecord:
@@ -203,6 +236,7 @@ class VideoService:
             self.storage_health.failed(e, len(str(rec.to_json())))
             raise
         try:
+            self.states.track(rec.id, req)
             self.dispatcher.submit(rec.id, req.compat_key(), req, tenant=owner)
         except Exception:
             self.store.delete(rec.id)
@@ -238,14 +272,14 @@ class VideoService:
     # -- adapters (POST/GET/DELETE /v1/loras) -------------------------------------------------
 
     def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
-        """Register a file under one of ``lora_dirs``. PermissionError (outside them, or no
+        """Register a file under one of ``lora_dir``. PermissionError (outside them, or no
         dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
         naming the key)."""
         try:
             path = Path(os.path.expanduser(source)).resolve()
         except (OSError, RuntimeError):  # a symlink loop: its message holds the resolved path
             raise LoraError(name, "source", "cannot resolve it (a symlink loop?)") from None
-        roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dirs]
+        roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dir]
         if not roots:
             raise PermissionError("run-time adapter registration is off on this server (start it with "
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
@@ -342,7 +376,7 @@ class VideoService:
             "dp_group": self.dp_group,
             "node_id": self.node_id,
             "results_url": self.storage.url,
-            "startup": startup_breakdown(self.cfg.launch_marks, self.replica_at, st.get("startup", {}),
+            "startup": startup_breakdown(self.launched.marks, self.replica_at, st.get("startup", {}),
                                          len(st["groups"]), hosted()),
         }
 

@@ -3,7 +3,7 @@
 The steps run one after another, so their seconds add up to ``ready_s`` (from the start of
 the ``dloserve serve`` process, as a user's stopwatch has it, to the last group's first
 ready); ``unaccounted_s`` is what no step covers (it should stay near 0).
-The launcher stamps its own steps (``ServiceConfig.launch_marks``, wall-clock); the replica
+The launcher stamps its own steps (``Launched.marks``, wall-clock); the replica
 stamps when it began; the executor when it began, its placement and auto probe, and when
 each group was first ready (each group's own breakdown is ``groups[].last_start``: actor
 start and imports, rendezvous, load). A replica that Serve started from a config file has
@@ -23,7 +23,21 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class Launched:
+    """What the ``dloserve serve`` launcher did before Serve started the replica: not settings
+    (a Serve config file has none of it), handed to the replica beside its ServiceConfig.
+    ``marks``: when the launcher's steps ended, wall-clock (``startup_breakdown``);
+    ``prestarted``: the rank processes it started, by bundle (the first groups adopt them);
+    ``ingress_executable``: the replica's worker command, a warm host's shim (engine.warmhost)."""
+
+    marks: dict[str, float] = field(default_factory=dict)
+    prestarted: list[str] = field(default_factory=list)
+    ingress_executable: str | None = None
 
 
 def process_started_at(pid: int | None = None) -> float | None:

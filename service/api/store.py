@@ -41,7 +41,9 @@ def lock_folder(root: Path) -> Any:
     import fcntl
 
     root.mkdir(mode=0o700, parents=True, exist_ok=True)  # its records are private
-    f = open(root / ".lock", "a+")  # noqa: SIM115 - held open on purpose
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # its pid: private too
+    os.fchmod(fd, 0o600)  # (one an older version made 0644)
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -50,6 +52,7 @@ def lock_folder(root: Path) -> Any:
         f.close()
         raise StoreLocked(f"results folder {root} is in use by {holder}; give this instance its own "
                           "with --results-url") from None
+    f.seek(0)
     f.truncate(0)
     f.write(f"pid {os.getpid()}")
     f.flush()
@@ -78,7 +81,8 @@ class JobTable:
         for d in storage.read_records():
             try:
                 rec = JobRecord.from_json(d)
-            except (TypeError, ValueError):
+            except Exception as e:  # noqa: BLE001 - one record never stops a start
+                log.warning("job record %s skipped: %s", d.get("id"), str(e)[:200] or type(e).__name__)
                 continue  # a record this version cannot read: not a job it knows
             self._jobs[rec.id] = rec
 

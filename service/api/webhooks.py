@@ -10,10 +10,15 @@ every job's events) and each API key's own (the key file: that key's jobs only).
 Where: the job store calls ``Webhooks.on_final`` from ``JobTable.finish``, the one place a
 record becomes final, so every job that ends (on any replica, or failed by the store's
 reaper when its replica is lost) is announced once by the store's process. Delivery is at
-least once: a bounded queue (a full queue drops the event and counts it, it never blocks
-the caller), sender threads that retry errors, non-2xx answers and timeouts with
-exponential backoff, and the failures counted in ``dloserve_webhook_failures_total``. The
-queue lives in the store's memory: deliveries pending when its process dies are lost.
+least once and per target: each target (the instance's, each key's) has its own bounded
+queue (a full one drops the event and counts it, it never blocks the caller) and its own
+sender thread, so a receiver that is slow, failing or silent delays and fills only its own.
+Each POST has a deadline for the whole request (``timeout_s``), follows no redirect, and goes
+only to public addresses unless the operator allows private ones (webhook_http.py). Errors,
+non-2xx answers and timeouts are retried with exponential backoff; after
+``breaker_failures`` failures in a row a target rests (its breaker opens for ``breaker_s``,
+doubling); failures are counted in ``dloserve_webhook_failures_total``. The queues live in
+the store's memory: deliveries pending when its process dies are lost.
 """
 
 from __future__ import annotations
@@ -22,23 +27,28 @@ import base64
 import hashlib
 import heapq
 import hmac
+import ipaddress
 import itertools
 import json
 import logging
+import math
+import os
+import stat
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from service.api.records import JobRecord, JobStatus
+from service.api.webhook_http import post
 
 log = logging.getLogger("dloserve.webhooks")
 EVENT_TYPES = {JobStatus.COMPLETED: "video.completed", JobStatus.FAILED: "video.failed",
                JobStatus.CANCELLED: "video.cancelled"}
 SECRET_PREFIX = "whsec_"
+FINAL_REASONS = ("redirect", "refused_address")  # no retry changes these answers
 
 
 class WebhookConfigError(ValueError):
@@ -58,6 +68,46 @@ def parse_secret(text: str, source: str = "webhook secret") -> bytes:
     if len(key) < 24:
         raise WebhookConfigError(f"{source}: the secret has {len(key)} bytes, at least 24 are needed")
     return key
+
+
+def warn_if_shared(path: str, what: str) -> bool:
+    """Log a warning when a file holding secrets can be read by other users (its group or all);
+    True if it was. Used still (an operator's choice), but never silently."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        log.warning("%s %s is readable by other users (mode %o): its secrets sign webhooks; chmod 600 it",
+                    what, path, mode)
+        return True
+    return False
+
+
+def warn_if_private(url: str, source: str) -> bool:
+    """Log a warning when ``url`` names a loopback or private address outright (an IP, or
+    localhost): without --webhook-allow-private each delivery to it is refused. (A name is
+    checked at each connect only: what it resolves to may change.) True if it was."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        private = host == "localhost" or not ipaddress.ip_address(host).is_global
+    except ValueError:
+        return False
+    if private:
+        log.warning("%s %s is a private address: its deliveries are refused without --webhook-allow-private",
+                    source, url)
+    return private
+
+
+def warn_of(settings: dict[str, Any], key_file: str | None) -> None:
+    """At start (serve's flags, as ``webhook_settings`` made them): secrets others can read,
+    and targets that name a private address the deliveries to which will be refused."""
+    if settings.get("webhook_secret_file"):
+        warn_if_shared(settings["webhook_secret_file"], "--webhook-secret-file")
+    if settings.get("key_webhooks") and key_file:
+        warn_if_shared(key_file, "--api-key-file (its webhook_secret= values)")
+    if not settings.get("webhook_allow_private"):
+        if settings.get("webhook_url"):
+            warn_if_private(settings["webhook_url"], "--webhook-url")
+        for hook in settings.get("key_webhooks", {}).values():
+            warn_if_private(hook["url"], "a key's webhook_url")
 
 
 def check_url(url: str, source: str = "webhook url") -> str:
@@ -98,124 +148,165 @@ class Target:
 class _Delivery:
     due: float
     seq: int
-    target: Target = field(compare=False)
     msg_id: str = field(compare=False)
     body: bytes = field(compare=False)
     kind: str = field(compare=False)
     attempt: int = field(default=0, compare=False)
 
 
+class _Lane:
+    """One target's own queue, sender thread and breaker: what one receiver does (answers
+    slowly, fails, never answers) holds and fills only its own lane."""
+
+    def __init__(self, target: Target, hooks: Webhooks) -> None:
+        self.target, self.hooks = target, hooks
+        self.heap: list[_Delivery] = []
+        self.cv = threading.Condition()
+        self.failed_in_a_row = 0
+        self.open_until = 0.0  # the breaker: no attempt before this (monotonic)
+        self.opened = 0  # times the breaker opened since the last delivery
+        self.thread = threading.Thread(target=self.loop, name="dloserve-webhook", daemon=True)
+        self.thread.start()
+
+    def push(self, d: _Delivery) -> bool:
+        with self.cv:
+            if self.hooks.closed or len(self.heap) >= self.hooks.queue_size:
+                return False
+            heapq.heappush(self.heap, d)
+            self.cv.notify_all()
+            return True
+
+    def _next_at(self) -> float:
+        return max(self.heap[0].due, self.open_until) if self.heap else math.inf
+
+    def loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self.hooks.closed and self._next_at() > time.monotonic():
+                    wait = self._next_at() - time.monotonic()
+                    self.cv.wait(None if wait == math.inf else max(0.0, wait))
+                if self.hooks.closed:
+                    return
+                d = heapq.heappop(self.heap)
+            self.deliver(d)
+
+    def deliver(self, d: _Delivery) -> None:
+        hooks = self.hooks
+        reason = hooks._attempt(self.target, d)
+        if reason is None:
+            self.failed_in_a_row, self.opened = 0, 0
+            with hooks.stats_lock:
+                hooks.sent += 1
+            return
+        d.attempt += 1
+        self.failed_in_a_row += 1
+        hooks._failed(reason, d.kind)
+        if reason in FINAL_REASONS or d.attempt >= hooks.max_attempts:
+            log.warning("webhook %s to %s given up after %d attempts (%s)", d.msg_id, self.target.url,
+                        d.attempt, reason)
+            hooks._failed("given_up", d.kind)
+            return
+        now = time.monotonic()
+        if self.failed_in_a_row >= hooks.breaker_failures:  # this receiver is down: rest it
+            self.opened += 1
+            self.failed_in_a_row = 0
+            pause = min(hooks.max_backoff_s, hooks.breaker_s * 2 ** (self.opened - 1))
+            self.open_until = now + pause
+            hooks._failed("breaker_open", d.kind)
+            log.warning("webhook target %s failed %d times in a row (%s): no attempt for %.0f s",
+                        self.target.url, hooks.breaker_failures, reason, pause)
+        d.due = now + min(hooks.max_backoff_s, hooks.backoff_s * 2 ** (d.attempt - 1))
+        with self.cv:
+            heapq.heappush(self.heap, d)
+            self.cv.notify_all()
+
+
 class Webhooks:
-    """The instance's target and each owner's; ``on_final`` queues, sender threads deliver."""
+    """The instance's target and each owner's; ``on_final`` queues into each target's lane,
+    whose own thread delivers."""
 
     def __init__(self, instance: Target | None = None, by_owner: dict[str, Target] | None = None, *,
                  queue_size: int = 1000, timeout_s: float = 10.0, max_attempts: int = 8,
-                 backoff_s: float = 1.0, max_backoff_s: float = 300.0, senders: int = 2) -> None:
+                 backoff_s: float = 1.0, max_backoff_s: float = 300.0, breaker_failures: int = 5,
+                 breaker_s: float = 30.0, allow_private: bool = False) -> None:
         self.instance = instance
         self.by_owner = dict(by_owner or {})
-        self.queue_size, self.timeout_s = queue_size, timeout_s
+        self.queue_size, self.timeout_s = queue_size, timeout_s  # per target; the whole request's deadline
         self.max_attempts, self.backoff_s, self.max_backoff_s = max_attempts, backoff_s, max_backoff_s
-        self._heap: list[_Delivery] = []
+        self.breaker_failures, self.breaker_s = breaker_failures, breaker_s
+        self.allow_private = allow_private
         self._seq = itertools.count()
-        self._cv = threading.Condition()
-        self._closed = False
+        self._lanes: dict[Target, _Lane] = {}
+        self._lanes_lock = threading.Lock()
+        self.stats_lock = threading.Lock()
+        self.closed = False
         self.sent = 0
         self.failures: dict[str, int] = {}  # reason -> count (the metric's, readable in tests)
-        self._threads = [threading.Thread(target=self._send_loop, name=f"dloserve-webhook-{i}", daemon=True)
-                         for i in range(senders)]
-        for t in self._threads:
-            t.start()
 
     @classmethod
     def from_config(cls, spec: dict[str, Any] | None, **kwargs: Any) -> Webhooks | None:
-        """From ``{"url", "secret", "keys": {owner: {"url", "secret"}}}``; None when it names none."""
+        """From ``{"url", "secret", "keys": {owner: {"url", "secret"}}, "allow_private"}``; None
+        when it names no target."""
         spec = spec or {}
         instance = Target.of(spec, "webhook") if spec.get("url") else None
         owners = {o: Target.of(s, f"webhook of key {o}") for o, s in (spec.get("keys") or {}).items()}
         if instance is None and not owners:
             return None
+        kwargs.setdefault("allow_private", bool(spec.get("allow_private")))
         return cls(instance, owners, **kwargs)
 
     def targets(self, owner: str | None) -> list[Target]:
         own = self.by_owner.get(owner) if owner is not None else None
         return [t for t in (self.instance, own) if t is not None]
 
+    def _lane(self, target: Target) -> _Lane:
+        with self._lanes_lock:
+            lane = self._lanes.get(target)
+            if lane is None:
+                lane = self._lanes[target] = _Lane(target, self)
+            return lane
+
     def on_final(self, rec: JobRecord) -> None:
         """Queue the event of a record that just became final, for each of its targets;
-        never blocks and never raises (a full queue drops it and counts it)."""
+        never blocks and never raises (a target's full queue drops it and counts it)."""
         event = event_of(rec)
         targets = self.targets(rec.owner)
         if event is None or not targets:
             return
         body = json.dumps(event, separators=(",", ":")).encode()
-        with self._cv:
-            for t in targets:
-                if self._closed or len(self._heap) >= self.queue_size:
-                    self._failed("queue_full", event["type"])
-                    log.warning("webhook queue full: %s for %s to %s dropped", event["type"], rec.id, t.url)
-                    continue
-                heapq.heappush(self._heap, _Delivery(time.monotonic(), next(self._seq), t, event["id"], body,
-                                                     event["type"]))
-            self._cv.notify_all()
+        for t in targets:
+            d = _Delivery(time.monotonic(), next(self._seq), event["id"], body, event["type"])
+            if not self._lane(t).push(d):
+                self._failed("queue_full", event["type"])
+                log.warning("webhook queue of %s full: %s for %s dropped", t.url, event["type"], rec.id)
 
     @property
     def pending(self) -> int:
-        with self._cv:
-            return len(self._heap)
+        with self._lanes_lock:
+            lanes = list(self._lanes.values())
+        return sum(len(lane.heap) for lane in lanes)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for t in self._threads:
-            t.join(timeout=timeout_s)
+        self.closed = True
+        with self._lanes_lock:
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            with lane.cv:
+                lane.cv.notify_all()
+        for lane in lanes:
+            lane.thread.join(timeout=timeout_s)
 
-    # -- sender threads ----------------------------------------------------------------
-    def _send_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (not self._heap or self._heap[0].due > time.monotonic()):
-                    self._cv.wait(None if not self._heap else max(0.0, self._heap[0].due - time.monotonic()))
-                if self._closed:
-                    return
-                d = heapq.heappop(self._heap)
-            reason = self._attempt(d)
-            if reason is None:
-                with self._cv:
-                    self.sent += 1
-                continue
-            d.attempt += 1
-            self._failed(reason, d.kind)
-            if d.attempt >= self.max_attempts:
-                log.warning("webhook %s to %s given up after %d attempts (%s)", d.msg_id, d.target.url,
-                            d.attempt, reason)
-                self._failed("given_up", d.kind)
-                continue
-            d.due = time.monotonic() + min(self.max_backoff_s, self.backoff_s * 2 ** (d.attempt - 1))
-            with self._cv:
-                heapq.heappush(self._heap, d)
-                self._cv.notify_all()
-
-    def _attempt(self, d: _Delivery) -> str | None:
-        """POST once; None on a 2xx, else why not (the metric's ``reason``)."""
+    def _attempt(self, target: Target, d: _Delivery) -> str | None:
+        """POST once (webhook_http.post: a deadline for all of it, no redirects, checked
+        addresses); None on a 2xx, else why not (the metric's ``reason``)."""
         ts = int(time.time())
-        req = urllib.request.Request(d.target.url, data=d.body, method="POST", headers={
-            "content-type": "application/json", "user-agent": "dloserve-webhooks",
-            "webhook-id": d.msg_id, "webhook-timestamp": str(ts),
-            "webhook-signature": sign(d.target.key, d.msg_id, ts, d.body)})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:  # noqa: S310 - operator's URL
-                return None if 200 <= r.status < 300 else f"http_{r.status // 100}xx"
-        except urllib.error.HTTPError as e:
-            return f"http_{e.code // 100}xx"
-        except TimeoutError:
-            return "timeout"
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            return "timeout" if isinstance(reason, TimeoutError) else "connection"
+        headers = {"content-type": "application/json", "user-agent": "dloserve-webhooks",
+                   "webhook-id": d.msg_id, "webhook-timestamp": str(ts),
+                   "webhook-signature": sign(target.key, d.msg_id, ts, d.body)}
+        return post(target.url, d.body, headers, self.timeout_s, self.allow_private)
 
     def _failed(self, reason: str, kind: str) -> None:
-        with self._cv:
+        with self.stats_lock:
             self.failures[reason] = self.failures.get(reason, 0) + 1
         try:
             from service.engine.metrics import metrics

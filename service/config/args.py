@@ -27,7 +27,7 @@ from .offload import (
     parse_probe_size,
 )
 from .parallel import CPUS_PER_RANK, STRATEGIES, ParallelConfig
-from .scheduler import SchedulerConfig
+from .scheduler import WAVE_DEADLINE_BASE_S, WAVE_DEADLINE_PER_FORWARD_S, SchedulerConfig
 
 # The flag groups, and which front end declares which.
 OFFLOAD, LORA, PLACEMENT, QUEUE = ("ranks and offload", "LoRA adapters (docs/lora.md)",
@@ -148,12 +148,12 @@ class EngineArgs:
         "MP4 encoder processes beside each rank (default: auto, the rank's CPUs // x264 threads per "
         "encode, at least 1; 0: encode on the rank)", type=int)
     rank_standby: bool | None = flag(
-        ParallelConfig.standby, PLACEMENT,
+        ParallelConfig.rank_standby, PLACEMENT,
         "keep one pre-imported process per rank waiting, so a rank that dies is replaced without a new "
         "interpreter and its imports (host memory: about one process's imports per rank); default: on "
         "with GPU ranks, off on CPU", action=argparse.BooleanOptionalAction)
     rank_standby_preload: bool = flag(
-        ParallelConfig.standby_preload, PLACEMENT,
+        ParallelConfig.rank_standby_preload, PLACEMENT,
         "a standby of a one-process group (DP1, or rank-local/resident ranks) also loads the pipeline "
         "and warms the compiled blocks while it waits, so it takes over in about a second (device "
         "memory: one more copy of what stays on the GPU; it drops its load when that leaves under a "
@@ -163,9 +163,11 @@ class EngineArgs:
         "the request on a rank whose process died runs again, ahead of the queue, up to this many times "
         "(the group's other requests, which only stood by, always do); 0: no request runs again, they "
         "fail with the reason", type=_count)
-    wave_deadline_base_s: float = flag(60.0, PLACEMENT, "fixed part of each request's deadline", type=float)
+    wave_deadline_base_s: float = flag(
+        WAVE_DEADLINE_BASE_S, PLACEMENT, "fixed part of each request's deadline", type=float)
     wave_deadline_per_forward_s: float = flag(
-        10.0, PLACEMENT, "deadline = base + this x forwards x (pixels*frames / 832*480*81)", type=float)
+        WAVE_DEADLINE_PER_FORWARD_S, PLACEMENT,
+        "deadline = base + this x forwards x (pixels*frames / 832*480*81)", type=float)
     max_wait_ms: float = flag(
         SchedulerConfig.max_wait_ms, QUEUE, "how long a partial wave waits for more compatible requests",
         type=float)
@@ -236,8 +238,8 @@ class EngineArgs:
         cpus = self.cpus_per_rank if self.cpus_per_rank is not None else (cpus_per_rank or CPUS_PER_RANK)
         parallel = ParallelConfig(dp_size=self.data_parallel_size, sp_size=self.sequence_parallel_size,
                                   cpus_per_rank=cpus, gpus_per_rank=gpus, strategy=self.placement_strategy,
-                                  encoders_per_rank=self.encoders_per_rank, standby=self.rank_standby,
-                                  standby_preload=self.rank_standby_preload)
+                                  encoders_per_rank=self.encoders_per_rank, rank_standby=self.rank_standby,
+                                  rank_standby_preload=self.rank_standby_preload)
         offload = OffloadConfig(
             mode=self.mode(),
             resident_layers=self.dlo_resident_layers,

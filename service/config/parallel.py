@@ -30,8 +30,8 @@ class ParallelConfig:
     """``dp_size`` groups (or ranks) of ``sp_size`` processes each, one bundle per process.
 
     ``encoders_per_rank``: MP4 encoders per rank; None: from its CPUs (engine.encoder).
-    ``standby``: a pre-imported process per rank waits to replace it (engine.standby); None:
-    on GPU ranks. ``standby_preload``: a standby (and a rank process the launcher started ahead)
+    ``rank_standby``: a pre-imported process per rank waits to replace it (engine.standby); None:
+    on GPU ranks. ``rank_standby_preload``: a standby (and a rank process the launcher started ahead)
     of a one-process group loads the pipeline while it waits, so it takes over without the load
     and the compile warm-up (engine.standby). ``executor``: which transport runs the ranks
     (``dloserve generate``: local). ``pg_timeout_s`` is the last resort (request deadlines tear a
@@ -46,8 +46,8 @@ class ParallelConfig:
     pg_timeout_s: float = 3600.0
     setup_timeout_s: float = 900.0
     encoders_per_rank: int | None = None
-    standby: bool | None = None
-    standby_preload: bool = True
+    rank_standby: bool | None = None
+    rank_standby_preload: bool = True
     executor: Literal["ray", "local"] = "ray"  # the transport: Ray actors, or processes of this host
 
     def __post_init__(self) -> None:
@@ -77,7 +77,7 @@ class ParallelConfig:
     def use_standby(self) -> bool:
         """Standbys by default where recovery time matters and hosts are large (GPU ranks); on
         CPU (demos, tests on small hosts) each would cost a process's imports for little."""
-        return self.gpus_per_rank > 0 if self.standby is None else self.standby
+        return self.gpus_per_rank > 0 if self.rank_standby is None else self.rank_standby
 
     @property
     def device(self) -> str:

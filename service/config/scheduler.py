@@ -7,6 +7,11 @@ from typing import Literal
 
 from .errors import FlagError
 
+# A wave's deadline (``--wave-deadline-base-s``, ``--wave-deadline-per-forward-s``): the
+# router's DeadlinePolicy and the flags take these; the scale is per forward at 832x480x81.
+WAVE_DEADLINE_BASE_S = 60.0
+WAVE_DEADLINE_PER_FORWARD_S = 10.0  # generous: Wan 14B at 480p is ~3 s/forward resident
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

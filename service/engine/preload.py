@@ -39,7 +39,7 @@ def preloadable(config: EngineConfig) -> bool:
     mode that a DP>1 engine resolves later could still make one AllGather group)."""
     from service.config import OffloadMode
 
-    if not config.parallel.standby_preload or config.parallel.sp_size > 1:
+    if not config.parallel.rank_standby_preload or config.parallel.sp_size > 1:
         return False
     single = (OffloadMode.RANK_LOCAL, OffloadMode.RESIDENT)
     return config.parallel.dp_size == 1 or config.offload.mode in single

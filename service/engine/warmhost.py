@@ -53,6 +53,36 @@ def gpu_per_process(count: int, visible: str | None) -> list[str]:
     return (ids or [str(i) for i in range(count)])[:count]
 
 
+FOLDER_PREFIX = "dloserve-hosts-"
+OWNER = "owner.pid"  # the launcher's pid, in its hosts' folder
+
+
+def sweep_stale(parent: str | None = None) -> int:
+    """Remove hosts' folders (this user's, in ``parent``: the temp folder) whose launcher is
+    gone: a SIGKILLed ``serve`` never ran ``close``. A folder whose owner still lives, or
+    that names none, is left. Returns how many went."""
+    parent = parent or tempfile.gettempdir()
+    n = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if not entry.name.startswith(FOLDER_PREFIX) or not entry.is_dir(follow_symlinks=False) \
+                    or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            with open(os.path.join(entry.path, OWNER)) as f:
+                pid = int(f.read().strip())
+            os.kill(pid, 0)  # alive (or another user's by now: left)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            n += 1
+        except (OSError, ValueError):
+            continue
+    return n
+
+
 class WarmHosts:
     """The launcher's warm hosts: one per rank process, by index. ``gpus``: host i's GPU
     (engine.standby.prestart_gpus gives its rank the same), set before torch is imported, in
@@ -60,7 +90,10 @@ class WarmHosts:
 
     def __init__(self, count: int, model_dir: str | None, sp_size: int,
                  gpus: list[str] | None = None, ingress: str | None = None) -> None:
-        self.folder = tempfile.mkdtemp(prefix="dloserve-hosts-")  # 0700: only this user connects
+        sweep_stale()  # those of a launcher that was SIGKILLed
+        self.folder = tempfile.mkdtemp(prefix=FOLDER_PREFIX)  # 0700: only this user connects
+        with open(os.path.join(self.folder, OWNER), "w") as f:
+            f.write(str(os.getpid()))
         self.started_at = time.time()
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(count):

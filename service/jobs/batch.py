@@ -82,8 +82,10 @@ def _confined(source: str, base: Path, root: str) -> str | None:
     return str(resolved) if resolved.is_relative_to(Path(local_root).resolve()) else None
 
 
-def read_prompts(path: Path, image_root: str | None = None) -> list[tuple[str, GenerationRequest]]:
-    """Parse and check every line; raises ValueError naming the line and field."""
+def read_prompts(path: Path, image_root: str | None = None,
+                 defaults: dict[str, Any] | None = None) -> list[tuple[str, GenerationRequest]]:
+    """Parse and check every line; raises ValueError naming the line and field. ``defaults``: what
+    a line leaves out (the model folder's default request)."""
     items: list[tuple[str, GenerationRequest]] = []
     seen: set[str] = set()
     for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -107,7 +109,7 @@ def read_prompts(path: Path, image_root: str | None = None) -> list[tuple[str, G
             obj["image"] = read_image(obj["image"], path.parent, f"{path}:{n}", image_root)
         extra = {k: obj.pop(k) for k in EXTRA & set(obj)}
         seen.add(item_id)
-        items.append((item_id, GenerationRequest(**obj, extra=extra)))
+        items.append((item_id, GenerationRequest(**{**(defaults or {}), **obj}, extra=extra)))
     return items
 
 
@@ -295,10 +297,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from service.config.args import EngineArgs
     from service.models.adapter import ModelError
+    from service.models.registry import request_defaults, resolve_model
     from service.models.startup import check_start
 
     try:
-        items = read_prompts(args.prompts, args.image_root)
+        items = read_prompts(args.prompts, args.image_root, request_defaults(resolve_model(args.model)))
         config = EngineArgs.from_namespace(args).to_config()
         if args.lora:  # shared flag; lines naming adapters are the next step (docs/lora.md)
             raise ValueError("--lora: the batch job takes no adapters yet (use dloserve generate or serve)")

@@ -195,6 +195,11 @@ class ModelAdapter(ABC):
         models/resume.py); a family that can hands its state to ``run``'s ``on_latents``."""
         return f"{self.family} does not keep its step state"
 
+    def latent_spec(self, req: GenerationRequest) -> tuple[tuple[int, ...], str] | None:
+        """(shape, dtype) of the latents a resumable family hands ``on_latents`` for ``req``: what
+        a state read back from storage must match (None: no state of this family is used)."""
+        return None
+
     @abstractmethod
     def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         """Load everything but the transformer: resident on ``device``, or streamed/staged

@@ -6,8 +6,10 @@ families. So nothing imports back up the chain (no circle between ``adapter`` an
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from .adapter import ModelAdapter, ModelError, read_index
 from .flux import FluxAdapter
@@ -53,10 +55,39 @@ def load_adapter(model_dir: str | Path, sequence_parallel: int = 1) -> ModelAdap
     return adapter
 
 
+# A model folder's own default request: what it was trained for (its size, frames, steps, guidance).
+DEFAULTS_FILE = "dloserve_defaults.json"
+DEFAULT_FIELDS: dict[str, tuple[type, ...]] = {
+    "width": (int,), "height": (int,), "num_frames": (int,), "fps": (int,), "num_inference_steps": (int,),
+    "guidance_scale": (int, float), "flow_shift": (int, float), "negative_prompt": (str,)}
+
+
 def resolve_model(model: str | os.PathLike | None) -> str:
-    """An absolute model folder: the one given, or the tiny demo (written on first use)."""
+    """An absolute model folder: the one given, or the trained demo model (committed)."""
     if model:
         return str(Path(model).expanduser().resolve())
-    from .demo import ensure_demo_model
+    from .demo.shapes import model_dir
 
-    return str(ensure_demo_model())
+    return str(model_dir())
+
+
+def request_defaults(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The folder's default request (``dloserve_defaults.json``; {} without one): the values a
+    request that leaves a field out gets, before the service's own. ModelError names the file."""
+    path = Path(model_dir) / DEFAULTS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{path}: not a JSON object ({e})") from None
+    if not isinstance(values, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    for key, value in values.items():
+        kinds = DEFAULT_FIELDS.get(key)
+        if kinds is None:
+            raise ModelError(f"{path}: {key!r} is not a request default (one of {sorted(DEFAULT_FIELDS)})")
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ModelError(f"{path}: {key!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                             f"got {value!r}")
+    return values

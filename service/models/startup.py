@@ -11,7 +11,7 @@ from dataclasses import replace
 from service.config import EngineConfig
 
 from .adapter import ModelAdapter, ModelError
-from .registry import load_adapter, resolve_model
+from .registry import load_adapter, request_defaults, resolve_model
 
 
 def check_start(config: EngineConfig, model: str | None, device: str) -> tuple[EngineConfig, ModelAdapter]:
@@ -20,6 +20,7 @@ def check_start(config: EngineConfig, model: str | None, device: str) -> tuple[E
     model these settings cannot serve."""
     model_dir = resolve_model(model)
     adapter = load_adapter(model_dir, sequence_parallel=config.parallel.sp_size)
+    request_defaults(model_dir)  # a bad dloserve_defaults.json fails here, naming it
     problem = config.probe_problem(adapter, device)
     if problem:
         raise ModelError(problem)

@@ -73,6 +73,8 @@ class WanAdapter(ModelAdapter):
         spatial = int(vae_config.get("scale_factor_spatial", 8))
         self.temporal = int(vae_config.get("scale_factor_temporal", 4)) * int(patch[0])
         self.multiple = (spatial * int(patch[1]), spatial * int(patch[2]))
+        self.latent_scale = (int(vae_config.get("scale_factor_temporal", 4)), spatial)
+        self.latent_channels = int(vae_config.get("z_dim", self.transformer_config.get("in_channels", 16)))
         sched = model_dir / "scheduler" / "scheduler_config.json"
         self.scheduler_config = _read_json(sched) if sched.is_file() else {}
         self.boundary_ratio = index.get("boundary_ratio")
@@ -136,6 +138,13 @@ class WanAdapter(ModelAdapter):
         if self._blocker is None:
             self._blocker = loop.scheduler_blocker(self._scheduler(req))
         return self._blocker
+
+    def latent_spec(self, req: GenerationRequest) -> tuple[tuple[int, ...], str]:
+        """The denoising latents of ``req``: one video, the VAE's channels, its temporal and
+        spatial scale; float32, as diffusers' Wan pipelines make them."""
+        temporal, spatial = self.latent_scale
+        return ((1, self.latent_channels, (req.num_frames - 1) // temporal + 1, req.height // spatial,
+                 req.width // spatial), "float32")
 
     def load_components(self, device: torch.device, components: tuple[str, ...] = ("dit",)) -> None:
         self._parts = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.config.scheduler import WAVE_DEADLINE_BASE_S, WAVE_DEADLINE_PER_FORWARD_S
 from service.models.request import GenerationRequest, RequestError
 
 
@@ -56,8 +57,8 @@ class DeadlinePolicy:
     is not killed by a limit tuned for a thumbnail, and a hung tiny job is caught quickly.
     """
 
-    base_s: float = 60.0
-    per_forward_s: float = 10.0  # generous: Wan 14B at 480p is ~3 s/forward resident
+    base_s: float = WAVE_DEADLINE_BASE_S
+    per_forward_s: float = WAVE_DEADLINE_PER_FORWARD_S
     ref_pixels_frames: int = 832 * 480 * 81
 
     def deadline_s(self, reqs: list[GenerationRequest]) -> float:

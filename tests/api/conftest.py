@@ -37,14 +37,14 @@ def app_url(ray_cluster: dict, demo_model: str, tmp_path_factory: pytest.TempPat
 
     cfg = ServiceConfig(
         model=demo_model,
-        dp_size=2,
+        data_parallel_size=2,
         offload={"mode": "allgather"},  # one group of two ranks that gather (auto: tests/engine)
         cpus_per_rank=0.5,
         gpus_per_rank=GPUS_PER_RANK,
         queue_size=QUEUE_SIZE,
         results_url=str(tmp_path_factory.mktemp("results")),
         pg_timeout_s=60,
-        deadline={"base_s": 60, "per_forward_s": 1.0},
+        wave_deadline_base_s=60, wave_deadline_per_forward_s=1.0,
     )
     port = free_port()
     t0 = time.monotonic()
@@ -94,14 +94,14 @@ def keyed(app_url: str, demo_model: str, keyed_lora_dir: Path,
     from service.api.service import ServiceConfig
 
     cfg = ServiceConfig(
-        model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+        model=demo_model, data_parallel_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
         results_url=str(tmp_path_factory.mktemp("keyed")), pg_timeout_s=60,
         api_key_hashes=[key_hash(k) for k in (KEY_A, KEY_B, LORA_KEY_A, LORA_KEY_B)],
         admin_key_hashes=[key_hash(ADMIN)],
         key_quotas={key_hash(KEY_B): {"min_priority": -5}},
         max_queued_per_key=1, body_timeout_s=BODY_TIMEOUT_S, first_byte_timeout_s=1.0,
         max_uploads_per_key=UPLOADS_PER_KEY,
-        loras={"server": str(keyed_lora_dir / "server.safetensors")}, lora_dirs=[str(keyed_lora_dir)],
+        loras={"server": str(keyed_lora_dir / "server.safetensors")}, lora_dir=[str(keyed_lora_dir)],
         max_loras_per_key=LORA_CAP,
     )
     serve.run(build_app(cfg.model_dump()), name="keyed", route_prefix="/keyed")

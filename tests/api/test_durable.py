@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from service.api.durable import StateKeeper, request_bytes, request_of, state_bytes, state_of
+from service.api.durable import StateKeeper, request_bytes, request_digest, request_of, state_bytes, state_of
 from service.api.jobs import JobStore
 from service.api.records import JobStatus
 from service.api.results import ResultStorage
@@ -56,18 +56,21 @@ def test_a_request_and_a_state_come_back_equal_and_bad_files_read_as_nothing() -
                             cache=CacheSpec("first_block", threshold=0.1), extra={"max_sequence_length": 64})
     back = request_of(request_bytes(req))
     assert back == req and back.image == req.image and back.priority == -2
+    assert request_digest(back) == request_digest(req)  # a state written before a restart is its state after
     state = StepState.of(2, 4, torch.arange(2 * 16 * 3, dtype=torch.bfloat16).reshape(1, 16, 2, 1, 3), LOOP)
-    again = state_of(state_bytes(state), req)
+    raw = state_bytes(state, "video_a", request_digest(req))
+    again = state_of(raw, req, "video_a")
     assert again is not None and again.step == 2 and torch.equal(again.tensor(), state.tensor())
     kept = again.loop_tree()["scheduler"]
     assert kept["_step_index"] == 2
     assert torch.equal(kept["model_outputs"][1], LOOP["scheduler"]["model_outputs"][1])
-    raw = state_bytes(state)
-    assert state_of(raw[:-1], req) is None  # torn
-    assert state_of(raw + b"\0", req) is None  # bytes no tensor claims
-    assert state_of(state_bytes(StepState.of(2, 4, state.tensor())), req) is None  # no loop state
-    assert state_of(raw, GenerationRequest(prompt="fox", num_inference_steps=8)) is None  # not its steps
-    assert state_of(b"{}\n", req) is None and state_of(None, req) is None
+    assert state_of(raw[:-1], req, "video_a") is None  # torn
+    assert state_of(raw + b"\0", req, "video_a") is None  # bytes no tensor claims
+    bare = state_bytes(StepState.of(2, 4, state.tensor()), "video_a", request_digest(req))
+    assert state_of(bare, req, "video_a") is None  # no loop state (an older release's file)
+    eight = GenerationRequest(prompt="fox", num_inference_steps=8)
+    assert state_of(state_bytes(state, "video_a", request_digest(eight)), eight, "video_a") is None  # steps
+    assert state_of(b"{}\n", req, "video_a") is None and state_of(None, req, "video_a") is None
     assert request_of(b"not json") is None and request_of(None) is None
     assert request_of(request_bytes(req).replace(b'"priority": -2', b'"priority": -200')) is None
 
@@ -75,6 +78,8 @@ def test_a_request_and_a_state_come_back_equal_and_bad_files_read_as_nothing() -
 def test_a_replica_keeps_states_privately_once_per_interval_and_never_after_the_end(tmp_path: Path) -> None:
     storage = ResultStorage(str(tmp_path))
     keeper = StateKeeper(storage, every_s=10.0)
+    req = GenerationRequest(prompt="p", num_inference_steps=4)
+    keeper.track("video_a", req)
     st = [StepState.of(k, 4, torch.full((1, 16, 1, 2, 2), float(k)), LOOP) for k in (1, 2, 3)]
     keeper.offer("video_a", st[0])
     assert keeper.write_due(now=100.0) == 1
@@ -84,7 +89,7 @@ def test_a_replica_keeps_states_privately_once_per_interval_and_never_after_the_
     assert keeper.write_due(now=105.0) == 0  # within the interval: the latest waits
     keeper.urgent("video_a")  # paused: now
     assert keeper.write_due(now=106.0) == 1
-    assert state_of(path.read_bytes(), GenerationRequest(prompt="p", num_inference_steps=4)).step == 2
+    assert state_of(path.read_bytes(), req, "video_a").step == 2
     keeper.offer("video_a", st[2])
     keeper.forget("video_a")  # its end is being stored
     assert keeper.write_due(now=200.0) == 0
@@ -98,10 +103,10 @@ def service_on(folder: Path, model: str, node: str) -> tuple[VideoService, FakeE
     return svc, ex, store
 
 
-def test_a_restart_on_the_folder_runs_unfinished_jobs_again_from_their_steps(demo_model: str,
+def test_a_restart_on_the_folder_runs_unfinished_jobs_again_from_their_steps(euler_model: str,
                                                                               tmp_path: Path) -> None:
     first, after = tmp_path / "first", tmp_path / "after"
-    svc, ex, store = service_on(first, demo_model, "node-old")
+    svc, ex, store = service_on(first, euler_model, "node-old")
     try:
         running = svc.create(dict(BODY))
         queued = svc.create({**BODY, "seed": 2})
@@ -113,7 +118,7 @@ def test_a_restart_on_the_folder_runs_unfinished_jobs_again_from_their_steps(dem
     finally:
         svc.close()
         store.close()
-    svc, ex, store = service_on(after, demo_model, "node-new")
+    svc, ex, store = service_on(after, euler_model, "node-new")
     try:
         for job in (running, queued):  # queued at once, held by no group until one takes it
             rec = store.get(job.id)
@@ -159,10 +164,10 @@ def test_a_job_whose_request_cannot_be_read_fails_with_the_reason_after_a_restar
         again.close()
 
 
-def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(demo_model: str,
+def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(euler_model: str,
                                                                         tmp_path: Path) -> None:
     store = JobStore(str(tmp_path), {}, 3600.0, 100, 0.5)  # a group silent for 0.5 s is lost
-    config = ServiceConfig(model=demo_model, results_url=str(tmp_path))
+    config = ServiceConfig(model=euler_model, results_url=str(tmp_path))
     ex, ex2 = FakeExecutor((1,)), FakeExecutor((1,))
     first = VideoService(config, executor=ex, store=store, node_id="node")
     second = None

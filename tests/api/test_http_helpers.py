@@ -50,3 +50,19 @@ def test_if_none_match_compares_weakly_and_takes_lists() -> None:
     tag = '"video_1-10"'
     assert etag_matches(tag, tag) and etag_matches(f"W/{tag}", tag) and etag_matches(f'"x", {tag}', tag)
     assert etag_matches("*", tag) and not etag_matches('"video_1-11"', tag) and not etag_matches(None, tag)
+
+
+def test_a_sync_job_whose_result_could_not_be_stored_is_a_507_in_the_error_shape() -> None:
+    import json
+
+    from service.api.http import failed_job
+
+    err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
+    full = failed_job(err, {"x-video-id": "video_1"}, 5)
+    assert full.status_code == 507 and full.headers["retry-after"] == "5"
+    assert full.headers["x-video-id"] == "video_1"
+    assert json.loads(full.body)["error"] == {"message": "the result could not be stored; submit it again",
+                                              "type": "server_error", "param": None, "code": "storage_failed"}
+    other = failed_job({"code": "rank_failed", "message": "boom"}, {}, 5)
+    assert other.status_code == 500 and "retry-after" not in other.headers
+    assert json.loads(failed_job(None, {}, 5).body)["error"]["code"] == "generation_failed"

@@ -241,7 +241,7 @@ def test_the_pixel_cap_is_the_largest_video_this_instance_makes(i2v_model: str, 
     ex = FakeExecutor((1,), {})
     store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
     cfg = ServiceConfig(model=i2v_model, results_url=str(tmp_path),
-                        limits={"max_width": 64, "max_height": 48, "max_pixels": 64 * 48})
+                        max_width=64, max_height=48, max_pixels=64 * 48)
     svc = VideoService(cfg, executor=ex, store=store, node_id="node-1")
     try:
         body = {"prompt": "a fox", "seed": 1, "num_inference_steps": 2, "size": "32x32"}

@@ -90,7 +90,7 @@ def test_a_job_no_replica_takes_fails_after_the_wait(store: JobStore,
     time.sleep(0.01)
     assert store.reap() == 1
     msg = store.get("video_1").error["message"]
-    assert "DP group g1" in msg and "no replica took it over within 0 s" in msg
+    assert "DP group g1" in msg and "no replica of model 'demo' took it over within 0 s" in msg
     assert store.adopt("g2", "node-2", "demo", 5) == []
 
 
@@ -116,3 +116,24 @@ def test_a_restarted_store_fails_the_jobs_that_waited_for_a_replica(tmp_path: Pa
         assert again.get("video_2").status is JobStatus.QUEUED  # a live group's: untouched
     finally:
         again.close()
+
+
+def test_a_job_whose_adoption_is_never_confirmed_is_taken_back(store: JobStore,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``adopt``'s answer lost on the way (a replica's call that timed out after the store gave
+    the jobs): no dispatcher holds them, so they go back to the queue instead of waiting as
+    ``queued`` under a live group for ever; a confirmed one stays."""
+    store.put(job(1), request="req-1")
+    store.put(job(2), request="req-2")
+    silence(store, "g1")
+    store.reap()
+    assert [j for j, _, _ in store.adopt("g2", "node-2", "demo", 5)] == ["video_1", "video_2"]
+    store.heartbeat("g2", "node-2")
+    store.confirm("g2", ["video_2"])
+    monkeypatch.setattr(jobs, "CONFIRM_WAIT_S", 0.0)
+    time.sleep(0.01)
+    store.reap()
+    assert store.get("video_1").dp_group is None and store.get("video_1").status is JobStatus.QUEUED
+    assert store.get("video_2").dp_group == "g2"
+    assert store.heartbeat("g2", "node-2") == ["video_1"]  # should it hold it after all: it stops
+    assert store.adopt("g3", "node-3", "demo", 5) == [("video_1", "req-1", "k")]

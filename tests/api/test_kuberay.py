@@ -49,7 +49,7 @@ def test_rayservice_serves_exactly_deploy_serve_yaml() -> None:
     workers = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     args = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]["args"]
     gpus = int(workers["resources"]["limits"]["nvidia.com/gpu"])
-    assert gpus == args["dp_size"] * args["gpus_per_rank"]  # the worker holds one rank group
+    assert gpus == args["data_parallel_size"] * args["gpus_per_rank"]  # the worker holds one rank group
 
 
 def test_rayjob_entrypoint_parses() -> None:

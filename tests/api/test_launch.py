@@ -26,9 +26,10 @@ def test_flags_map_onto_the_service_config() -> None:
     with pytest.warns(FutureWarning, match="--dlo-no-use-allgather is deprecated: use --dlo-mode rank-local"):
         cfg = config_from_args(args, gpus_per_rank=1.0)
     engine = cfg.engine_config("/m")
-    assert (cfg.dp_size, engine.offload, cfg.queue_size) == (4, OffloadConfig(OffloadMode.RANK_LOCAL), 9)
+    assert cfg.data_parallel_size == 4 and cfg.queue_size == 9
+    assert engine.offload == OffloadConfig(OffloadMode.RANK_LOCAL)
     assert cfg.job_retries == 0 and config_from_args(parse("/m"), 0.0).job_retries == 1
-    assert cfg.limits["max_steps"] == 7 and cfg.max_wait_ms == 20
+    assert cfg.max_steps == 7 and cfg.max_wait_ms == 20
     assert engine.parallel.bundles() == [{"CPU": 1.0, "GPU": 1.0}] * 4
     assert engine.parallel.device == "cuda"
     args = parse("/m", "--enable-distributed-layerwise-offload", "--dlo-mode", "auto",
@@ -53,7 +54,8 @@ def test_the_serve_config_offload_mapping_keeps_working() -> None:
     assert engine.lora.cache_gb == 1 and engine.step_cache.method == "first_block"
     assert engine.model.cfg_batch == "off"
     assert ServiceConfig().engine_config().offload.mode is OffloadMode.AUTO  # no mode: auto, as always
-    assert ServiceConfig(sp_size=2).engine_config().offload.mode is OffloadMode.ALLGATHER  # SP: one mode
+    sp = ServiceConfig(sequence_parallel_size=2)
+    assert sp.engine_config().offload.mode is OffloadMode.ALLGATHER  # SP: one mode
     with pytest.raises(ValueError, match="offload.use_allgather is gone: write offload.mode"):
         ServiceConfig(offload={"use_allgather": False})
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['residnet_layers'\]"):

@@ -102,7 +102,7 @@ def _post(url: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/videos", json=body, timeout=30)
 
 
-def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
+def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path, demo_model: str) -> None:
     """While draining: new work 503 with Retry-After, reads answer, the queued job fails at
     once, the running one finishes; after the drain reads keep answering until the port
     refuses connections (never a 404 for a job that exists); then every process is gone."""
@@ -116,8 +116,8 @@ def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
     # 250 steps: the checks made while it runs (draining, the refused POST, the reads) ended at its
     # step 2 of 1000, 1.1 s after its first step, while 1000 steps took 70 s (at load 6-13); the
     # job outlasts them ~15x, and make e2e waits ~3/4 less for it.
-    s = Serve(ray_tmp, "--port", str(port), "--results-dir", str(tmp_path), "--drain-timeout-s", "400",
-              "--max-steps", "250")
+    s = Serve(ray_tmp, demo_model, "--port", str(port), "--results-dir", str(tmp_path),
+              "--drain-timeout-s", "400", "--max-steps", "250")
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
     running = _post(url, {"prompt": "finishes during the drain", "num_inference_steps": 250}).json()["id"]
     queued = _post(url, {"prompt": "never starts"}).json()["id"]
@@ -153,10 +153,10 @@ def test_sigterm_drains_then_stops(ray_tmp: Path, tmp_path: Path) -> None:
     assert final[queued]["status"] == "failed" and "service stopped" in final[queued]["error"]["message"]
 
 
-def test_a_second_signal_during_the_drain_stops_at_once(ray_tmp: Path) -> None:
+def test_a_second_signal_during_the_drain_stops_at_once(ray_tmp: Path, demo_model: str) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    s = Serve(ray_tmp, "--port", str(port), "--drain-timeout-s", "600", "--max-steps", "1000")
+    s = Serve(ray_tmp, demo_model, "--port", str(port), "--drain-timeout-s", "600", "--max-steps", "1000")
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=240)
     vid = _post(url, {"prompt": "long", "num_inference_steps": 1000}).json()["id"]
     s.watch_until(lambda: httpx.get(f"{url}/v1/videos/{vid}").json()["progress"] > 0, timeout=120)

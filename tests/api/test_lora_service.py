@@ -50,7 +50,7 @@ def make(demo_model: str, tmp: Path, **cfg: object) -> tuple[VideoService, FakeE
 @pytest.fixture
 def service(demo_model: str, lora_dir: Path, tmp_path: Path) -> Iterator[tuple[VideoService, FakeExecutor]]:
     svc, ex, store = make(demo_model, tmp_path, loras={"style": str(lora_dir / "style.safetensors")},
-                          lora_dirs=[str(lora_dir)])
+                          lora_dir=[str(lora_dir)])
     try:
         yield svc, ex
     finally:
@@ -135,7 +135,7 @@ def test_register_use_delete_at_run_time(service, lora_dir: Path) -> None:  # no
 def keyed(demo_model: str, lora_dir: Path, tmp: Path, **cfg: object) -> tuple[VideoService, FakeExecutor,
                                                                            JobStore]:
     return make(demo_model, tmp, loras={"style": str(lora_dir / "style.safetensors")},
-                lora_dirs=[str(lora_dir)], api_key_hashes=[hashlib.sha256(b"k").hexdigest()], **cfg)
+                lora_dir=[str(lora_dir)], api_key_hashes=[hashlib.sha256(b"k").hexdigest()], **cfg)
 
 
 def test_owners_see_their_own(demo_model: str, lora_dir: Path, tmp_path: Path) -> None:

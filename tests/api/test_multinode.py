@@ -103,10 +103,11 @@ def served(cluster: dict, demo_model: str, s3_server: dict) -> Iterator[str]:
     from service.api.service import ServiceConfig
 
     keys = [hashlib.sha256(k.encode()).hexdigest() for k in ("key-a", "key-b")]
-    cfg = ServiceConfig(model=demo_model, api_key_hashes=keys, dp_size=1, cpus_per_rank=1, num_replicas=2,
+    cfg = ServiceConfig(model=demo_model, api_key_hashes=keys, data_parallel_size=1, cpus_per_rank=1,
+                        num_replicas=2,
                         results_url=f"s3://{s3_server['bucket']}/multinode",
                         storage_options=s3_server["storage_options"], group_timeout_s=5,
-                        pg_timeout_s=60, deadline={"base_s": 120, "per_forward_s": 1.0})
+                        pg_timeout_s=60, wave_deadline_base_s=120, wave_deadline_per_forward_s=1.0)
     port = free_port()
     deploy(cfg, "127.0.0.1", port, name=APP, proxy_location="HeadOnly")
     url = f"http://127.0.0.1:{port}"

@@ -30,8 +30,9 @@ def fuzz_url(app_url: str, demo_model: str, tmp_path_factory: pytest.TempPathFac
     from service.api.app import build_app
     from service.api.service import ServiceConfig
 
-    cfg = ServiceConfig(model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0, queue_size=4,
-                        results_url=str(tmp_path_factory.mktemp("fuzz")), pg_timeout_s=60, limits=LIMITS)
+    cfg = ServiceConfig(model=demo_model, data_parallel_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+                        queue_size=4,
+                        results_url=str(tmp_path_factory.mktemp("fuzz")), pg_timeout_s=60, **LIMITS)
     serve.run(build_app(cfg.model_dump()), name="fuzz", route_prefix="/fuzz")
     url = f"{app_url}/fuzz"
     wait_ready(url, 180)

@@ -38,7 +38,7 @@ def query(prom: str, expr: str) -> list:
     return r["data"]["result"]
 
 
-def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> None:
+def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path, demo_model: str) -> None:
     prometheus = shutil.which("prometheus")
     assert prometheus, "prometheus missing: make setup installs Debian's prometheus package"
     port = free_port()
@@ -47,7 +47,7 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path) -> No
     # failures are the webhook panel's data.
     secret = tmp_path / "webhook.secret"
     secret.write_text("whsec_" + base64.b64encode(os.urandom(32)).decode())
-    s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
+    s = Serve(ray_tmp, demo_model, "--port", str(port), "--data-parallel-size", "2",  # tiny: fast steps
               "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather",  # auto: rank-local here
               "--cpus-per-rank", "0.5", "--queue-size", "2",
               "--webhook-url", f"http://127.0.0.1:{free_port()}/hook", "--webhook-secret-file", str(secret),

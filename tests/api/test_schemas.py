@@ -182,3 +182,18 @@ def test_cache_use_states_the_defaults_cache_spec_applies() -> None:
         default = CacheSpec(method).value(name)
         assert f"{default}" in (fields[name].description or ""), (method, name)
     assert CacheUse(method="first_block").spec() == CacheSpec("first_block")
+
+
+def test_a_forms_numbers_are_decimal_as_json_writes_them() -> None:
+    """Python's int() reads "4_0" as 40 and pydantic's lax mode "+4" and " 4" as 4: a form's
+    field is refused instead, naming it, as JSON refuses them."""
+    for bad in ("4_0", "+4", " 4", "4 ", "0x10", "1e", "four"):
+        with pytest.raises(BodyError) as e:
+            validate_create({"prompt": "p", "priority": bad}, strict=False)
+        assert e.value.field == "priority", bad
+    with pytest.raises(BodyError) as e:
+        validate_create({"prompt": "p", "seed": "1_000"}, strict=False)
+    assert e.value.field == "seed"
+    ok = validate_create({"prompt": "p", "priority": "-4", "seed": "7", "guidance_scale": "4.5",
+                          "seconds": "4"}, strict=False)
+    assert (ok.priority, ok.seed, ok.guidance_scale) == (-4, 7, 4.5)

@@ -142,7 +142,8 @@ def test_health_check_reports_an_engine_that_cannot_start(ray_cluster: dict, dem
     shutil.copytree(demo_model, model)
     weights = next((model / "transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    svc = VideoService(ServiceConfig(model=str(model), dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+    svc = VideoService(ServiceConfig(model=str(model), data_parallel_size=1, cpus_per_rank=0.25,
+                                     encoders_per_rank=0,
                                      results_url=str(tmp_path / "r"), unhealthy_after_s=1.0,
                                      max_queue_wait_s=60.0))
     try:

@@ -32,9 +32,10 @@ def test_sp_group_serves_refuses_unsplittable_and_rebuilds(ray_cluster: dict, de
                                                            resident, tmp_path: Path) -> None:  # noqa: ANN001
     from service.api.service import ServiceConfig, VideoService
 
-    cfg = ServiceConfig(model=demo_model, dp_size=1, sp_size=2, cpus_per_rank=0.5, encoders_per_rank=0,
-                        results_url=str(tmp_path / "r"), pg_timeout_s=60, limits={"max_steps": 1000},
-                        deadline={"base_s": 120, "per_forward_s": 1.0}, job_retries=0)
+    cfg = ServiceConfig(model=demo_model, data_parallel_size=1, sequence_parallel_size=2, cpus_per_rank=0.5,
+                        encoders_per_rank=0,
+                        results_url=str(tmp_path / "r"), pg_timeout_s=60, max_steps=1000,
+                        wave_deadline_base_s=120, wave_deadline_per_forward_s=1.0, job_retries=0)
     svc = VideoService(cfg)  # job_retries=0: the killed job fails (a rerun of its 400 steps is long)
     try:
         end = time.monotonic() + 180

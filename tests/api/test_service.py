@@ -125,7 +125,7 @@ def keyed(demo_model: str, tmp_path: Path,
 
     ex = FakeExecutor((2,))
     store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
-    cfg = ServiceConfig(model=demo_model, results_url=str(tmp_path), dp_size=2,
+    cfg = ServiceConfig(model=demo_model, results_url=str(tmp_path), data_parallel_size=2,
                         api_key_hashes=[key_hash(KEY_A), key_hash(KEY_B)], admin_key_hashes=[key_hash(ADMIN)],
                         **getattr(request, "param", {}))
     svc = VideoService(cfg, executor=ex, store=store, node_id="node-1")
@@ -164,7 +164,10 @@ def test_one_key_floods_its_own_quota_and_the_other_keys_first_job_runs_next(key
     assert yours == {"queued": 3, "running": 1, "max_queued": 3, "max_running": None, "min_priority": 0}
 
 
-@pytest.mark.parametrize("keyed", [{"deadline": {"base_s": 0.2, "per_forward_s": 0.0}}], indirect=True)
+MISSED = {"wave_deadline_base_s": 0.2, "wave_deadline_per_forward_s": 0.0}
+
+
+@pytest.mark.parametrize("keyed", [MISSED], indirect=True)
 def test_a_missed_deadline_fails_both_keys_jobs_and_neither_names_the_other(keyed) -> None:  # noqa: ANN001
     svc, ex = keyed
     a, b = owner(svc, KEY_A), owner(svc, KEY_B)

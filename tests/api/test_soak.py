@@ -43,12 +43,13 @@ VARIANTS = [
 
 
 
-def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident) -> None:  # noqa: ANN001
+def test_chaos_soak(ray_tmp: Path, tmp_path: Path, resident, demo_model: str) -> None:  # noqa: ANN001
     want = {i: hashlib.sha256(resident.generate(GenerationRequest(**v))).hexdigest()
             for i, v in enumerate(VARIANTS)}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    s = Serve(ray_tmp, "--port", str(port), "--data-parallel-size", "2",
+    # the noise preset, as `want` (the trained default model has other request defaults)
+    s = Serve(ray_tmp, demo_model, "--port", str(port), "--data-parallel-size", "2",
               "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather", "--cpus-per-rank", "0.5",
               "--queue-size", "16",
               "--results-dir", str(tmp_path / "results"), "--wave-deadline-base-s", "60",

@@ -81,7 +81,7 @@ def test_a_full_results_disk_over_http(app_url: str, demo_model: str, tmp_path: 
     with small_disk(tmp_path) as disk:
         if disk.errno != errno.ENOSPC:
             pytest.skip("no tmpfs mount here (not root): covered without HTTP by the test above")
-        cfg = ServiceConfig(model=demo_model, dp_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
+        cfg = ServiceConfig(model=demo_model, data_parallel_size=1, cpus_per_rank=0.25, encoders_per_rank=0,
                             results_url=str(disk.folder), pg_timeout_s=60)
         serve.run(build_app(cfg.model_dump()), name="fulldisk", route_prefix="/fulldisk")
         url = f"{app_url}/fulldisk"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -95,3 +96,22 @@ def test_a_results_folder_has_one_live_owner(tmp_path: Path) -> None:
         table(tmp_path, exclusive=True)
     assert f"pid {__import__('os').getpid()}" in str(e.value)
     del first
+
+
+def test_the_folder_lock_is_private_whatever_the_umask(tmp_path: Path) -> None:
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        t = table(tmp_path / "new", exclusive=True)
+        assert stat.S_IMODE((tmp_path / "new" / ".lock").stat().st_mode) == 0o600
+        assert (tmp_path / "new" / ".lock").read_text() == f"pid {os.getpid()}"
+        t._lock_file.close()
+        (tmp_path / "old").mkdir()
+        (tmp_path / "old" / ".lock").write_text("pid 1 and more from before")  # an older version's, 0644
+        t = table(tmp_path / "old", exclusive=True)
+        assert stat.S_IMODE((tmp_path / "old" / ".lock").stat().st_mode) == 0o600
+        assert (tmp_path / "old" / ".lock").read_text() == f"pid {os.getpid()}"
+        t._lock_file.close()
+    finally:
+        os.umask(old)

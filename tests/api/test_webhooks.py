@@ -95,7 +95,7 @@ def receiver() -> Iterator[Receiver]:
 def service_with(demo_model: str, tmp_path: Path, webhooks: dict[str, Any], **cfg: Any,
                  ) -> tuple[VideoService, FakeExecutor, JobStore]:
     ex = FakeExecutor((1,))
-    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0, webhooks=webhooks)
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0, webhooks={**webhooks, "allow_private": True})
     svc = VideoService(ServiceConfig(model=demo_model, results_url=str(tmp_path), **cfg), executor=ex,
                        store=store, node_id="node-1")
     return svc, ex, store
@@ -128,7 +128,7 @@ def test_completed_and_failed_jobs_post_signed_events(demo_model: str, tmp_path:
 def test_a_key_gets_only_its_own_events_and_the_instance_gets_all(demo_model: str, tmp_path: Path) -> None:
     mine, theirs, ops = Receiver(), Receiver(), Receiver()
     keys = {"k-mine": {"url": mine.url, "secret": SECRET}, "k-theirs": {"url": theirs.url, "secret": SECRET}}
-    hooks = Webhooks.from_config({"url": ops.url, "secret": SECRET, "keys": keys})
+    hooks = Webhooks.from_config({"url": ops.url, "secret": SECRET, "keys": keys, "allow_private": True})
     assert hooks is not None
     try:
         for owner in ("k-mine", "k-mine", "k-other"):
@@ -145,7 +145,7 @@ def test_a_key_gets_only_its_own_events_and_the_instance_gets_all(demo_model: st
 
 def test_retries_after_500_keep_the_webhook_id() -> None:
     r = Receiver(answers=[500, 500])
-    hooks = Webhooks.from_config({"url": r.url, "secret": SECRET}, backoff_s=0.05)
+    hooks = Webhooks.from_config({"url": r.url, "secret": SECRET, "allow_private": True}, backoff_s=0.05)
     assert hooks is not None
     try:
         hooks.on_final(JobRecord(id="video_x", created_at=1, status=JobStatus.COMPLETED, completed_at=2))
@@ -187,7 +187,7 @@ def test_a_receiver_that_never_answers_does_not_slow_job_creation(demo_model: st
 
 def test_a_full_queue_drops_and_counts_without_blocking() -> None:
     r = Receiver(hang=True)
-    hooks = Webhooks.from_config({"url": r.url, "secret": SECRET}, queue_size=2, senders=1)
+    hooks = Webhooks.from_config({"url": r.url, "secret": SECRET, "allow_private": True}, queue_size=2)
     assert hooks is not None
     try:
         for i in range(6):  # one in flight (stuck), two queued, the rest dropped
@@ -242,3 +242,36 @@ def test_serve_flags_give_the_store_its_targets(tmp_path: Path) -> None:
         webhook_settings(args)
     with pytest.raises(WebhookConfigError, match="go together"):
         webhook_settings(p.parse_args(["--webhook-url", "http://127.0.0.1:9/ops"]))
+
+
+def test_secret_files_readable_by_others_are_warned_of_and_the_private_flag_reaches_the_store(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import argparse
+
+    from service.api.serve_flags import add_arguments, webhook_settings
+
+    secret, keys = tmp_path / "secret", tmp_path / "keys"
+    secret.write_text(SECRET + "\n")
+    keys.write_text(f"sk-a webhook_url=http://127.0.0.1:9/a webhook_secret={SECRET}\n")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = ["--webhook-url", "http://127.0.0.1:9/ops", "--webhook-secret-file", str(secret),
+            "--api-key-file", str(keys)]
+    for path in (secret, keys):
+        path.chmod(0o600)
+    with caplog.at_level("WARNING", logger="dloserve.webhooks"):
+        cfg = ServiceConfig(**webhook_settings(p.parse_args(argv)))
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "readable" not in warned and "allow_private" not in cfg.webhook_targets()
+    assert "--webhook-url http://127.0.0.1:9/ops is a private address" in warned  # refused unless allowed
+    assert "a key's webhook_url http://127.0.0.1:9/a is a private address" in warned
+    caplog.clear()
+    secret.chmod(0o644)
+    keys.chmod(0o640)
+    with caplog.at_level("WARNING", logger="dloserve.webhooks"):
+        cfg = ServiceConfig(**webhook_settings(p.parse_args([*argv, "--webhook-allow-private"])))
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "private address" not in warned
+    assert f"--webhook-secret-file {secret} is readable by other users (mode 644)" in warned
+    assert f"--api-key-file (its webhook_secret= values) {keys} is readable" in warned
+    assert cfg.webhook_targets()["allow_private"] is True

@@ -61,9 +61,9 @@ def test_rank_standby_is_on_by_default_with_gpus_and_the_flag_decides() -> None:
     assert on.rank_standby and on.engine_config().parallel.use_standby
     off = config_from_args(p.parse_args([*flags, "--no-rank-standby"]), gpus_per_rank=1.0)
     assert off.rank_standby is False and not off.engine_config().parallel.use_standby
-    assert on.engine_config().parallel.standby_preload  # standbys load while they wait, by default
+    assert on.engine_config().parallel.rank_standby_preload  # standbys load while they wait, by default
     cold = config_from_args(p.parse_args([*flags, "--no-rank-standby-preload"]), gpus_per_rank=1.0)
-    assert not cold.engine_config().parallel.standby_preload
+    assert not cold.engine_config().parallel.rank_standby_preload
     bp = batch.parser()
     assert bp.parse_args(["--prompts", "p", "--out", "o"]).rank_standby is None
     assert not bp.parse_args(["--prompts", "p", "--out", "o", "--no-rank-standby"]).rank_standby

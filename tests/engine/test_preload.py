@@ -17,7 +17,7 @@ from service.models.request import GenerationRequest
 
 def config(mode: OffloadMode, dp: int = 1, sp: int = 1, preload: bool = True) -> EngineConfig:
     return EngineConfig("unused", offload=OffloadConfig(mode),
-                        parallel=ParallelConfig(dp_size=dp, sp_size=sp, standby_preload=preload))
+                        parallel=ParallelConfig(dp_size=dp, sp_size=sp, rank_standby_preload=preload))
 
 
 def test_only_one_process_groups_load_ahead() -> None:

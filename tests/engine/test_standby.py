@@ -38,7 +38,8 @@ def one_rank(ray_cluster: dict, demo_model: str) -> Iterator[tuple[Dispatcher, R
     # encoders_per_rank None: the rank sizes its pool from its CPUs; the standby must get that size
     # standby: on by default on GPU ranks only
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.ALLGATHER),
-                        parallel=ParallelConfig(dp_size=1, cpus_per_rank=0.5, pg_timeout_s=60, standby=True))
+                        parallel=ParallelConfig(dp_size=1, cpus_per_rank=0.5, pg_timeout_s=60,
+                                                rank_standby=True))
     sink = RecordingSink()
     d = build_dispatcher(spec, sink, deadlines=DeadlinePolicy(base_s=600))
     d.start()
@@ -116,8 +117,8 @@ def test_the_first_groups_adopt_the_pre_started_ranks(ray_cluster: dict, demo_mo
     from service.engine.standby import prestart
 
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL),
-                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60, standby=False,
-                                                encoders_per_rank=0))
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, pg_timeout_s=60,
+                                                rank_standby=False, encoders_per_rank=0))
     held = prestart(spec, uuid.uuid4().hex[:8], NAMESPACE)
     names, actors = list(held), list(held.values())
     pids = [s["pid"] for s in ray.get([a.started.remote() for a in actors], timeout=400)]

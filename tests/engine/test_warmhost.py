@@ -84,8 +84,8 @@ def test_a_pre_started_rank_runs_in_its_warm_host(ray_cluster: dict, demo_model:
     from service.engine.standby import prestart
 
     spec = EngineConfig(demo_model, offload=OffloadConfig(OffloadMode.RANK_LOCAL),
-                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, standby=False,
-                                                encoders_per_rank=0, standby_preload=False))
+                        parallel=ParallelConfig(dp_size=2, cpus_per_rank=0.5, rank_standby=False,
+                                                encoders_per_rank=0, rank_standby_preload=False))
     hosts = WarmHosts(2, demo_model, 1)
     try:
         hosts.procs[1].kill()  # no host answers process 1's shim: it runs the plain worker
@@ -100,5 +100,30 @@ def test_a_pre_started_rank_runs_in_its_warm_host(ray_cluster: dict, demo_model:
         ray.kill(actors[0])
         assert wait_gone(hosts.pids()[0], timeout=60), "the host outlived its killed actor"
         ray.kill(actors[1])
+    finally:
+        hosts.close()
+
+
+def test_the_folders_of_a_killed_launcher_are_swept_at_the_next_start(tmp_path: Path) -> None:
+    """A SIGKILLed ``serve`` leaves its hosts' folder; the next WarmHosts removes the folders
+    whose launcher (a real process, killed) is gone, and none of a live one's."""
+    import signal
+
+    from service.engine.warmhost import FOLDER_PREFIX, OWNER, sweep_stale
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead, live, unnamed = (tmp_path / f"{FOLDER_PREFIX}{n}" for n in ("dead", "live", "old"))
+    for folder, pid in ((dead, launcher.pid), (live, os.getpid()), (unnamed, None)):
+        folder.mkdir(mode=0o700)
+        (folder / "rank0.log").write_text("a host's log")
+        if pid is not None:
+            (folder / OWNER).write_text(str(pid))
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    assert sweep_stale(str(tmp_path)) == 1
+    assert not dead.exists() and live.exists() and unnamed.exists()
+    hosts = WarmHosts(0, None, 1)  # a start names its launcher in its folder, for the next one's sweep
+    try:
+        assert (Path(hosts.folder) / OWNER).read_text() == str(os.getpid())
     finally:
         hosts.close()

@@ -57,7 +57,10 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     # so did the Serve app's replica: its worker ran in the ingress host, its imports done there
     assert start["startup"]["replica_hosted"] is True, start["startup"]
     imports = start["startup"]["parallel"]["replica_imports_s"]
-    assert imports["s"] > 0 and imports["began_s"] < checked, imports
+    # its stamp is the host's own, after its interpreter's start: on a loaded machine that came
+    # after the launcher's checks (0.80 s against 0.76 s, load 14 on 2 cores); before Ray was up
+    ray_up = checked + steps["ray_start_s"]
+    assert imports["s"] > 0 and imports["began_s"] < ray_up, imports
     assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
     assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["next_request"]["status"] == "completed"

@@ -15,7 +15,7 @@ def test_completion_hooks_record_the_first_event_of_each_video(tmp_path: Path) -
     try:
         flags = hooks.flags(tmp_path)
         assert flags[:2] == ["--webhook-url", hooks.url]
-        assert Path(flags[3]).read_text().startswith("whsec_")
+        assert Path(flags[3]).read_text().startswith("whsec_") and flags[4] == "--webhook-allow-private"
         before = time.monotonic()
         event = {"type": "video.completed", "data": {"id": "video_1"}}
         assert httpx.post(hooks.url, json=event, timeout=10).status_code == 204

@@ -33,15 +33,16 @@ WORDS = ("a the of and in on with red blue green fox cat dog bird running flying
 SHARD_BYTES = 2**30  # ~one 14B block per shard: peak RAM while writing ~1 GB
 
 
-def tokenizer() -> Any:
-    """A small Unigram tokenizer built with ``tokenizers``, wrapped as T5TokenizerFast."""
+def tokenizer(words: tuple[str, ...] | list[str] = WORDS) -> Any:
+    """A small Unigram tokenizer of ``words`` (and single characters for the rest) built with
+    ``tokenizers``, wrapped as T5TokenizerFast."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
     from tokenizers.models import Unigram
     from transformers import T5TokenizerFast
 
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     vocab += [(c, -4.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?'-:;\"()"]
-    vocab += [("▁" + w, -1.0) for w in WORDS]
+    vocab += [("▁" + w, -1.0) for w in words]
     tok = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(),

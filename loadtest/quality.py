@@ -1,0 +1,165 @@
+"""What each setting that changes numbers does to a picture: the trained demo model ("shapes"),
+its fixed prompt set (50 prompts x 2 seeds), every clip scored against its prompt.
+
+    python loadtest/quality.py                      # CPU columns -> loadtest/results/cpu-quality-DATE.json
+    python loadtest/quality.py --settings exact,fp8 --seeds 0 --check
+
+Settings: ``exact`` (the defaults), ``fp8`` (FP8 weights quantized at load), ``half-steps``,
+``first_block`` and ``mag`` (each step cache at its default threshold), ``lora`` (the red/blue swap
+adapter at scale 1: scored against the swapped colour), and ``dlo`` (layerwise offload, DP1): it
+must give the exact setting's frames bit for bit, which is checked, not scored. ``--check`` exits 1
+when a setting misses its threshold (exact: colour >= 0.90 and motion >= 0.85; fp8: within 0.02 of
+exact on both; lora: colour >= 0.75 of the swapped truth). GPU columns (8-bit attention) need a
+Hopper GPU: ``--device cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from loadtest.reporting import RESULTS, write_report  # noqa: E402
+
+SETTINGS = ("exact", "dlo", "fp8", "half-steps", "first_block", "mag", "lora")
+EXACT_MIN = {"colour": 0.90, "motion": 0.85}
+FP8_DROP = 0.02
+LORA_MIN = 0.75
+
+
+def _config(setting: str, model_dir: str) -> Any:
+    from service.config.args import EngineArgs
+
+    flags: dict[str, Any] = {}
+    if setting == "dlo":
+        flags.update(offload=True, dlo_mode="allgather")
+    if setting == "fp8":
+        flags.update(quantization="fp8")
+    if setting in ("attn-fp8", "attn-int8-fp8"):
+        flags.update(attention=setting.removeprefix("attn-"))
+    return EngineArgs(**flags).to_config(model_dir)
+
+
+def run_setting(setting: str, model_dir: str, device: str, seeds: list[int],
+                limit: int | None = None) -> dict[str, Any]:
+    """Generate the prompt set under ``setting``; scores, and the frames' digest per clip."""
+    import hashlib
+
+    from service.config.cache import CacheSpec
+    from service.models import GenerationRequest, PipelineRunner
+    from service.models.demo import shapes
+    from service.models.demo.clips import ClipSpec
+    from service.models.demo.score import prompt_set, score_clip, summarise
+    from service.models.demo.train import SWAP
+
+    runner = PipelineRunner.load(model_dir, device, config=_config(setting, model_dir))  # DP1: no group
+    base = GenerationRequest(prompt="-", **{k: v for k, v in shapes.REQUEST.items()})
+    if setting == "half-steps":
+        base = replace(base, num_inference_steps=base.num_inference_steps // 2)
+    if setting in ("first_block", "mag"):
+        base = replace(base, cache=CacheSpec(method=setting))
+    truth = (lambda s: s)  # noqa: E731
+    if setting == "lora":
+        base = replace(base, loras=_swap_lora(runner, model_dir))
+        truth = lambda s: ClipSpec(s.shape, SWAP.get(s.colour, s.colour), s.motion, s.background)  # noqa: E731
+    specs = [s for s in prompt_set() if setting != "lora" or s.colour in SWAP][:limit]
+    scores, digests = [], []
+    t0 = time.perf_counter()
+    for seed in seeds:
+        for spec in specs:
+            frames = runner.frames(replace(base, prompt=spec.prompt, seed=seed))
+            scores.append(score_clip(frames, truth(spec)))
+            digests.append(hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest()[:16])
+    runner.close()
+    return {"setting": setting, "seconds": round(time.perf_counter() - t0, 1),
+            "request": {"steps": base.num_inference_steps, "size": f"{base.width}x{base.height}",
+                        "frames": base.num_frames, "guidance_scale": base.guidance_scale},
+            "summary": summarise(scores), "digests": digests}
+
+
+def _swap_lora(runner: Any, model_dir: str) -> tuple:
+    from service.models.demo import shapes
+    from service.models.demo.train import LORA_FILE
+    from service.models.lora import targets_of
+    from service.models.lora_ref import LoraRef
+    from service.models.lora_registry import LoraRegistry
+
+    registry = LoraRegistry(targets_of(runner.adapter))
+    registry.register("swap", str(shapes.WEIGHTS / "loras" / LORA_FILE))
+    refs, _ = registry.resolve((LoraRef(name="swap", scale=1.0),))
+    return refs
+
+
+def verdicts(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The thresholds each measured setting misses (empty: all met)."""
+    misses = []
+    exact = results.get("exact", {}).get("summary")
+    if exact:
+        misses += [f"exact {k} {exact[k]:.3f} < {v}" for k, v in EXACT_MIN.items() if exact[k] < v]
+    if exact and "fp8" in results:
+        fp8 = results["fp8"]["summary"]
+        misses += [f"fp8 {k} {fp8[k]:.3f} more than {FP8_DROP} under exact's {exact[k]:.3f}"
+                   for k in EXACT_MIN if fp8[k] < exact[k] - FP8_DROP]
+    if "dlo" in results and "exact" in results and results["dlo"]["digests"] != results["exact"]["digests"]:
+        misses.append("dlo frames differ from exact's")
+    if "lora" in results and results["lora"]["summary"]["colour"] < LORA_MIN:
+        misses.append(f"lora colour {results['lora']['summary']['colour']:.3f} < {LORA_MIN}")
+    return misses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {SETTINGS} "
+                   "(and attn-fp8, attn-int8-fp8 on a Hopper GPU)")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--model", default=None, help="default: the trained demo model")
+    p.add_argument("--out", default=None)
+    p.add_argument("--check", action="store_true", help="exit 1 when a threshold is missed")
+    p.add_argument("--limit", type=int, default=None, help="the first N prompts only (a quick look)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's CPU threads (on a loaded host, 1: spinning threads of an oversubscribed "
+                        "pool made a forward 18x slower here)")
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from service.models.demo import shapes
+
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    model_dir = a.model or str(shapes.model_dir())
+    settings = [s for s in a.settings.split(",") if s]
+    seeds = [int(s) for s in a.seeds.split(",")]
+    results: dict[str, dict[str, Any]] = {}
+    for s in settings:
+        results[s] = run_setting(s, model_dir, a.device, seeds, a.limit)
+        print(s, results[s]["summary"], f"{results[s]['seconds']} s", flush=True)
+    import torch
+
+    report = {
+        "benchmark": "quality", "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else ""},
+        "model": Path(model_dir).name, "seeds": seeds, "results": results, "misses": verdicts(results),
+    }
+    kind = "h200" if "H200" in report["machine"]["gpu"] else a.device
+    out = a.out or RESULTS / f"{kind}-quality-{dt.date.today().isoformat()}.json"
+    print("wrote", write_report(report, out))
+    for m in report["misses"]:
+        print("MISSED:", m)
+    return 1 if a.check and report["misses"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
