@@ -21,9 +21,9 @@ and torch's caches as the first left them). A start is one of:
   final status, the step its rerun went on from (``resumed_from_step``: 0 reran it from the
   start) and its submit-to-final time against its own, and a request sent after.
 
-``--euler`` serves a view of ``--model`` with a flow-matching Euler scheduler (the demo
-models have Wan2.1's UniPC, whose reruns start from step 0: models/resume.py), so the
-killed request's rerun goes on from its last step.
+``--euler`` serves a view of ``--model`` with a flow-matching Euler scheduler instead of its
+own (the demo models have Wan2.1's UniPC); either way the killed request's rerun goes on from
+its last step (models/resume.py), with Euler's smaller state (models/loop.py).
 
 CPU smoke run: ``--device cpu --model /tmp/tiny`` (``dloserve demo-model /tmp/tiny``).
 The kill to the resumed request's end on one H200 (``/tmp/wan12``: ``dloserve demo-model
@@ -228,7 +228,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="steps of the timed and the killed request")
     p.add_argument("--kill-at", type=int, default=10, help="the killed request's progress (%%) at the kill")
     p.add_argument("--euler", action="store_true",
-                   help="serve MODEL with a flow-matching Euler scheduler: the killed request resumes")
+                   help="serve MODEL with a flow-matching Euler scheduler instead of its own")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--module", action="store_true", help="python -m service.cli even if dloserve is on PATH")
     p.add_argument("--out", required=True, help="JSON file (appended to: one entry per call)")

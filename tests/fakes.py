@@ -133,6 +133,12 @@ class FakeExecutor(Executor):
                      for s in range(1, steps + 1)),
                    Event(EventKind.FORWARDS_DONE, group=group, rank=rank, job_id=job_id))
 
+    def begin(self, job_id: str, not_resumable: str = "") -> None:
+        """The job's rank took it (and says why it keeps no state of it, if it does not)."""
+        group, rank = self._where[job_id]
+        self._push(Event(EventKind.STARTED, group=group, rank=rank, job_id=job_id,
+                         not_resumable=not_resumable))
+
     def step(self, job_id: str, step: int, total: int, preview: bytes | None = None) -> None:
         """One step's end: the progress event, and the preview's when ``preview`` is given."""
         group, rank = self._where[job_id]

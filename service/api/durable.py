@@ -2,8 +2,9 @@
 
 ``<id>.req``: its request, JSON (the image as base64, adapters as resolved, the step cache),
 written by the job store when it accepts the job. ``<id>.state``: its last kept per-step
-state (models/resume.py): one JSON header line (step, total, dtype, shape, and whose: the
-job id and its request's digest) and the latents' raw bytes, written by the replica that runs
+state (models/resume.py): one JSON header line (step, total, dtype, shape, whose: the job id
+and its request's digest, and the loop's state as JSON with its tensors' dtypes and shapes),
+the latents' raw bytes, then the loop tensors' raw bytes, written by the replica that runs
 it at most every ``STATE_EVERY_S`` per job and at once when it is paused for a better
 priority. Both are 0600 like every result file (results.py), both go when the job ends or is
 deleted. They are read as data another process may have written: capped, never through a
@@ -35,7 +36,8 @@ from service.models.resume import StepState
 
 STATE_EVERY_S = 5.0  # a running job's state reaches the store at most this often (and at a pause)
 MAX_STATE_BYTES = 1 << 30  # a header that claims more is not one of ours
-MAX_HEAD_BYTES = 4096  # a state's JSON header line
+MAX_LOOP_BYTES = 4 << 30  # the loop's tensors: UniPC's three latents more, a step cache's residuals
+MAX_HEAD_BYTES = 64 << 10  # a state's JSON header line, the loop's tree included (UniPC's: ~1 kB)
 MAX_REQUEST_BYTES = 256 << 20  # a request file: its image as base64 and the rest, a few KiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 FIELDS = {f.name for f in dataclasses.fields(GenerationRequest)} - {"resume"}
@@ -107,11 +109,11 @@ def read_request(storage: ResultStorage, job_id: str) -> GenerationRequest | Non
 
 
 def state_bytes(state: StepState, job_id: str = "", digest: str = "") -> bytes:
-    """The header line (step, total, dtype, shape, and whose: the job id and its request's
-    digest) and the latents' bytes."""
+    """The header line (step, total, dtype, shape, whose: the job id and its request's digest,
+    and the loop's tree), the latents' bytes, then the loop's tensors'."""
     head = {"step": state.step, "total": state.total, "dtype": state.dtype, "shape": list(state.shape),
-            "job": job_id, "request": digest}
-    return json.dumps(head).encode() + b"\n" + np.ascontiguousarray(state.data).tobytes()
+            "job": job_id, "request": digest, **state.loop_header()}
+    return json.dumps(head).encode() + b"\n" + np.ascontiguousarray(state.data).tobytes() + state.loop_bytes()
 
 
 def state_problem(data: bytes | None, req: GenerationRequest, job_id: str) -> StepState | str:
@@ -134,11 +136,15 @@ def state_problem(data: bytes | None, req: GenerationRequest, job_id: str) -> St
     if not shape or any(n <= 0 for n in shape) or dtype not in DTYPE_BYTES:
         return f"shape {list(shape)} / dtype {dtype} is no latents'"
     size = DTYPE_BYTES[dtype] * math.prod(shape)
-    if not sep or size > MAX_STATE_BYTES or len(raw) != size:
+    if not sep or size > MAX_STATE_BYTES or len(raw) < size or len(raw) - size > MAX_LOOP_BYTES:
         return "it is torn or oversize"
     if not 0 < step < total == req.num_inference_steps:
         return f"step {step} of {total} is not a step to go on from for {req.num_inference_steps} steps"
-    return StepState(step, total, dtype, shape, np.frombuffer(raw, dtype=np.uint8).copy())
+    latents = StepState(step, total, dtype, shape, np.frombuffer(raw, dtype=np.uint8, count=size).copy())
+    try:
+        return latents.with_loop(head, raw[size:])
+    except Exception as e:  # noqa: BLE001 - no loop state (an older release's file), or not a whole one
+        return f"its loop state cannot be used ({type(e).__name__}: {str(e)[:100]})"
 
 
 def state_of(data: bytes | None, req: GenerationRequest, job_id: str = "") -> StepState | None:
@@ -153,7 +159,8 @@ def read_state(storage: ResultStorage, job_id: str, req: GenerationRequest) -> S
     job reruns from step 0) for anything else."""
     name = f"{job_id}.state"
     try:
-        got = state_problem(storage.read_capped(name, MAX_STATE_BYTES + MAX_HEAD_BYTES + 1), req, job_id)
+        cap = MAX_STATE_BYTES + MAX_LOOP_BYTES + MAX_HEAD_BYTES + 1
+        got = state_problem(storage.read_capped(name, cap), req, job_id)
     except Exception as e:  # noqa: BLE001 - a link, a FIFO, oversize, a storage error
         got = str(e)[:200] or type(e).__name__
     if isinstance(got, StepState):

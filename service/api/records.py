@@ -48,6 +48,7 @@ class JobRecord:
     dp_rank: int | None = None
     resumed_from_step: int = 0  # the run now (or last) going on from this step of an earlier one
     resumable_step: int = 0  # the last step whose state the service keeps: a rerun goes on from it
+    not_resumable: str = ""  # why it keeps none ("": it does, or no rank has said yet)
     priority: int = 0  # lower is served first
     preemptions: int = 0  # times it was paused for a better-priority request (it went on from its step)
     error: dict[str, Any] | None = None  # {"code", "message"}

@@ -277,6 +277,8 @@ class Video(BaseModel):
                                    "the one before (0: it never resumed)")
     resumable_step: int = Field(0, description="the last step whose state the service keeps while it runs: "
                                 "if its rank dies now, the rerun goes on from this step (0: from the start)")
+    not_resumable: str = Field("", description="why the service keeps no step of it while it runs, so "
+                               "that a rerun would start from step 0 (empty: it keeps them)")
     priority: int = Field(0, description="lower is served first")
     preemptions: int = Field(0, description="times it was paused at a step for a better-priority job "
                              "(each time it went on from that step)")

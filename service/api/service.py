@@ -180,8 +180,7 @@ class VideoService:
 
     def _resumable(self, req: GenerationRequest) -> bool:
         """What the rank's ``PipelineRunner.resumable`` answers, from the config files alone."""
-        cache = req.cache if req.cache is not None else self._cache_default
-        return self.adapter.resumable(req) and not (cache is not None and cache.enabled)
+        return not self.adapter.resume_blocker(req)
 
     # -- requests ----------------------------------------------------------------------
     def create(self, fields: dict[str, Any], owner: str | None = None, strict: bool = True) -> JobRecord:
@@ -439,6 +438,10 @@ class VideoService:
     def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
         self._update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"],
                      resumed_from_step=info.get("resumed_from_step", 0))
+
+    def on_not_resumable(self, ticket_id: str, why: str) -> None:
+        """Its rank keeps no state of it: a rerun would start from step 0, for this reason."""
+        self._update(ticket_id, not_resumable=why)
 
     def on_progress(self, ticket_id: str, step: int, total: int) -> None:
         with self._progress_lock:

@@ -51,3 +51,4 @@ class Event:
     step_s: tuple[float, ...] = ()  # FINISHED: seconds of each denoising step
     state: StepState | None = field(default=None, repr=False)  # STEP of a resumable request: its latents
     preview: bytes | None = field(default=None, repr=False)  # STEP: the latents as an image (engine.preview)
+    not_resumable: str = ""  # STARTED: why no state of this request is kept ("": one is, models/resume.py)

@@ -127,7 +127,7 @@ class RankWorker:
         self.rank, self.world, self.control = rank, world, control
         self.sequence_parallel, self.lead = sequence_parallel, lead
         self.encoder = encoder or Encoder(0)
-        self.tap = StateTap()  # each step's latents of a resumable request, to the driver (engine.state)
+        self.tap = StateTap()  # each step's state of a resumable request, to the driver (engine.state)
         self.head_wait_s = head_wait_s
         # Offload counters are read on the tick thread, between forwards: no fill is being
         # issued then, so reading them races with nothing.
@@ -416,8 +416,19 @@ class RankWorker:
                 self._expected = self.runner.adapter.forwards(job.req)
                 self._phase = Phase.HEAD
                 self._marks = {"start": time.monotonic()}
-                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id))
+                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id,
+                                 not_resumable=self._not_resumable(job.req)))
             self._run(job)
+
+    def _not_resumable(self, req: GenerationRequest) -> str:
+        """Why a rerun of ``req`` would start from step 0 (the lead rank says; "" where its
+        state is kept, or the request is refused anyway)."""
+        if not self.lead:
+            return ""
+        try:
+            return self.runner.resume_blocker(req)
+        except Exception:  # noqa: BLE001 - a request its validation refuses next: nothing to say here
+            return ""
 
     def _run(self, job: Job) -> None:
         steps: list[float] = []
@@ -428,9 +439,9 @@ class RankWorker:
             self._marks["last_step"] = now  # the last one ends denoising (its scheduler step too)
             self._emit_locked(Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=step, total=total))
 
-        def on_latents(step: int, total: int, latents: torch.Tensor) -> None:
+        def on_latents(step: int, total: int, latents: torch.Tensor, loop: dict[str, Any]) -> None:
             # A STEP of its own, carrying the state (on a GPU it follows once the copy landed).
-            self.tap.take(step, total, latents, lambda st: self._emit_locked(
+            self.tap.take(step, total, latents, loop, lambda st: self._emit_locked(
                 Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=st.step, total=st.total, state=st)))
 
         frames = None

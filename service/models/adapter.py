@@ -29,7 +29,8 @@ from .meta import empty_weights
 from .request import GenerationRequest, RequestError
 
 StepCallback = Callable[[int, int], None]
-LatentsCallback = Callable[[int, int, torch.Tensor], None]  # (step done, total, latents after it)
+# (step done, total, latents after it, the loop's state after it: models/loop.py)
+LatentsCallback = Callable[[int, int, torch.Tensor, dict[str, Any]], None]
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 
 
@@ -189,10 +190,10 @@ class ModelAdapter(ABC):
         """
         return req.num_inference_steps - req.start_step if self.cfg_batched(req) else req.forwards()
 
-    def resumable(self, req: GenerationRequest) -> bool:
-        """Whether a rerun of ``req`` can go on from a saved step (models/resume.py); a family
-        that can says so and hands its latents to ``run``'s ``on_latents``."""
-        return False
+    def resume_blocker(self, req: GenerationRequest) -> str:
+        """Why a rerun of ``req`` cannot go on from a saved step ("" when it can:
+        models/resume.py); a family that can hands its state to ``run``'s ``on_latents``."""
+        return f"{self.family} does not keep its step state"
 
     def latent_spec(self, req: GenerationRequest) -> tuple[tuple[int, ...], str] | None:
         """(shape, dtype) of the latents a resumable family hands ``on_latents`` for ``req``: what
@@ -258,7 +259,7 @@ class ModelAdapter(ABC):
         on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
         """Run one request end to end; uint8 frames [T, H, W, 3]. ``on_latents``: after each
-        step but the last, its latents (a resumable family only)."""
+        step but the last, its latents and loop state (a resumable family only)."""
 
     def close(self) -> None:
         """Drop the components (and free what their offload handles hold)."""

@@ -246,14 +246,17 @@ class PipelineRunner:
     def validate(self, req: GenerationRequest) -> None:
         """Raise RequestError naming the bad field, before any compute."""
         check_request(self.adapter, req, self.loras.cache.budget, self.caches.default)
-        if req.resume is not None and not self.resumable(req):
-            raise RequestError("resume", "this request cannot go on from a saved step (models/resume.py)")
+        why = self.resume_blocker(req) if req.resume is not None else ""
+        if why:
+            raise RequestError("resume", f"this request cannot go on from a saved step: {why}")
+
+    def resume_blocker(self, req: GenerationRequest) -> str:
+        """Why a rerun of ``req`` cannot start from its last step's state ("" when it can):
+        the family's rule (models/resume.py, models/loop.py)."""
+        return self.adapter.resume_blocker(req)
 
     def resumable(self, req: GenerationRequest) -> bool:
-        """Whether a rerun of ``req`` can start from its last step's state: the family's
-        rule (one denoiser, a flow-matching Euler scheduler) and no step cache (its residuals
-        are not in the state)."""
-        return self.adapter.resumable(req) and not self.caches.resolve(req.cache).enabled
+        return not self.resume_blocker(req)
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None,

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import cfg
+from . import cfg, loop
 from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .experts import expert_of, expert_plan
 from .request import GenerationRequest, RequestError
-from .resume import RESUMABLE_SCHEDULERS, Resumed
+from .resume import Resumed
 from .sequence import SequenceParallelError, check_heads, split_hint
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default: part of the key via ``extra``
@@ -80,6 +80,7 @@ class WanAdapter(ModelAdapter):
         self.boundary_ratio = index.get("boundary_ratio")
         self._parts: dict[str, Any] = {}
         self._base_scheduler: Any = None
+        self._blocker: str | None = None  # why the scheduler's state cannot be kept ("": it can)
 
     def set_sequence_parallel(self, degree: int) -> None:
         if len(self.experts) > 1 or self.family != "wan-t2v":
@@ -126,13 +127,17 @@ class WanAdapter(ModelAdapter):
     def expert_plan(self, req: GenerationRequest) -> tuple[int, ...]:
         if len(self.experts) == 1:
             return super().expert_plan(req)
-        return expert_plan(self._scheduler(req), req.num_inference_steps, self.boundary_ratio,
-                           req.cfg and not self.cfg_batched(req))
+        per_step = 2 if req.cfg and not self.cfg_batched(req) else 1
+        plan = expert_plan(self._scheduler(req), req.num_inference_steps, self.boundary_ratio, per_step == 2)
+        return plan[req.start_step * per_step:]  # a resumed run makes the forwards of its steps left
 
-    def resumable(self, req: GenerationRequest) -> bool:
-        """One denoiser, no SP, and a flow-matching Euler scheduler (resume.py says why)."""
-        name = self.scheduler_config.get("_class_name")
-        return len(self.experts) == 1 and self.sequence_parallel == 1 and name in RESUMABLE_SCHEDULERS
+    def resume_blocker(self, req: GenerationRequest) -> str:
+        """No SP (each rank runs the loop on its share), and a scheduler whose state can be kept."""
+        if self.sequence_parallel > 1:
+            return "sequence parallel runs are not resumed yet"
+        if self._blocker is None:
+            self._blocker = loop.scheduler_blocker(self._scheduler(req))
+        return self._blocker
 
     def latent_spec(self, req: GenerationRequest) -> tuple[tuple[int, ...], str]:
         """The denoising latents of ``req``: one video, the VAE's channels, its temporal and
@@ -222,20 +227,31 @@ class WanAdapter(ModelAdapter):
                                         denoiser.dtype)
             pipe = self._pipeline(transformer, req, lambda m: cfg.CfgBatched(m, negative))
             extra = {"prompt_embeds": cond, "negative_prompt_embeds": negative}
-        resumed = None
-        if req.resume is not None:  # a rerun: the saved latents, and no forward before its step
+        generator = torch.Generator("cpu").manual_seed(req.seed)  # the same numbers on every rank and device
+        resumed: list[Resumed] = []
+        if req.resume is not None:  # a rerun: no forward before its step, then its state back
             device = pipe._execution_device  # as the pipeline will see it (before the swap)
-            resumed = Resumed(pipe.transformer, req.resume, device)  # (around the CFG batcher, if any)
-            object.__setattr__(pipe, "transformer", resumed)  # not the config: the stand-in is ours
-            extra["latents"] = req.resume.tensor(device)
+            for name in ("transformer", "transformer_2"):  # (around the CFG batcher, if any)
+                if getattr(pipe, name, None) is not None:
+                    resumed.append(Resumed(getattr(pipe, name), req.resume, device))
+                    object.__setattr__(pipe, name, resumed[-1])  # not the config: the stand-in is ours
+            saved = req.resume.loop_tree(device)
+            if saved is None:
+                raise RequestError("resume", "the saved step holds no loop state (models/resume.py)")
+        denoisers = expert_of(transformer)
 
-        def callback(_pipe: Any, i: int, _t: Any, kwargs: dict) -> dict:
-            if resumed is not None:
-                resumed.done = i + 1
+        def callback(pipe_: Any, i: int, _t: Any, kwargs: dict) -> dict:
+            out: dict[str, Any] = {}
+            for r in resumed:
+                r.done = i + 1
+            if req.resume is not None and i + 1 == req.start_step:
+                loop.put(saved, pipe_.scheduler, denoisers, generator)
+                out["latents"] = req.resume.tensor(kwargs["latents"].device)
+            latents = out.get("latents", kwargs["latents"])
             if on_latents is not None and req.start_step < i + 1 < steps:
-                on_latents(i + 1, steps, kwargs["latents"])
-            step(i + 1, steps, kwargs.get("latents"))
-            return {}
+                on_latents(i + 1, steps, latents, loop.take(pipe_.scheduler, denoisers, generator))
+            step(i + 1, steps, latents if i + 1 >= req.start_step else None)
+            return out
 
         if req.image is not None:
             from .image import decode_image
@@ -243,8 +259,6 @@ class WanAdapter(ModelAdapter):
             extra["image"] = decode_image(req.image)
         if req.extra.get("guidance_scale_2") is not None:
             extra["guidance_scale_2"] = float(req.extra["guidance_scale_2"])
-        # Latents from a CPU generator: the same numbers on every rank and device.
-        generator = torch.Generator("cpu").manual_seed(req.seed)
         try:
             out = pipe(
                 height=req.height,

@@ -7,6 +7,13 @@ check a truncated or corrupt file at open time and hand out zero-copy views.
 
 Views come from ``mmap.ACCESS_READ`` mappings: writing into one faults, so nothing can
 turn a shared page into a private copy by accident.
+
+A view a CPU module computes with directly is first made ``compute_aligned``: a view sits
+where the file puts it (8-byte alignment in safetensors), and a CPU BLAS picks its GEMM
+kernel by the operands' alignment (MKL on an AMD EPYC host: the same weights at another
+offset gave other last bits). With every such tensor on a 64-byte boundary, a request's
+bytes do not depend on how its weights were stored (a source checkpoint quantized at
+load, or a ``dloserve quantize`` folder: tests/models/test_fp8.py).
 """
 
 from __future__ import annotations
@@ -23,6 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+COMPUTE_ALIGN = 64  # bytes: a cache line, an AVX-512 register; torch's CPU allocator's own alignment
+
+
+def compute_aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a private copy of it where a CPU tensor's data is off a ``COMPUTE_ALIGN``
+    boundary (the copy costs host memory: the view shared the page cache)."""
+    if t.device.type != "cpu" or t.data_ptr() % COMPUTE_ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,

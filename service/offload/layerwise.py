@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointPath, serving_dtype
+from .checkpoint import Checkpoint, CheckpointPath, compute_aligned, serving_dtype
 from .comm import Device, Group
 from .fill import ResidentFill
 from .layout import BlockLayout, plan_block
@@ -219,9 +219,9 @@ class LayerwiseOffload:
             if key in self._in_block or key in opts.tied:
                 continue
             if key in self._host_keys:  # served from the mmap view (a copy only if cast)
-                set_tensor(module, key, self.ckpt.view(key).to(dtype=self._dtype_of(key)))
+                set_tensor(module, key, compute_aligned(self.ckpt.view(key).to(dtype=self._dtype_of(key))))
                 continue
-            t = self.ckpt.view(key).to(dev, self._dtype_of(key))
+            t = compute_aligned(self.ckpt.view(key).to(dev, self._dtype_of(key)))
             set_tensor(module, key, t)
             placed += t.numel() * t.element_size()
         _place_non_persistent(module, dev, self._expected)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, serving_dtype
+from .checkpoint import Checkpoint, CheckpointError, compute_aligned, serving_dtype
 from .quant import NONE, Fp8
 from .quant_checkpoint import prequantized_key, quantize_module
 from .runtime import set_tensor
@@ -82,7 +82,9 @@ def load_resident(
 ) -> nn.Module:
     """Load the whole checkpoint onto ``device`` (the fully resident reference).
 
-    On CPU in the checkpoint's dtype the tensors stay zero-copy mmap views. ``quantization``
+    On CPU in the checkpoint's dtype the tensors stay zero-copy mmap views where they lie on
+    a 64-byte boundary; the others are copied (``compute_aligned``: equal bytes whatever the
+    file's offsets). ``quantization``
     makes the Linears of the blocks (``block_attrs``, as ``find_blocks``) fp8, as the
     offload does.
     """
@@ -97,6 +99,7 @@ def load_resident(
     ckpt.validate(expected)
     keep = tuple(keep_fp32) + (quant.keep_fp32 if quant else ())
     for key, rec in ckpt.records.items():
-        set_tensor(module, key, ckpt.view(key).to(dev, serving_dtype(key, rec.dtype, dtype, keep)))
+        t = ckpt.view(key).to(dev, serving_dtype(key, rec.dtype, dtype, keep))
+        set_tensor(module, key, compute_aligned(t))
     _place_non_persistent(module, dev, expected)
     return module

@@ -428,6 +428,10 @@ class Dispatcher:
                 on_preview(h.ticket.id, ev.step, ev.total, ev.preview)
         elif kind is EventKind.STEP:
             self.sink.on_progress(h.ticket.id, ev.step, ev.total)
+        elif kind is EventKind.STARTED and ev.not_resumable:
+            on_not_resumable = getattr(self.sink, "on_not_resumable", None)  # a sink that shows it (the API)
+            if on_not_resumable is not None:
+                on_not_resumable(h.ticket.id, ev.not_resumable)
         elif kind is EventKind.FORWARDS_DONE:
             h.forwarding = False
             with self._cv:

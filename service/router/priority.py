@@ -10,7 +10,7 @@ and the paused one goes on later from its step, with the same bytes.
 
 Bounded, so nothing is paused forever: a request paused ``max_preemptions`` times is no
 longer preemptible (it runs to its end), and one without a kept state (no step done yet,
-or not resumable: another scheduler, a step cache, two experts) is never paused: it would
+or not resumable: sequence parallel, models/loop.py) is never paused: it would
 lose its work. One pause per waiting request: pauses already under way count as ranks
 about to free.
 

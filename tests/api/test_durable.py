@@ -39,6 +39,10 @@ from tests.fakes import FakeExecutor
 BODY = {"prompt": "a red fox", "seed": 1, "num_inference_steps": 4}
 
 
+# what models/loop.py takes, in small
+LOOP = {"scheduler": {"_step_index": 2, "model_outputs": [None, torch.ones(1, 16, 2, 1, 3)]}}
+
+
 def until(cond: Callable[[], object], timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -53,11 +57,17 @@ def test_a_request_and_a_state_come_back_equal_and_bad_files_read_as_nothing() -
     back = request_of(request_bytes(req))
     assert back == req and back.image == req.image and back.priority == -2
     assert request_digest(back) == request_digest(req)  # a state written before a restart is its state after
-    state = StepState.of(2, 4, torch.arange(2 * 16 * 3, dtype=torch.bfloat16).reshape(1, 16, 2, 1, 3))
+    state = StepState.of(2, 4, torch.arange(2 * 16 * 3, dtype=torch.bfloat16).reshape(1, 16, 2, 1, 3), LOOP)
     raw = state_bytes(state, "video_a", request_digest(req))
     again = state_of(raw, req, "video_a")
     assert again is not None and again.step == 2 and torch.equal(again.tensor(), state.tensor())
+    kept = again.loop_tree()["scheduler"]
+    assert kept["_step_index"] == 2
+    assert torch.equal(kept["model_outputs"][1], LOOP["scheduler"]["model_outputs"][1])
     assert state_of(raw[:-1], req, "video_a") is None  # torn
+    assert state_of(raw + b"\0", req, "video_a") is None  # bytes no tensor claims
+    bare = state_bytes(StepState.of(2, 4, state.tensor()), "video_a", request_digest(req))
+    assert state_of(bare, req, "video_a") is None  # no loop state (an older release's file)
     eight = GenerationRequest(prompt="fox", num_inference_steps=8)
     assert state_of(state_bytes(state, "video_a", request_digest(eight)), eight, "video_a") is None  # steps
     assert state_of(b"{}\n", req, "video_a") is None and state_of(None, req, "video_a") is None
@@ -70,7 +80,7 @@ def test_a_replica_keeps_states_privately_once_per_interval_and_never_after_the_
     keeper = StateKeeper(storage, every_s=10.0)
     req = GenerationRequest(prompt="p", num_inference_steps=4)
     keeper.track("video_a", req)
-    st = [StepState.of(k, 4, torch.full((1, 16, 1, 2, 2), float(k))) for k in (1, 2, 3)]
+    st = [StepState.of(k, 4, torch.full((1, 16, 1, 2, 2), float(k)), LOOP) for k in (1, 2, 3)]
     keeper.offer("video_a", st[0])
     assert keeper.write_due(now=100.0) == 1
     path = tmp_path / "video_a.state"
@@ -101,7 +111,7 @@ def test_a_restart_on_the_folder_runs_unfinished_jobs_again_from_their_steps(eul
         running = svc.create(dict(BODY))
         queued = svc.create({**BODY, "seed": 2})
         ex.wait_assigned(running.id)
-        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0)))
+        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0), LOOP))
         until(lambda: (first / f"{running.id}.state").exists())
         until(lambda: store.get(running.id).status is JobStatus.IN_PROGRESS)
         shutil.copytree(first, after, ignore=shutil.ignore_patterns(".lock"))  # the folder as a crash left it
@@ -165,7 +175,7 @@ def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(euler_mod
         running = first.create(dict(BODY))
         queued = first.create({**BODY, "seed": 2})
         ex.wait_assigned(running.id)
-        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0)))
+        ex.hand_off(running.id, StepState.of(2, 4, torch.full((1, 16, 2, 4, 4), 2.0), LOOP))
         until(lambda: (tmp_path / f"{running.id}.state").exists())
         first.close()  # what a Ray actor's __del__ does on SIGTERM
         for job, status in ((running, JobStatus.IN_PROGRESS), (queued, JobStatus.QUEUED)):

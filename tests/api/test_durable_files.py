@@ -67,13 +67,16 @@ def started(folder: Path, timeout: float = 60.0) -> JobStore:
 
 
 def state(job_id: str, req: GenerationRequest, shape: tuple[int, ...] = (1, 16, 2, 4, 4),
-          dtype: torch.dtype = torch.float32, step: int = 2) -> bytes:
-    """A whole state file of ``job_id`` for ``req`` (its header says so) with these latents."""
+          dtype: torch.dtype = torch.float32, step: int = 2, loop: bool = True) -> bytes:
+    """A whole state file of ``job_id`` for ``req`` (its header says so) with these latents
+    and (``loop``) a loop state as models/loop.py takes it."""
     n = 1
     for d in shape:
         n *= abs(d)
-    st = StepState.of(step, req.num_inference_steps, torch.full((n,), 2.0, dtype=dtype))
-    st = StepState(st.step, st.total, st.dtype, shape, st.data)
+    tree = {"scheduler": {"_step_index": step}, "hooks": {}, "generator": torch.Generator().get_state()}
+    latents = torch.full((n,), 2.0, dtype=dtype)
+    st = StepState.of(step, req.num_inference_steps, latents, tree if loop else None)
+    st = StepState(st.step, st.total, st.dtype, shape, st.data, st.loop, st.blobs)
     return state_bytes(st, job_id, request_digest(req))
 
 
@@ -217,9 +220,10 @@ def test_a_state_is_used_only_for_its_own_job_request_shape_and_dtype(service_af
 
 def test_a_state_the_model_cannot_go_on_from_reruns_from_step_0(demo_model: str, tmp_path: Path,
                                                                service_after: Any) -> None:
-    """The demo model's UniPC keeps history a state lacks: its kept state is no head start."""
+    """A state without the loop's (an older release's file: UniPC's history is not in it) is
+    no head start."""
     crashed(tmp_path, Path(demo_model).name, {"video_unipc": REQ})
-    (tmp_path / "video_unipc.state").write_bytes(state("video_unipc", REQ))
+    (tmp_path / "video_unipc.state").write_bytes(state("video_unipc", REQ, loop=False))
     svc, ex, store = service_after(demo_model)
     handed = run_all(ex, ["video_unipc"])
     assert handed["video_unipc"].resume is None

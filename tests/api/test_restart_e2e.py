@@ -2,7 +2,8 @@
 results folder (its own Ray cluster each time; the watchdog takes the first one down): both
 jobs show ``queued`` at once, then complete; the one that was running goes on from its saved
 step (``resumed_from_step`` >= 1), and its MP4 equals the same request's run without a
-restart. The model has a flow-matching Euler scheduler (resumable: models/resume.py).
+restart. The model is the "tiny" demo preset, named: Wan's UniPC scheduler, whose history
+between steps the saved state holds (models/loop.py).
 
 The first start also is the watchdog's end-to-end check (service/api/watchdog.py; its unit
 test is tests/api/test_watchdog.py): it runs with ``--ray-dashboard``, so Ray's whole
@@ -43,18 +44,19 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def test_a_restart_on_the_same_folder_finishes_every_job_from_its_step(euler_model: str, ray_tmp: Path,
-                                                                       tmp_path: Path) -> None:
+def test_a_restart_on_the_same_folder_finishes_every_job_from_its_step(ray_tmp: Path, tmp_path: Path) -> None:
+    from service.models.demo import ensure_demo_model
+
     fresh = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths
     try:
-        run(euler_model, ray_tmp, fresh, tmp_path)
+        run(str(ensure_demo_model("tiny")), ray_tmp, fresh, tmp_path)
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
 
 
-def run(euler_model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
+def run(model: str, ray_tmp: Path, fresh: Path, tmp_path: Path) -> None:
     folder, port = tmp_path / "results", str(free_port())
-    args = (euler_model, "--port", port, "--results-url", str(folder), "--cpus-per-rank", "1",
+    args = (model, "--port", port, "--results-url", str(folder), "--cpus-per-rank", "1",
             "--encoders-per-rank", "0")
     url = f"http://127.0.0.1:{port}"
     body = {"prompt": "a job that outlives its server", "seed": 41, "num_inference_steps": 100}

@@ -289,6 +289,19 @@ def test_a_restart_without_keys_keeps_every_keys_jobs_private(demo_model: str, t
         store.close()
 
 
+def test_a_job_whose_rank_keeps_no_state_says_why(service) -> None:  # noqa: ANN001
+    svc, ex = service
+    rec = svc.create(dict(BODY))
+    ex.wait_assigned(rec.id)
+    assert video_object(svc.store.get(rec.id))["not_resumable"] == ""
+    why = "sequence parallel runs are not resumed yet"
+    ex.begin(rec.id, not_resumable=why)
+    until(lambda: video_object(svc.store.get(rec.id))["not_resumable"] == why)
+    ex.run(rec.id)
+    until(lambda: status(svc, rec.id) is JobStatus.COMPLETED)
+    assert video_object(svc.store.get(rec.id))["not_resumable"] == why
+
+
 def test_a_rerun_that_goes_on_from_a_step_says_so(service) -> None:  # noqa: ANN001
     import torch
 

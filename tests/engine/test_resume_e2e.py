@@ -1,12 +1,15 @@
-"""Reruns that go on from the last step (issue 35), on real Ray rank actors (gloo, the demo
-model with a flow-matching Euler scheduler, the one a rerun can resume):
+"""Reruns that go on from the last step (issues 35, 48), on real Ray rank actors (gloo; the
+"tiny" demo preset, named: its scheduler is UniPC, Wan's published one, which keeps history
+between steps; "wan22-t2v-tiny" for two experts):
 
 - DP1 (rank-local: one rank, its own shards): the only rank's actor is killed at step
   k >= 2 of 40; the group is rebuilt and the request completes, resumed from a step >= 1,
   with the bytes of an uninterrupted run (the resident reference, what ``dloserve generate``
   writes);
 - DP2 AllGather: one rank killed mid-request stops both ranks' requests; both (the suspect
-  and the bystander) go on from their own last steps on the rebuilt group, bytes equal;
+  and the bystander, one of them with a First Block Cache on) go on from their own last
+  steps on the rebuilt group, bytes equal; the same on Wan2.2's two experts;
+- DP1: a killed rank's request with a step cache on, and one on two experts, likewise;
 - DP1, no death: a request paused by ``Dispatcher.preempt`` at a forward boundary goes on
   from its last step on the same rank, bytes equal;
 - DP1, priorities: a priority-0 request sent while a priority-5 one runs on the only rank
@@ -22,6 +25,8 @@ import pytest
 import ray
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode, ParallelConfig
+from service.config.cache import CacheSpec
+from service.models.demo import ensure_demo_model
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.router.dispatcher import Dispatcher
@@ -32,9 +37,29 @@ from tests.fakes import RecordingSink
 pytestmark = pytest.mark.e2e  # kills real rank actors and waits for the rebuilds
 
 
+FBC = CacheSpec("first_block", threshold=0.2)
+
+
 @pytest.fixture(scope="module")
-def reference(euler_model: str) -> Iterator[PipelineRunner]:
-    runner = PipelineRunner.load(euler_model, "cpu", config=None)
+def unipc_model() -> str:
+    return str(ensure_demo_model("tiny"))
+
+
+@pytest.fixture(scope="module")
+def experts_model() -> str:
+    return str(ensure_demo_model("wan22-t2v-tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(unipc_model: str) -> Iterator[PipelineRunner]:
+    runner = PipelineRunner.load(unipc_model, "cpu", config=None)
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def experts_reference(experts_model: str) -> Iterator[PipelineRunner]:
+    runner = PipelineRunner.load(experts_model, "cpu", config=None)
     yield runner
     runner.close()
 
@@ -45,8 +70,8 @@ def spec(model: str, dp: int, mode: OffloadMode) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def dp1_engine(ray_cluster: dict, euler_model: str) -> Iterator[SharedEngine]:
-    engine = SharedEngine(spec(euler_model, 1, OffloadMode.RANK_LOCAL), deadlines=DeadlinePolicy(base_s=300))
+def dp1_engine(ray_cluster: dict, unipc_model: str) -> Iterator[SharedEngine]:
+    engine = SharedEngine(spec(unipc_model, 1, OffloadMode.RANK_LOCAL), deadlines=DeadlinePolicy(base_s=300))
     yield engine
     engine.stop()
 
@@ -62,10 +87,18 @@ def dp1(dp1_engine: SharedEngine) -> tuple[Dispatcher, RecordingSink]:
 
 
 @pytest.fixture
-def dp2(ray_cluster: dict, euler_model: str,
+def dp2(ray_cluster: dict, unipc_model: str,
         dp1_engine: SharedEngine) -> Iterator[tuple[Dispatcher, RecordingSink]]:
     dp1_engine.stop()  # its CPU: beside the session's Serve app, the DP2 group would not fit
-    yield from running(spec(euler_model, 2, OffloadMode.ALLGATHER), deadlines=DeadlinePolicy(base_s=300))
+    yield from running(spec(unipc_model, 2, OffloadMode.ALLGATHER), deadlines=DeadlinePolicy(base_s=300))
+
+
+@pytest.fixture(params=[1, 2], ids=["dp1", "dp2"])
+def experts(request: pytest.FixtureRequest, ray_cluster: dict, experts_model: str,
+            dp1_engine: SharedEngine) -> Iterator[tuple[Dispatcher, RecordingSink]]:
+    dp1_engine.stop()  # (as dp2)
+    mode = OffloadMode.ALLGATHER if request.param == 2 else OffloadMode.RANK_LOCAL
+    yield from running(spec(experts_model, request.param, mode), deadlines=DeadlinePolicy(base_s=300))
 
 
 def killed_then_resumed(d: Dispatcher, sink: RecordingSink, reference: PipelineRunner,
@@ -88,9 +121,22 @@ def killed_then_resumed(d: Dispatcher, sink: RecordingSink, reference: PipelineR
 
 
 def test_allgather_both_requests_resume_from_their_own_steps(dp2, reference) -> None:  # noqa: ANN001
-    reqs = {f"held{i}": GenerationRequest(prompt=f"held {i}", seed=30 + i, num_inference_steps=40)
-            for i in (0, 1)}
+    reqs = {"held0": GenerationRequest(prompt="held 0", seed=30, num_inference_steps=40),
+            "held1": GenerationRequest(prompt="held 1", seed=31, num_inference_steps=40, cache=FBC)}
     killed_then_resumed(*dp2, reference, reqs, victim=1)
+
+
+def test_two_experts_resume_from_their_steps(experts, experts_reference) -> None:  # noqa: ANN001
+    d, _ = experts
+    n = len(next(iter(d.executor._groups.values())).handles)
+    reqs = {f"expert{i}": GenerationRequest(prompt=f"two experts {i}", seed=40 + i, num_inference_steps=40,
+                                            extra={"guidance_scale_2": 2.5}) for i in range(n)}
+    killed_then_resumed(*experts, experts_reference, reqs, victim=n - 1)
+
+
+def test_dp1_a_killed_rank_resumes_its_cached_request(dp1, reference) -> None:  # noqa: ANN001
+    req = GenerationRequest(prompt="keeps its residuals", seed=22, num_inference_steps=40, cache=FBC)
+    killed_then_resumed(*dp1, reference, {"cached": req}, victim=0)
 
 
 def test_dp1_a_killed_rank_resumes_its_request_from_its_last_step(dp1, reference) -> None:  # noqa: ANN001

@@ -1,10 +1,11 @@
 """A rank hands each step's state off on its STEP events, and a rerun it is given goes on
-from one (one in-process rank, the Euler demo model, real diffusers):
+from one (one in-process rank, the "tiny" demo preset, named: Wan's UniPC; real diffusers):
 
 - a resumable request's rank emits a STEP with the state after every step but the last,
   the latents of that step (the ones the pipeline's callback saw);
 - given the request resumed from step k, the rank makes only the forwards of the n - k
-  steps left (the tick protocol's count) and the MP4 bytes equal the full run's.
+  steps left (the tick protocol's count) and the MP4 bytes equal the full run's;
+- its STARTED event says why no state is kept where none is ("" where one is).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from service.engine.events import Event, EventKind
 from service.engine.rank import RankWorker
+from service.models.demo import ensure_demo_model
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 
@@ -23,8 +25,8 @@ REQ = GenerationRequest(prompt="kept", seed=11, num_inference_steps=4)  # CFG: 8
 
 
 @pytest.fixture(scope="module")
-def worker(euler_model: str) -> Iterator[RankWorker]:
-    runner = PipelineRunner.load(euler_model, "cpu", config=None)
+def worker() -> Iterator[RankWorker]:
+    runner = PipelineRunner.load(str(ensure_demo_model("tiny")), "cpu", config=None)
     w = RankWorker(runner)
     yield w
     w.close()
@@ -67,3 +69,17 @@ def test_states_go_out_on_step_events_and_a_resumed_rerun_is_exact(worker: RankW
         assert again.mp4 == full.mp4
         assert worker.forwards - f0 == (4 - st.step) * 2
         assert [e.state.step for e in later if e.state is not None] == list(range(st.step + 1, 4))
+
+
+def test_the_start_says_why_no_state_is_kept(worker: RankWorker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request the family cannot resume (sequence parallel needs two processes: its rule
+    is stood in for) starts with the reason, and hands no state out."""
+    req = GenerationRequest(prompt="not kept", seed=12, num_inference_steps=2)
+    _, seen = run(worker, "kept", req)
+    assert [e.not_resumable for e in seen if e.kind is EventKind.STARTED] == [""]
+    monkeypatch.setattr(worker.runner.adapter, "resume_blocker", lambda r: "sequence parallel runs are not "
+                        "resumed yet")
+    _, seen = run(worker, "unkept", req)
+    assert [e.not_resumable for e in seen if e.kind is EventKind.STARTED] == ["sequence parallel runs are "
+                                                                              "not resumed yet"]
+    assert not [e for e in seen if e.state is not None]

@@ -150,13 +150,16 @@ def test_experts_bench_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_state_bench_cpu_smoke(tmp_path: Path, demo_model: str) -> None:
-    """The tap alone and a real request with and without its state kept: the same bytes, a
-    state for every step but the last, each step's time on both sides."""
+    """The tap alone (the latents, and with UniPC's loop state) and a real request on the demo
+    model's own UniPC with and without its state kept: the same bytes, a state for every step
+    but the last, each step's time on both sides."""
     args = ["--model", demo_model, "--size", "32x32x5", "--steps", "3", "--rounds", "1", "--reps", "2",
-            "--shape", "1,16,2,4,4", "--dtypes", "float32"]
+            "--shape", "1,16,2,4,4", "--dtypes", "float32", "--schedulers", "none,unipc"]
     report = _run("bench_state.py", args, tmp_path)
-    (tap,) = report["runs"]
-    assert tap["bytes"] == 16 * 2 * 4 * 4 * 4 and tap["store_ms_median"] > 0
+    tap, unipc = report["runs"]
+    assert tap["bytes"] == tap["state_bytes"] == 16 * 2 * 4 * 4 * 4 and tap["store_ms_median"] > 0
+    # UniPC's state: two model outputs and the last sample besides the latents, its tables, the generator
+    assert unipc["state_bytes"] > 4 * unipc["bytes"] and unipc["file_bytes"] > unipc["state_bytes"]
     st = report["steps"]
     assert st["summary"]["bytes_equal"] and st["summary"]["states_per_run"] == 2
     assert [(r["keep"], r["states"], len(r["step_ms"])) for r in st["runs"]] == [(False, 0, 2), (True, 2, 2)]

@@ -25,6 +25,7 @@ from service.models.cache import diffusers_config
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
+from tests.models.aligned import aligned_denoisers
 
 STEPS = 4
 A = GenerationRequest(prompt="a red fox running through snow", seed=7, num_inference_steps=STEPS)
@@ -42,7 +43,7 @@ def sha(frames: np.ndarray) -> str:
 def diffusers_frames(model: str, spec: CacheSpec | None, req: GenerationRequest) -> np.ndarray:
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(model)
+    pipe = aligned_denoisers(WanPipeline.from_pretrained(model))
     pipe.set_progress_bar_config(disable=True)
     if spec is not None:
         pipe.transformer.enable_cache(diffusers_config(spec, req.num_inference_steps))

@@ -28,6 +28,7 @@ from service.models.demo import write_demo_model
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
+from tests.models.aligned import aligned_denoisers
 
 
 def _png() -> bytes:
@@ -80,7 +81,7 @@ def _reference(path: Path, pipeline: str, req: GenerationRequest, image_file: Pa
     import diffusers
     from diffusers.utils import load_image
 
-    pipe = getattr(diffusers, pipeline).from_pretrained(path)
+    pipe = aligned_denoisers(getattr(diffusers, pipeline).from_pretrained(path))
     pipe.set_progress_bar_config(disable=True)
     kwargs = {"image": load_image(str(image_file))} if req.image is not None else {}
     if "guidance_scale_2" in req.extra:

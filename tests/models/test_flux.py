@@ -18,6 +18,7 @@ from service.models.demo import tokenizer as demo_tokenizer
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
+from tests.models.aligned import aligned_denoisers
 
 REQ = GenerationRequest(prompt="a red fox", seed=5, height=32, width=48, num_frames=1,
                         num_inference_steps=3, guidance_scale=3.5, extra={"max_sequence_length": 64})
@@ -68,7 +69,7 @@ def flux_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(flux_dir: Path) -> np.ndarray:
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(flux_dir)
+    pipe = aligned_denoisers(FluxPipeline.from_pretrained(flux_dir))
     pipe.set_progress_bar_config(disable=True)
     images = pipe(
         prompt=REQ.prompt, height=REQ.height, width=REQ.width, num_inference_steps=REQ.num_inference_steps,

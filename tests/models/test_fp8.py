@@ -6,10 +6,11 @@ the folder's weights are those the load quantizes, bit for bit. The frames' PSNR
 unquantized pipeline is printed (the demo weights are noise: the figure says how far fp8 moves
 the output, not how good a video looks).
 
-Frames from the two sources are compared bit for bit only within a source: the folder holds the
-layers fp8 leaves alone at other file offsets than the original, their mmap views are aligned
-otherwise, and a CPU BLAS may pick its kernel by alignment (MKL with AVX-512 on an AMD EPYC host:
-the same weights, cloned to aligned memory, give equal frames; as mapped, the last bits differ).
+The two sources give the same bytes too, ``dloserve generate`` included: the folder holds the
+layers fp8 leaves alone at other file offsets than the original, and a CPU BLAS picks its
+kernel by alignment (MKL with AVX-512 on an AMD EPYC host: as mapped, at 48x64x9 the last
+bits differed), so a view the CPU computes with is on a 64-byte boundary in both
+(offload/checkpoint.py ``compute_aligned``).
 """
 
 from __future__ import annotations
@@ -107,13 +108,28 @@ def test_fp8_strategies_give_one_output(demo_model: str, fp8_model: str, residen
         if stats is not None:
             assert stats["quantization_source"] == name.split("-")[1]
             assert "torch.float8_e4m3fn" in stats["block_bytes_by_dtype"]
-    for source in ("online", "prequantized"):  # one output per source, whatever the strategy
-        assert len({d for n, d in digests.items() if n.endswith(source)}) == 1, digests
-    assert psnr(frames["resident-online"], frames["resident-prequantized"]) > 40  # equal, or the last bits
+    assert len(set(digests.values())) == 1, digests  # one output, whatever the strategy and the source
     ref = resident.frames(REQ)
     assert digests["resident-online"] != sha(ref.tobytes())  # quantization changed something
     print(f"tiny demo, fp8 vs fp32 frames: PSNR {psnr(frames['allgather-online'], ref):.1f} dB")
     assert psnr(frames["allgather-online"], ref) > 25
+
+
+def test_a_quantize_folder_and_fp8_at_load_generate_the_same_bytes(tmp_path: Path) -> None:
+    """``dloserve generate`` on the folder and on its source with ``--quantization fp8``, at a
+    size whose frames differed in the last bits while the views kept the files' alignment."""
+    from service.models.demo import ensure_demo_model
+
+    src, folder = str(ensure_demo_model("tiny")), str(tmp_path / "fp8")
+    assert cli_main(["quantize", src, folder, "--quiet"]) == 0
+    size = ["--height", "48", "--width", "64", "--num-frames", "9", "--prompt", "a cat", "--seed", "7",
+            "--quiet"]
+    outs = {}
+    for name, args in (("online", ["--model", src, "--quantization", "fp8"]),
+                       ("folder", ["--model", folder])):
+        outs[name] = tmp_path / f"{name}.mp4"
+        assert cli_main(["generate", *args, *size, "--out", str(outs[name])]) == 0
+    assert outs["online"].read_bytes() == outs["folder"].read_bytes()
 
 
 def test_fp8_in_bf16_serving(demo_model: str) -> None:

@@ -25,6 +25,7 @@ from service.models.lora_ref import LoraRef
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest, RequestError
 from service.models.video import to_uint8
+from tests.models.aligned import aligned_denoisers
 
 SCALE = 0.8
 A = GenerationRequest(prompt="a red fox running through snow", seed=7)  # CFG on: 4 forwards
@@ -52,7 +53,7 @@ def with_lora(req: GenerationRequest, path: Path, scale: float = SCALE) -> Gener
 def diffusers_frames(model: str, path: Path | None, req: GenerationRequest) -> np.ndarray:
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(model)
+    pipe = aligned_denoisers(WanPipeline.from_pretrained(model))
     pipe.set_progress_bar_config(disable=True)
     if path is not None:
         pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name="x")

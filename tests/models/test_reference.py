@@ -21,6 +21,7 @@ from service.models.demo import tokenizer as demo_tokenizer
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4, to_uint8
+from tests.models.aligned import aligned_denoisers
 
 REQ = GenerationRequest(
     prompt="a blue bird flying over the sea", negative_prompt="city night", seed=3,
@@ -69,7 +70,7 @@ def saved_pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def diffusers_frames(saved_pipeline: Path) -> np.ndarray:
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(saved_pipeline)
+    pipe = aligned_denoisers(WanPipeline.from_pretrained(saved_pipeline))
     pipe.set_progress_bar_config(disable=True)
     out = pipe(
         prompt=REQ.prompt, negative_prompt=REQ.negative_prompt, height=REQ.height, width=REQ.width,

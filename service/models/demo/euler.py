@@ -1,8 +1,8 @@
-"""A view of a Wan pipeline folder with a flow-matching Euler scheduler, the one a rerun can go
-on from (models/resume.py): Wan2.1's published UniPC keeps model outputs between steps that
-the per-step state does not hold, so a request on it reruns from step 0. For the tests and
-the benchmarks that measure resuming on a demo (or any local) model: the other components
-are symlinks to the source folder's files, nothing is copied.
+"""A view of a Wan pipeline folder with a flow-matching Euler scheduler instead of its own
+(Wan2.1's published UniPC): the scheduler whose kept state is the latents alone
+(models/loop.py), for the tests and the benchmarks that compare it with UniPC on a demo (or
+any local) model (``bench_state.py --euler``, ``bench_startup.py --euler``). The other
+components are symlinks to the source folder's files, nothing is copied.
 """
 
 from __future__ import annotations
