@@ -113,6 +113,7 @@ def test_a_malformed_durable_file_fails_its_job_naming_it_and_never_stops_a_star
 def test_a_store_actor_starts_on_a_folder_with_a_fifo_and_a_deep_record(ray_cluster: dict,
                                                                          tmp_path: Path) -> None:
     """The store as it runs (a Ray actor, its constructor the recovery): it answers."""
+    from service.api.config import ServiceConfig
     from service.api.jobs import connect_store, stop_store
 
     crashed(tmp_path, "demo", {"video_ok": REQ})
@@ -121,7 +122,9 @@ def test_a_store_actor_starts_on_a_folder_with_a_fifo_and_a_deep_record(ray_clus
     (tmp_path / "video_nest.json").write_bytes(DEEP)
     url = str(tmp_path)
     try:
-        client = connect_store(url)
+        cfg = ServiceConfig()  # the settings' defaults are its fields'
+        client = connect_store(url, None, retention_s=cfg.retention_s, max_jobs=cfg.max_jobs,
+                               group_timeout_s=cfg.group_timeout_s)
         assert client.status()["unfinished"] == 1 and client.get("video_ok").status is JobStatus.QUEUED
     finally:
         stop_store(url)
