@@ -166,7 +166,9 @@ def test_a_job_whose_request_cannot_be_read_fails_with_the_reason_after_a_restar
 
 def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(euler_model: str,
                                                                         tmp_path: Path) -> None:
-    store = JobStore(str(tmp_path), {}, 3600.0, 100, 0.5)  # a group silent for 0.5 s is lost
+    # A group silent for 4 s is lost: four of its 1 s heartbeats missed. At 0.5 s a heartbeat late
+    # on a loaded host let the store take the running job back before the close (1 run of 6).
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 4.0)
     config = ServiceConfig(model=euler_model, results_url=str(tmp_path))
     ex, ex2 = FakeExecutor((1,)), FakeExecutor((1,))
     first = VideoService(config, executor=ex, store=store, node_id="node")
@@ -181,7 +183,7 @@ def test_a_replica_closed_without_a_drain_leaves_its_jobs_to_the_store(euler_mod
         for job, status in ((running, JobStatus.IN_PROGRESS), (queued, JobStatus.QUEUED)):
             assert store.get(job.id).status is status, store.get(job.id)  # not failed "service stopped"
         second = VideoService(config, executor=ex2, store=store, node_id="node")
-        ex2.wait_assigned(running.id)
+        ex2.wait_assigned(running.id, timeout=60)  # once the first group is lost
         again = [a[3] for a in ex2.assigned if a[2] == running.id][-1]
         assert again.resume is not None and again.resume.step == 2
         ex2.run(running.id)
