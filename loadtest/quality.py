@@ -5,7 +5,8 @@ its fixed prompt set (50 prompts x 2 seeds), every clip scored against its promp
     python loadtest/quality.py --settings exact,fp8 --seeds 0 --check
 
 Settings: ``exact`` (the defaults), ``fp8`` (FP8 weights quantized at load), ``half-steps``,
-``first_block`` and ``mag`` (each step cache at its default threshold), ``lora`` (the red/blue swap
+``first_block`` (the step cache at its default threshold; ``mag`` needs the checkpoint's calibrated
+magnitude ratios, which the trained model does not have yet), ``lora`` (the red/blue swap
 adapter at scale 1: scored against the swapped colour), and ``dlo`` (layerwise offload, DP1): it
 must give the exact setting's frames bit for bit, which is checked, not scored. ``--check`` exits 1
 when a setting misses its threshold (exact: colour >= 0.90 and motion >= 0.85; fp8: within 0.02 of
@@ -29,7 +30,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loadtest.reporting import RESULTS, header, machine_kind, write_report  # noqa: E402
 
-SETTINGS = ("exact", "dlo", "fp8", "half-steps", "first_block", "mag", "lora")
+# MagCache is left out: it needs the checkpoint's own magnitude ratios (docs/caches.md), not measured yet
+SETTINGS = ("exact", "dlo", "fp8", "half-steps", "first_block", "lora")
 EXACT_MIN = {"colour": 0.90, "motion": 0.85}
 FP8_DROP = 0.02
 LORA_MIN = 0.75
