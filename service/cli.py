@@ -5,9 +5,9 @@
     dloserve quantize SRC DST     (a pipeline folder with an fp8 transformer)
     dloserve serve ...            (delegates to service.api.launch)
 
-``generate`` without ``--model`` uses the tiny demo model, written to the cache folder
-($DLOSERVE_CACHE or ~/.cache/dloserve) on first use. With ``--data-parallel-size N > 1``
-it starts N local processes (gloo on CPU, NCCL on GPU); rank 0 runs the request and the
+``generate`` without ``--model`` uses the trained demo model (service/models/demo/weights/wan-shapes)
+at the request its folder names as default (dloserve_defaults.json; flags win over it). With
+``--data-parallel-size N > 1`` it starts N local processes (gloo on CPU, NCCL on GPU); rank 0 runs the request and the
 others idle-replay the gathers. With ``--sequence-parallel-size S`` the S processes all run
 the request, each on 1/S of its tokens. No Ray is needed for it.
 """
