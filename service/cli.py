@@ -8,8 +8,8 @@
 ``generate`` without ``--model`` uses the trained demo model (service/models/demo/weights/wan-shapes)
 at the request its folder names as default (dloserve_defaults.json; flags win over it). With
 ``--data-parallel-size N > 1`` it starts N local processes (gloo on CPU, NCCL on GPU); rank 0
-runs the request and the others idle-replay the gathers. With ``--sequence-parallel-size S`` the S processes all run
-the request, each on 1/S of its tokens. No Ray is needed for it.
+runs the request and the others idle-replay the gathers. With ``--sequence-parallel-size S``
+the S processes all run the request, each on 1/S of its tokens. No Ray is needed for it.
 """
 
 from __future__ import annotations
