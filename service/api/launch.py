@@ -39,8 +39,10 @@ SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
 __all__ = ["add_arguments", "config_from_args", "run"]
 
 
-class _Stop(Exception):
-    """SIGINT or SIGTERM arrived: unwind, then clean up."""
+class _Stop(BaseException):
+    """SIGINT or SIGTERM arrived: unwind, then clean up. A BaseException, as KeyboardInterrupt
+    is: an ``except Exception`` on the way (a Ray hook's fallback, Ray's or Serve's own start-up)
+    must not take a stop for a failure and carry on starting."""
 
 
 _signals = {"count": 0}

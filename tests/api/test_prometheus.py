@@ -51,6 +51,7 @@ def test_every_dashboard_query_returns_data(ray_tmp: Path, tmp_path: Path, demo_
               "--enable-distributed-layerwise-offload", "--dlo-mode", "allgather",  # auto: rank-local here
               "--cpus-per-rank", "0.5", "--queue-size", "2",
               "--webhook-url", f"http://127.0.0.1:{free_port()}/hook", "--webhook-secret-file", str(secret),
+              "--webhook-allow-private",  # a loopback receiver: connect refused, not the address
               "--results-dir", str(tmp_path / "results"), "--group-timeout-s", "3",
               env={"RAY_metrics_report_interval_ms": "1000"})
     s.watch_until(lambda: "dloserve ready at" in s.output, timeout=300)

@@ -22,8 +22,9 @@ PROMPTS = [
 ]
 
 
-def run_batch(ray_cluster: dict, prompts: Path, out: Path) -> subprocess.CompletedProcess:
+def run_batch(ray_cluster: dict, prompts: Path, out: Path, model: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "service.jobs.batch", "--prompts", str(prompts), "--out", str(out),
+           "--model", model,  # the noise preset, as `resident` (the trained default has other defaults)
            "--data-parallel-size", "2", "--cpus-per-rank", "0.5", "--address", ray_cluster["address"],
            # auto mode with every component offloaded; on CPU the probe's compute (tens of ms
            # per block) dwarfs a fill (well under 1 ms), so auto must pick rank-local
@@ -33,11 +34,12 @@ def run_batch(ray_cluster: dict, prompts: Path, out: Path) -> subprocess.Complet
 
 
 @pytest.mark.e2e  # the batch job as its own process: load, run, run again
-def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path, resident) -> None:  # noqa: ANN001
+def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path, resident,  # noqa: ANN001
+                                               demo_model: str) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in PROMPTS) + "\n")
     out = tmp_path / "out"
-    first = run_batch(ray_cluster, prompts, out)
+    first = run_batch(ray_cluster, prompts, out, demo_model)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "3 to run" in first.stdout and "3 completed, 0 failed" in first.stdout
     assert "videos" in first.stderr  # the tqdm bar
@@ -50,7 +52,7 @@ def test_batch_runs_three_then_skips_all_three(ray_cluster: dict, tmp_path: Path
         assert stages <= set(e["timings"]), e
     assert (out / "fox.mp4").read_bytes() == resident.generate(GenerationRequest(prompt="a red fox", seed=1))
 
-    second = run_batch(ray_cluster, prompts, out)
+    second = run_batch(ray_cluster, prompts, out, demo_model)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "3 already done (skipped), 0 to run" in second.stdout
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 3
