@@ -1,5 +1,9 @@
 """Offline demo checkpoints: complete diffusers-layout Wan T2V pipelines, random weights.
 
+(The default model is not one of these presets: it is the trained "shapes" model committed under
+``weights/``; ``shapes.py`` and ``train.py`` say what it is and how it was made. The presets here are
+noise, for tests and benchmarks at the real shapes.)
+
 Nothing is downloaded. The tokenizer is a small Unigram model built with ``tokenizers``
 and wrapped as transformers' T5 tokenizer (what Wan checkpoints name); the text encoder
 is a tiny ``UMT5EncoderModel``; the VAE a narrow ``AutoencoderKLWan`` with Wan's real
