@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from offload_strategies import _meta_transformer
+from offload_strategies import meta_transformer
 from ranks import run_ranks
 from reporting import RESULTS, header, host_memory, inputs, token_list, write_report
 
@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, model: str, tokens: list[int], forwards: int, a
     folder = Path(model) / "transformer"
     text_dim = json.loads((folder / "config.json").read_text())["text_dim"]
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    module = _meta_transformer(folder)
+    module = meta_transformer(folder)
     group = dist.group.WORLD if world > 1 else None
     t0 = time.perf_counter()
     h = enable_layerwise_offload(module, folder, device=dev, group=group,

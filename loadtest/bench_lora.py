@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offload_strategies import _keep_fp32, _meta_transformer
+from offload_strategies import keep_fp32, meta_transformer
 from reporting import (
     RESULTS,
     SHAPES,
@@ -69,8 +69,8 @@ def run_strategy(args: argparse.Namespace, strategy: str, lora_path: Path) -> di
     dev = torch.device(args.device)
     folder = Path(args.model) / "transformer"
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    keep = _keep_fp32() if dtype is not None else ()
-    module, handle = _meta_transformer(folder), None
+    keep = keep_fp32() if dtype is not None else ()
+    module, handle = meta_transformer(folder), None
     t0 = time.perf_counter()
     if strategy == "resident":
         load_resident(module, folder, dev, dtype=dtype, keep_fp32=keep, block_attrs=["blocks"])

@@ -50,8 +50,8 @@ from typing import Any
 
 import httpx
 from reporting import header
+from serving import pids_matching
 
-from service.api.hostproc import matching
 from service.engine.ports import free_port
 
 KINDS = ("ready", "kill", "kill-nostandby")
@@ -116,7 +116,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
         if v["status"] in ("completed", "failed", "cancelled"):
             raise RuntimeError(f"the request to kill ended ({v['status']}) before it showed progress")
         time.sleep(0.05)
-    ranks = matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
+    ranks = pids_matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
     out["rank_processes"] = len(ranks)
     t_kill = time.monotonic()
     os.kill(ranks[-1], signal.SIGKILL)
