@@ -1,5 +1,5 @@
 """The living benchmarks' CPU smoke modes, so none of them rots: each runs end to end and
-checks what it measures (dloserve's output equals resident, the encode's bytes are stable, ...)."""
+checks what it measures (dloserve's output equals resident, the streamed encode's bytes, ...)."""
 
 from __future__ import annotations
 
@@ -64,21 +64,6 @@ def test_encode_bench_cpu_smoke(tmp_path: Path) -> None:
     assert [r["role"] for r in rows if r["role"]] == ["before", "before"]  # X264_THREADS is not in 1,2
     assert all(r["bytes_equal"] and r["held_back_frames"] == 9 for r in report["stream"]["rows"])
 
-
-def test_encode_determinism_smoke_and_its_fault(tmp_path: Path) -> None:
-    """The check passes on the service's settings and fails with the thread count taken
-    from the CPUs (a process pinned to one CPU then writes other bytes)."""
-    import os
-
-    args = ["--processes", "3", "--rounds", "1", "--full-reps", "0", "--load", "0",
-            "--inputs", "noise-96x96x9,smooth-96x96x9"]
-    report = _run("encode_determinism.py", args, tmp_path)
-    assert report["one_file_per_input"] and report["total_encodes"] == 6
-    if len(os.sched_getaffinity(0)) > 1:  # pinning changes nothing on a one-CPU host
-        proc = subprocess.run([sys.executable, str(ROOT / "loadtest" / "encode_determinism.py"), *args,
-                               "--fault", "auto-threads"], capture_output=True, text=True, timeout=400,
-                              env=_env())
-        assert proc.returncode == 1, proc.stdout
 
 
 def test_lora_bench_cpu_smoke(tmp_path: Path) -> None:
