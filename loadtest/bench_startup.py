@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from reporting import header
+from reporting import header, write_report
 from serving import pids_matching
 
 from service.engine.ports import free_port
@@ -250,7 +250,7 @@ def main() -> int:
             run["scheduler"] = "FlowMatchEulerDiscreteScheduler"
         for n, kind in enumerate(kinds):
             run["starts"].append(one_start(args, kind, out.parent, n))
-            out.write_text(json.dumps(doc, indent=1))  # each start kept even if a later one hangs
+            write_report(doc, out)  # each start kept even if a later one hangs
             print(json.dumps({"label": args.label, "start": n, **summary(run["starts"][-1])}), flush=True)
     return 0
 
