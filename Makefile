@@ -77,7 +77,8 @@ serve:
 	$(BIN)/dloserve serve $(SERVE_ARGS)
 
 loadtest:
-	$(BIN)/python loadtest/http_load.py --url http://127.0.0.1:8000 --concurrency 4 --requests 16
+	mkdir -p out && $(BIN)/python loadtest/http_load.py --url http://127.0.0.1:8000 --concurrency 4 --requests 16 \
+	  --out out/loadtest.json
 
 PROMPTS ?= prompts.jsonl
 batch:

@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from reporting import RESULTS, header, machine_kind, write_report
+from reporting import header, machine_kind, preset_model, result_path, write_report
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
 from service.config.cache import CacheSpec
@@ -182,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dp2", action="store_true", help="also a two-rank AllGather group (2 GPUs on CUDA)")
     p.add_argument("--dp2-cache", default="first_block@0.2", help="the setting the DP2 runs use")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny preset, 3 layers, 32x32x5, 4 steps")
-    p.add_argument("--out", help="JSON path; default $OUT/bench_cache.json, else "
-                                 "loadtest/results/<kind>-cache-<date>.json")
+    p.add_argument("--out", help="JSON path; default <kind>-cache-<date>.json in $OUT, else "
+                                 "loadtest/results/")
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.preset, args.layers, args.size, args.steps = "cpu", "tiny", 3, "32x32x5", 4
@@ -191,13 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         args.dp2_cache = "first_block@5.0"
     if args.dtype is None and args.device == "cuda":
         args.dtype = "bfloat16"
-    from service.models.demo import write_demo_model
-
     t_start = time.perf_counter()
-    if args.model is None:
-        args.model = str(Path(tempfile.gettempdir()) / f"dloserve-bench-{args.preset}-L{args.layers}")
-        if not (Path(args.model) / "model_index.json").is_file():
-            write_demo_model(args.model, args.preset, args.layers, init_device=args.device, progress=True)
+    args.model = args.model or str(preset_model(args.preset, args.layers, args.device))
     report: dict[str, Any] = {
         **header(args.device),
         "model": {"preset": args.preset, "layers": args.layers, "path": args.model},
@@ -207,10 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp2:
         report["dp2"] = dp2(args)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
-    kind = machine_kind(report, args.device)
-    default = Path(os.environ["OUT"]) / "bench_cache.json" if os.environ.get("OUT") else \
-        RESULTS / f"{kind}-cache-{report['date'][:10]}.json"
-    out = Path(args.out or default)
+    out = Path(args.out or result_path(report, machine_kind(report, args.device), "cache"))
     write_report(report, out)
     for name, r in report["dp1"].items():
         print(f"{name:18s} forward {r['forward_s']:8.3f} s ({r['forward_s_vs_none']}x)  fills "

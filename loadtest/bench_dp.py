@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from offload_strategies import _meta_transformer
+from offload_strategies import meta_transformer
 from ranks import run_ranks
-from reporting import RESULTS, header, host_memory, inputs, token_list, write_report
+from reporting import header, host_memory, inputs, preset_model, result_path, token_list, write_report
 
 from service.offload import enable_layerwise_offload
 from service.offload.comm import all_gather
@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, model: str, tokens: list[int], forwards: int, a
     folder = Path(model) / "transformer"
     text_dim = json.loads((folder / "config.json").read_text())["text_dim"]
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    module = _meta_transformer(folder)
+    module = meta_transformer(folder)
     group = dist.group.WORLD if world > 1 else None
     t0 = time.perf_counter()
     h = enable_layerwise_offload(module, folder, device=dev, group=group,
@@ -123,15 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forwards", type=int, default=4)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.model is None:
-        import tempfile
-
-        from service.models.demo import write_demo_model
-
-        model = Path(tempfile.gettempdir()) / f"dloserve-bench-{args.preset}-L{args.layers}"
-        if not (model / "model_index.json").is_file():
-            write_demo_model(model, args.preset, args.layers)
-        args.model = str(model)
+    args.model = args.model or str(preset_model(args.preset, args.layers))
     sizes = [n for n in (2, 4, 8) if n <= args.gpus]
     configs = [(1, True)] + [(n, ag) for n in sizes for ag in (True, False)]
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -151,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summarize(runs, args.tokens, args.forwards),
     }
     kind = f"h200x{args.gpus}" if "H200" in report["machine"].get("gpu", "") else f"{args.device}x{args.gpus}"
-    out = Path(args.out or RESULTS / f"{kind}-{report['date'][:10]}.json")
+    out = Path(args.out or result_path(report, kind))
     write_report(report, out)
     print(dp_table(report))
     print(f"wrote {out}")

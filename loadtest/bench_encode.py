@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import multiprocessing as mp
 import os
 import resource
@@ -43,7 +42,7 @@ from typing import Any
 
 import numpy as np
 from clips import clip, frames_sha256
-from reporting import header
+from reporting import header, write_report
 
 from service.models import video
 
@@ -388,9 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         res["decode"] = part_decode(args, dw, dh, dtn)
     res["loadavg_end"] = os.getloadavg()
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(res, indent=2) + "\n")
-        print("wrote", args.out)
+        print("wrote", write_report(res, args.out))
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import json
 import random
 import statistics
 import sys
@@ -34,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # for tests.fakes (the in-memory executor); service is installed
 
-from loadtest.reporting import header  # noqa: E402
+from loadtest.reporting import header, write_report  # noqa: E402
 from service.engine.outcome import Outcome  # noqa: E402
 from service.models.request import GenerationRequest  # noqa: E402
 from service.router.dispatcher import Dispatcher  # noqa: E402
@@ -182,8 +181,7 @@ def main() -> int:
         "results": results,
         "wall_s": round(time.monotonic() - t0, 1),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    write_report(doc, args.out)
     print(f"wrote {args.out} in {doc['wall_s']} s")
     return 0
 

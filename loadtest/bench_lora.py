@@ -20,7 +20,6 @@ import argparse
 import gc
 import hashlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -29,15 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offload_strategies import _keep_fp32, _meta_transformer
+from offload_strategies import keep_fp32, meta_transformer
 from reporting import (
-    RESULTS,
     SHAPES,
     Timer,
     check_tokens,
     header,
     inputs,
     machine_kind,
+    preset_model,
+    result_path,
     token_list,
     write_report,
 )
@@ -69,8 +69,8 @@ def run_strategy(args: argparse.Namespace, strategy: str, lora_path: Path) -> di
     dev = torch.device(args.device)
     folder = Path(args.model) / "transformer"
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    keep = _keep_fp32() if dtype is not None else ()
-    module, handle = _meta_transformer(folder), None
+    keep = keep_fp32() if dtype is not None else ()
+    module, handle = meta_transformer(folder), None
     t0 = time.perf_counter()
     if strategy == "resident":
         load_resident(module, folder, dev, dtype=dtype, keep_fp32=keep, block_attrs=["blocks"])
@@ -136,22 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--cache-gb", type=float, default=4.0, help="the adapter LRU's budget (--lora-cache-gb)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny preset, 3 layers, 64 tokens, rank 4")
-    p.add_argument("--out", help="JSON path; default $OUT/bench_lora.json, else "
-                                 "loadtest/results/<kind>-lora-<date>.json")
+    p.add_argument("--out", help="JSON path; default <kind>-lora-<date>.json in $OUT, else "
+                                 "loadtest/results/")
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.preset, args.layers, args.tokens = "cpu", "tiny", 3, [64]
         args.rank, args.reps, args.warmup = 4, 1, 0
     check_tokens(p, args.tokens, SHAPES)
-    from service.models.demo import write_demo_model
     from service.models.demo.lora import write_demo_lora
 
     t_start = time.perf_counter()
     tmp = Path(tempfile.gettempdir())
-    if args.model is None:
-        args.model = str(tmp / f"dloserve-bench-{args.preset}-L{args.layers}")
-        if not (Path(args.model) / "model_index.json").is_file():
-            write_demo_model(args.model, args.preset, args.layers, init_device=args.device, progress=True)
+    args.model = args.model or str(preset_model(args.preset, args.layers, args.device))
     cfg = json.loads((Path(args.model) / "transformer" / "config.json").read_text())
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if args.device == "cuda" else
                                                            torch.float32)
@@ -167,10 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in args.strategies:
         report["strategies"][s] = run_strategy(args, s, lora)
     report["seconds"] = time.perf_counter() - t_start
-    kind = machine_kind(report, args.device)
-    default = Path(os.environ["OUT"]) / "bench_lora.json" if os.environ.get("OUT") else \
-        RESULTS / f"{kind}-lora-{report['date'][:10]}.json"
-    out = Path(args.out or default)
+    out = Path(args.out or result_path(report, machine_kind(report, args.device), "lora"))
     write_report(report, out)
     for s, r in report["strategies"].items():
         for t, w in r["tokens"].items():

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from offload_strategies import CPU_STRATEGIES, STRATEGIES, load
 from reporting import (
-    RESULTS,
     SHAPES,
     Timer,
     check_tokens,
@@ -38,6 +37,8 @@ from reporting import (
     inputs,
     machine,
     machine_kind,
+    preset_model,
+    result_path,
     token_list,
     write_report,
 )
@@ -121,16 +122,7 @@ def _host_alloc_stats() -> dict[str, int]:
 
 
 def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    if args.model is None:
-        from service.models.demo import write_demo_model
-
-        model = Path(tempfile.gettempdir()) / f"dloserve-bench-{args.preset}-L{args.layers}"
-        if not (model / "model_index.json").is_file():
-            t0 = time.perf_counter()
-            write_demo_model(model, args.preset, args.layers)
-            print(f"wrote {args.preset} model with {args.layers} layers in {time.perf_counter() - t0:.0f} s",
-                  flush=True)
-        args.model = str(model)
+    args.model = args.model or str(preset_model(args.preset, args.layers))
     results: dict[str, Any] = {}
     for strategy in args.strategies:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -222,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.strategies = args.strategies or list(STRATEGIES if args.device == "cuda" else CPU_STRATEGIES)
     report = run_all(args)
-    kind = machine_kind(report, args.device)
-    out = Path(args.out or RESULTS / f"{kind}-{report['date'][:10]}.json")
+    out = Path(args.out or result_path(report, machine_kind(report, args.device)))
     write_report(report, out)
     print(table(report))
     print(f"wrote {out}")

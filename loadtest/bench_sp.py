@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
-from reporting import RESULTS, header, host_memory, inputs, token_list, write_report
+from reporting import header, host_memory, inputs, preset_model, result_path, token_list, write_report
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 
@@ -213,15 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=900)
     p.add_argument("--out")
     args = p.parse_args(argv)
-    if args.model is None:
-        from service.models.demo import write_demo_model
-
-        model = Path(tempfile.gettempdir()) / f"dloserve-bench-{args.preset}-L{args.layers}"
-        if not (model / "model_index.json").is_file():
-            t = time.perf_counter()
-            write_demo_model(model, args.preset, args.layers)
-            print(f"wrote {model} in {time.perf_counter() - t:.0f} s", flush=True)
-        args.model = str(model)
+    args.model = args.model or str(preset_model(args.preset, args.layers))
     gen = None if args.gen == "none" else [int(v) for v in args.gen.split("x")]
     backend = "nccl" if args.device == "cuda" else "gloo"
     report: dict[str, Any] = {
@@ -244,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
         compare(report, scratch)
     kind = "h200x2" if "H200" in report["machine"].get("gpu", "") else args.device
-    out = Path(args.out or RESULTS / f"{kind}-sp-{report['date'][:10]}.json")
+    out = Path(args.out or result_path(report, kind, "sp"))
     write_report(report, out)
     print(table(report))
     print(f"wrote {out}")

@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from reporting import header
+from reporting import header, write_report
+from serving import pids_matching
 
-from service.api.hostproc import matching
 from service.engine.ports import free_port
 
 KINDS = ("ready", "kill", "kill-nostandby")
@@ -116,7 +116,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
         if v["status"] in ("completed", "failed", "cancelled"):
             raise RuntimeError(f"the request to kill ended ({v['status']}) before it showed progress")
         time.sleep(0.05)
-    ranks = matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
+    ranks = pids_matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
     out["rank_processes"] = len(ranks)
     t_kill = time.monotonic()
     os.kill(ranks[-1], signal.SIGKILL)
@@ -250,7 +250,7 @@ def main() -> int:
             run["scheduler"] = "FlowMatchEulerDiscreteScheduler"
         for n, kind in enumerate(kinds):
             run["starts"].append(one_start(args, kind, out.parent, n))
-            out.write_text(json.dumps(doc, indent=1))  # each start kept even if a later one hangs
+            write_report(doc, out)  # each start kept even if a later one hangs
             print(json.dumps({"label": args.label, "start": n, **summary(run["starts"][-1])}), flush=True)
     return 0
 

@@ -17,11 +17,10 @@ import json
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch.distributed as dist
 from ranks import run_ranks
-from reporting import header
+from reporting import header, write_report
 
 from service.config import EngineConfig, OffloadConfig, OffloadMode
 from service.engine.events import EventKind
@@ -79,7 +78,7 @@ def main() -> int:
         "mean_agree_us_in_serve": round(statistics.mean(per_tick), 1),
         "alone_median_us": max(r["alone_median_us"] for r in ranks),
     }
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_report(res, args.out)
     print(json.dumps(res, indent=1))
     return 0
 

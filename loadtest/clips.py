@@ -1,4 +1,4 @@
-"""Synthetic clips for the encode benchmarks: numpy only, the same arrays on every host.
+"""Synthetic clips for the encode benchmark (bench_encode.py): numpy only, the same arrays on every host.
 
 ``noise``: uniform random pixels, what the demo models' random weights decode to and the
 slowest thing x264 meets (nothing to predict). ``smooth``: a low-frequency colour field

@@ -2,9 +2,8 @@
 # Issue 34's one-GPU figures, as run on a lent nvidia-h200 (after the wheels from
 # ../shared/tools/gpu-wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
 # Wan-14B layers, bf16 and FP8, each a first start and a restart; 40 layers the same), a rank
-# SIGKILLed at half of a request against a standby that has loaded, requests of other sizes
-# than the compile warm-up's (bench_sizes.py), and short clips sent at once under default flags
-# against the resident ideal. Each step has its own limit; each
+# SIGKILLed at half of a request against a standby that has loaded, and short clips sent at
+# once under default flags against the resident ideal. Each step has its own limit; each
 # writes JSON under $OUT. A device call is 10 minutes at most: pass the parts per call.
 #
 #   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; then: ready40
@@ -24,16 +23,13 @@ if [ "${SMOKE:-0}" = 1 ]; then
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
 else
   DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short
-  if has ready12 || has kill || has fp8 || has short || has fill12 || has sizes; then
+  if has ready12 || has kill || has fp8 || has short; then
     [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
   fi
-  if has ready40 || has fill40; then
+  if has ready40; then
     [ -d "$M40" ] || step 300 $PY -m service.cli demo-model "$M40" --preset wan14b-shape --layers 40
   fi
 fi
-# Resident blocks into device memory: the one-thread host build against offload.fill (bench_fill.py).
-has fill12 && step 120 $PY loadtest/bench_fill.py "$M12" --blocks 12 --out "$OUT/$KIND-fill-$DAY-12.json"
-has fill40 && step 200 $PY loadtest/bench_fill.py "$M40" --blocks 40 --out "$OUT/$KIND-fill-$DAY-40.json"
 B="$PY loadtest/bench_startup.py $DEV --module"
 # shellcheck disable=SC2086
 has ready12 && step 240 $B --model "$M12" --label 12-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12.json"
@@ -46,9 +42,6 @@ has ready40 && step 240 $B --model "$M40" --label 40-bf16 --starts ready,ready -
 # shellcheck disable=SC2086
 has kill && step 240 $B --model "$M12" --label 12-bf16-kill --euler --starts kill --size $SIZE --steps 10 \
   --kill-at 50 --out "$OUT/$KIND-startup-$DAY-kill.json"
-# Requests of other sizes than the warm-up's: first run against a repeat, marked warm-up against
-# the static one, each with an empty inductor cache (a new machine).
-has sizes && step 400 $PY loadtest/bench_sizes.py --model "$M12" $DEV --cache cold --out "$OUT/$KIND-sizes-$DAY.json"
 # Short clips (5-17 frames, 2-4 steps) sent at once, default flags against the resident ideal.
 for n in 8 24; do
   # shellcheck disable=SC2086

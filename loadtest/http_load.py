@@ -4,8 +4,9 @@
 
 Each of ``--concurrency`` clients submits a job, polls it to the end, and repeats until
 ``--requests`` jobs are done. 429s are retried after Retry-After (and counted). Prints a
-JSON summary: videos/hour, end-to-end latency percentiles, failures, and the wave sizes
-the service reported at /v1/waves (to see whether DP waves filled up).
+JSON summary (and writes it, with the command, machine and date, to ``--out``): videos/hour,
+end-to-end latency percentiles, failures, and the wave sizes the service reported at
+/v1/waves (to see whether DP waves filled up).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from reporting import header, write_report
 
 
 def one_job(client: httpx.Client, body: dict, poll_s: float, timeout_s: float) -> tuple[str, float, int]:
@@ -52,6 +54,7 @@ def main() -> int:
                    help="JSON body; seed is set per request")
     p.add_argument("--poll-s", type=float, default=0.1)
     p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--out", help="JSON path for the summary (printed either way)")
     args = p.parse_args()
     base = json.loads(args.body)
     counter = iter(range(args.requests))
@@ -79,6 +82,8 @@ def main() -> int:
     lat = sorted(s for st, s, _ in results if st == "completed")
     done = len(lat)
     summary = {
+        **header(),
+        "url": args.url, "concurrency": args.concurrency,
         "requests": len(results),
         "completed": done,
         "failed": {st: sum(1 for r in results if r[0] == st) for st in {r[0] for r in results}
@@ -95,6 +100,8 @@ def main() -> int:
         "mean_wave_s": round(statistics.mean(w.get("latency_s", 0) for w in waves), 3) if waves else None,
     }
     print(json.dumps(summary, indent=2))
+    if args.out:
+        write_report(summary, args.out)
     return 0 if done == len(results) else 1
 
 

@@ -19,7 +19,8 @@ STRATEGIES = ("resident", "dlo", "dlo-ranklocal", "diffusers-group", "fsdp2")
 CPU_STRATEGIES = ("resident", "dlo", "dlo-ranklocal")
 
 
-def _meta_transformer(folder: Path) -> nn.Module:
+def meta_transformer(folder: Path) -> nn.Module:
+    """The Wan transformer of ``folder``'s config on the meta device: dloserve's loaders fill it."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
@@ -27,7 +28,8 @@ def _meta_transformer(folder: Path) -> nn.Module:
         return WanTransformer3DModel.from_config(WanTransformer3DModel.load_config(folder)).eval()
 
 
-def _keep_fp32() -> tuple[str, ...]:
+def keep_fp32() -> tuple[str, ...]:
+    """The modules Wan keeps in fp32 when the rest is cast (its norms)."""
     from diffusers import WanTransformer3DModel
 
     return tuple(WanTransformer3DModel._keep_in_fp32_modules or ())
@@ -39,9 +41,9 @@ def load(strategy: str, folder: Path, device: torch.device) -> tuple[nn.Module, 
     from service.offload import OffloadMode, enable_layerwise_offload, load_resident
 
     if strategy == "resident":
-        return load_resident(_meta_transformer(folder), folder, device), None
+        return load_resident(meta_transformer(folder), folder, device), None
     if strategy in ("dlo", "dlo-ranklocal"):
-        module = _meta_transformer(folder)
+        module = meta_transformer(folder)
         handle = enable_layerwise_offload(
             module, folder, device=device, block_attrs=["blocks"],
             mode=OffloadMode.ALLGATHER if strategy == "dlo" else OffloadMode.RANK_LOCAL,

@@ -171,3 +171,27 @@ def write_report(report: dict[str, Any], out: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     return path
+
+
+def result_path(report: dict[str, Any], kind: str, name: str = "") -> Path:
+    """Where a result goes when ``--out`` is not given: ``$OUT`` on a lent machine (what it
+    writes there comes back), else ``loadtest/results/``; named ``<kind>[-name]-<date>.json``
+    (``kind``: ``machine_kind``'s, or the benchmark's own, ``h200x2``)."""
+    folder = Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
+    stem = "-".join(x for x in (kind, name, report["date"][:10]) if x)
+    return folder / f"{stem}.json"
+
+
+def preset_model(preset: str, layers: int, device: str = "cpu") -> Path:
+    """A ``dloserve demo-model --preset`` pipeline folder in the temp dir, written once and
+    reused by every benchmark that asks for the same preset and depth."""
+    import tempfile
+
+    from service.models.demo import write_demo_model
+
+    folder = Path(tempfile.gettempdir()) / f"dloserve-bench-{preset}-L{layers}"
+    if not (folder / "model_index.json").is_file():
+        t0 = time.perf_counter()
+        write_demo_model(folder, preset, layers, init_device=device, progress=True)
+        print(f"wrote {folder} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return folder

@@ -1,5 +1,6 @@
-"""What the HTTP benchmarks share (rank_kill, serve_bench): start ``dloserve serve`` as a
-process group of its own, wait for /readyz, poll a video to its end, stop it."""
+"""What the HTTP benchmarks share (serve_bench, bench_startup): start ``dloserve serve`` as a
+process group of its own, wait for /readyz, find its rank processes, poll a video to its end,
+stop it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL = ("completed", "failed", "cancelled")
@@ -36,6 +38,23 @@ def wait_ready(url: str, timeout: float, proc: subprocess.Popen | None = None, p
             pass
         time.sleep(poll_s)
     raise TimeoutError(f"{url} not ready after {timeout} s")
+
+
+def pids_matching(root: int, needle: str) -> list[int]:
+    """Processes below ``root`` whose command line holds ``needle`` (Ray titles a rank's
+    process ``ray::RankActor...``): the benchmark's own view, not the service's."""
+    try:
+        below = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in below:
+        try:
+            if needle in " ".join(p.cmdline()):
+                out.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
 
 
 def final(url: str, vid: str, timeout: float, poll_s: float = 0.2) -> dict[str, Any]:

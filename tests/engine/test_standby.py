@@ -76,7 +76,7 @@ def test_a_killed_rank_comes_back_as_its_standby(one_rank, resident) -> None:  #
 
     standby = standby_of(d, group.info.id)
     assert standby["standby"] and standby["pid"] not in first["pids"]
-    # tools that find rank processes by "RankActor" (loadtest/rank_kill.py) never pick a standby
+    # tools that find rank processes by "RankActor" (loadtest/bench_startup.py) never pick a standby
     assert "RankActor" not in Path(f"/proc/{standby['pid']}/cmdline").read_text(errors="replace")
     assert d.status()["standbys"][group.info.id] == [f"dloserve-{group.info.id}-gen0-rank0-standby"]
 

@@ -9,9 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-# The harness itself; bench_compute.py (the lead's) takes the machine through bench_offload still.
+# The harness itself; bench_compute.py takes the machine through bench_offload still (its owner
+# moves it to the harness in another change of issue 50), and serve_bench.py writes its result
+# itself (ditto, beside the batching benchmark of issue 49).
 OWN = {"reporting.py", "bench_compute.py"}
+LATER = {"serve_bench.py"}
 
 
 def test_the_header_names_command_date_and_machine_without_importing_torch() -> None:
@@ -27,8 +32,28 @@ def test_the_header_names_command_date_and_machine_without_importing_torch() -> 
 
 def test_no_benchmark_writes_its_own_machine_facts_or_date() -> None:
     """The harness is the one place: a script that takes the host's name or stamps a date
-    itself, or imports bench_offload's private helpers, has its own copy again."""
+    itself, or imports another script's private helpers, has its own copy again."""
     own = re.compile(r"platform\.node\(\)|def machine\(|\"date\": (dt|time)\."
-                     r"|from bench_offload import .*\b_")
+                     r"|^from (?!__future__)\w+ import [^#\n]*\b_\w", re.M)
     found = [p.name for p in sorted(LOADTEST.glob("*.py")) if p.name not in OWN and own.search(p.read_text())]
     assert found == []
+
+
+def test_results_are_written_by_the_harness() -> None:
+    """A result file is written by ``write_report`` (its folder made, one JSON layout)."""
+    own = re.compile(r"write_text\(json\.dumps\(\w+, indent=")
+    found = [p.name for p in sorted(LOADTEST.glob("*.py"))
+             if p.name not in OWN | LATER and own.search(p.read_text())]
+    assert found == []
+
+
+def test_results_go_to_out_else_to_loadtest_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$OUT`` wins over loadtest/results/ (what a lent machine writes there comes back)."""
+    from loadtest import reporting
+
+    report = {"date": "2026-12-05T10:00:00+00:00", "machine": {"gpu": "NVIDIA H200"}}
+    monkeypatch.delenv("OUT", raising=False)
+    kind = reporting.machine_kind(report, "cuda")
+    assert reporting.result_path(report, kind, "lora") == reporting.RESULTS / "h200-lora-2026-12-05.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert reporting.result_path(report, "cpu") == tmp_path / "cpu-2026-12-05.json"

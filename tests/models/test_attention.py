@@ -72,7 +72,7 @@ def test_the_router_sends_only_cuda_self_attention_to_the_kernel(resident) -> No
 
 def test_the_kernels_quantization_round_trips() -> None:
     """The 8-bit inputs the kernel reads (plain torch, so checked here; the kernel itself is
-    GPU-only, measured in loadtest/bench_attention.py): per-token scales that undo the
+    GPU-only, measured on an H200: docs/benchmarks.md): per-token scales that undo the
     quantization to e4m3's / int8's rounding, padded rows zero, V's channels scaled per head."""
     q, k, v = (torch.randn(2, 300, 3, 64, generator=torch.Generator().manual_seed(i)) for i in range(3))
     for int8, bound in ((False, 0.04), (True, 0.01)):

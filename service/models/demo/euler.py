@@ -1,7 +1,7 @@
 """A view of a Wan pipeline folder with a flow-matching Euler scheduler instead of its own
 (Wan2.1's published UniPC): the scheduler whose kept state is the latents alone
 (models/loop.py), for the tests and the benchmarks that compare it with UniPC on a demo (or
-any local) model (``bench_state.py --euler``, ``bench_startup.py --euler``). The other
+any local) model (``loadtest/bench_startup.py --euler``). The other
 components are symlinks to the source folder's files, nothing is copied.
 """
 
