@@ -1,18 +1,31 @@
-"""MP4 encoding beside a rank: a small process pool, so the rank's next forward never waits.
+"""MP4 encoding beside a rank: encoder processes fed frames as the VAE decodes them.
 
 x264 at 480p x 81 frames of noise takes ~12-14 s on one core; inside the rank it held a
-GPU for that long. Frames go to the pool as uint8 arrays and the bytes come back through
-a callback. Worker processes are spawned (never forked from a process that holds CUDA)
-and import only ``service.models.video`` (PyAV and numpy, no torch), so each costs little
-memory. The bytes are those ``encode_mp4`` gives in any process (see video.py).
+GPU for that long. A clip is a ``Stream``: the rank's pipeline thread ``add``s each chunk
+of frames the VAE decodes (Wan decodes latent frame by latent frame: 1 frame, then 4 per
+latent frame) and ``close``s it; ``done`` gets the bytes later, from a feeder thread. Each
+encoder process has one feeder thread here that takes the next open stream (first come,
+first served) and sends it chunk by chunk through a pipe, so x264 works while the GPU
+still decodes, and the pipeline thread takes its next request without waiting on x264.
+``overlap=False`` gives a stream to a process only once it is closed (the whole clip, as
+before issue 49): the benchmark's baseline (loadtest/encode_bench.py).
+
+Memory is bounded: chunks wait here until a process takes them, and once ``max_buffered``
+bytes wait, ``add`` blocks until a process took some (``waits`` counts it; a rank holds
+a clip's frames in memory either way). Failures end the stream's ``done`` with a reason,
+exactly once: an encoder process that died (killed, a codec crash: a new one takes its
+place), a codec error, or ``abort`` (a decode error, a cancel).
+
+Worker processes are spawned (never forked from a process that holds CUDA), niced
+(engine.priority: a rank's launch that waits behind x264 leaves the GPU idle) and import
+only ``service.models.video`` (PyAV and numpy, no torch). The bytes are those
+``encode_mp4`` gives for the same frames, however they were split (video.Mp4Writer).
 
 Each encode runs ``X264_THREADS`` x264 threads, so a rank given C CPUs gets about
-C // X264_THREADS encoder processes (``pool_size``): a full pool keeps the rank's CPUs
-busy without oversubscribing them. The pool size is free to follow the host; the thread
-count is not (it is part of the bytes).
-
-The encoders run niced (engine.priority): a launch of the rank's that waits behind x264
-leaves the GPU idle, and an encode gets the CPU the rank leaves, which is most of it.
+C // X264_THREADS encoder processes (``pool_size``). The pool size follows the host; the
+thread count never does, not even for the last clip when the rest of the pool is idle:
+x264 writes its thread count into the stream, and its frame threads change the encode
+(docs/service.md, "MP4 encoding").
 """
 
 from __future__ import annotations
@@ -23,22 +36,19 @@ import multiprocessing
 import os
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import Connection
 
 import numpy as np
 
-from service.models.video import X264_THREADS, encode_mp4
+from service.models.video import X264_THREADS, Mp4Writer
 
 from .priority import lower_this_thread
 
 log = logging.getLogger("dloserve.encoder")
 Done = Callable[[bytes | None, str | None], None]  # (mp4, error): exactly one is set
-
-
-def _warm() -> int:
-    return 0
+MAX_BUFFERED = 2 * 2**30  # frames waiting for an encoder process, all streams together
 
 
 def pool_size(cpus: float, threads: int = X264_THREADS) -> int:
@@ -70,11 +80,119 @@ def rank_cpus() -> float:
     return affinity
 
 
-class Encoder:
-    """``submit(frames, fps, done)``; ``workers=0`` encodes inline on the caller's thread,
-    ``None`` sizes the pool from the CPUs this process is given (``pool_size``)."""
+def _serve(conn: Connection) -> None:
+    """An encoder process: ("open", fps), frame chunks, then ("close",) or ("abort",)."""
+    lower_this_thread()
+    conn.send(("ready", os.getpid()))
+    writer: Mp4Writer | None = None
+    fps, error = 0, None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if isinstance(msg, np.ndarray):
+            if error is None:
+                try:
+                    writer = writer or Mp4Writer(msg.shape[2], msg.shape[1], fps)
+                    writer.add(msg)
+                except Exception as e:  # noqa: BLE001 - reported at close
+                    error = f"MP4 encoding failed: {e}"
+            continue
+        if msg[0] == "open":
+            fps, error = msg[1], None
+            continue
+        reply: tuple[str, bytes | str | None] = ("aborted", None)
+        if msg[0] == "close":
+            if error is None and writer is None:
+                error = "MP4 encoding failed: frames must hold at least one frame"
+            if error is None and writer is not None:
+                try:
+                    reply = ("ok", writer.close())
+                except Exception as e:  # noqa: BLE001
+                    error = f"MP4 encoding failed: {e}"
+            if error is not None:
+                reply = ("error", error)
+        if writer is not None:
+            writer.abort()  # after close: removes nothing left
+        writer = None
+        conn.send(reply)
 
-    def __init__(self, workers: int | None = None) -> None:
+
+class Stream:
+    """One clip on its way to an MP4: ``add`` chunks in order, then ``close`` or ``abort``."""
+
+    def __init__(self, encoder: Encoder, fps: int, done: Done, overlap: bool) -> None:
+        self._enc, self.fps, self._done = encoder, fps, done
+        self._cv = encoder._cv
+        self.chunks: deque[np.ndarray] = deque()
+        self.closed = False  # no more chunks
+        self.ended = False  # done was called
+        self.abort_reason: str | None = None
+        self.ready = overlap  # a feeder may take it (else at close)
+        self.frames = 0
+        self.writer: Mp4Writer | None = None  # workers=0: encoding on the caller's thread
+
+    def add(self, frames: np.ndarray) -> None:
+        """Queue uint8 [t, H, W, 3] frames (no wait, unless ``max_buffered`` bytes wait)."""
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {frames.shape}")
+        enc = self._enc
+        with self._cv:
+            if self.closed or self.ended:
+                return  # aborted, or its encoder failed: the rest of the clip is dropped
+            if enc._buffered > enc.max_buffered and self.ready:
+                enc.waits += 1
+                self._cv.wait_for(lambda: enc._buffered <= enc.max_buffered or self.ended or enc._closed)
+            self.chunks.append(frames)
+            self.frames += len(frames)
+            enc._buffered += frames.nbytes
+            self._cv.notify_all()
+        if enc.workers == 0:
+            enc._inline(self)
+
+    def close(self) -> None:
+        """No more frames: ``done`` gets the MP4 once the encoder has it."""
+        with self._cv:
+            self.closed = self.ready = True
+            self._cv.notify_all()
+        if self._enc.workers == 0:
+            self._enc._inline(self)
+
+    def abort(self, reason: str) -> None:
+        """Drop the clip: ``done(None, reason)`` now, unless it already ended."""
+        with self._cv:
+            if self.ended or self.abort_reason is not None:
+                return
+            self.abort_reason = reason
+            self.closed = self.ready = True
+            self._cv.notify_all()
+            taken = self in self._enc._feeding
+            if not taken:  # no feeder holds it: end it here
+                self._enc._drop(self)
+        if not taken:
+            self._end(None, reason)
+
+    def _end(self, data: bytes | None, error: str | None) -> None:
+        with self._cv:
+            if self.ended:
+                return
+            self.ended = True
+            self._enc._buffered -= sum(c.nbytes for c in self.chunks)
+            self.chunks.clear()
+            self._enc._inflight -= 1
+            self._cv.notify_all()
+        if self.writer is not None:
+            self.writer.abort()
+        self._done(data, error)
+
+
+class Encoder:
+    """``open(fps, done)`` a stream (or ``submit`` a whole clip); ``workers=0`` encodes inline
+    on the caller's thread, ``None`` sizes the pool from the CPUs this process is given."""
+
+    def __init__(self, workers: int | None = None, *, overlap: bool = True,
+                 max_buffered: int = MAX_BUFFERED) -> None:
         if workers is None:
             cpus = rank_cpus()
             workers = pool_size(cpus)
@@ -82,81 +200,180 @@ class Encoder:
                      workers, X264_THREADS, cpus)
         if workers < 0:
             raise ValueError(f"encoder workers must be >= 0, got {workers}")
-        self.workers = workers
-        self._lock = threading.Lock()
-        self._pool: ProcessPoolExecutor | None = None
+        self.workers, self.overlap, self.max_buffered = workers, overlap, max_buffered
+        self.waits = 0  # adds that waited for memory (back-pressure)
+        self.died = 0  # encoder processes that died and were replaced
+        self._cv = threading.Condition()
+        self._queue: deque[Stream] = deque()  # open streams no feeder holds yet
+        self._feeding: set[Stream] = set()
+        self._buffered = 0
         self._inflight = 0
-        self._warming: list[Future] = []
-        if workers:
-            self._pool = self._new_pool()
-            # Start the processes now (imports take a second): not on the first request. They
-            # come up while the rank loads its model; ``wait_warm`` waits for them.
-            self._warming = [self._pool.submit(_warm) for _ in range(workers)]
-
-    def wait_warm(self, timeout: float = 120) -> None:
-        """Block until every encoder process has started (raises if one could not)."""
-        for f in self._warming:
-            f.result(timeout=timeout)
-        self._warming = []
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        ctx = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx, initializer=lower_this_thread)
+        self._closed = False
+        self._procs: list[multiprocessing.Process | None] = [None] * workers
+        self._pids: list[int] = [0] * workers
+        self._ready = [threading.Event() for _ in range(workers)]
+        self._feeders = [threading.Thread(target=self._feed, args=(i,), name=f"mp4-feeder{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._feeders:  # the processes start now (imports take a second), not on a request
+            t.start()
 
     @property
     def inflight(self) -> int:
-        with self._lock:
+        """Streams opened and not ended."""
+        with self._cv:
             return self._inflight
 
-    def submit(self, frames: np.ndarray, fps: int, done: Done) -> None:
-        """Encode in the pool (or inline); ``done`` runs once, from some thread, when it ends."""
-        if self._pool is None:
-            try:
-                data = encode_mp4(frames, fps)
-            except Exception as e:  # noqa: BLE001 - reported to the request, not raised
-                done(None, f"MP4 encoding failed: {e}")
-                return
-            done(data, None)
-            return
-        with self._lock:
+    def pids(self) -> list[int]:
+        """The encoder processes' ids (after ``wait_warm``)."""
+        return list(self._pids)
+
+    def wait_warm(self, timeout: float = 120) -> None:
+        """Block until every encoder process has started (raises if one could not)."""
+        for i, ready in enumerate(self._ready):
+            if not ready.wait(timeout):
+                raise TimeoutError(f"MP4 encoder process {i} did not start in {timeout:g} s")
+
+    def open(self, fps: int, done: Done) -> Stream:
+        """A new clip; ``done`` runs once, from some thread, when it ends."""
+        if fps < 1:
+            raise ValueError(f"fps must be >= 1, got {fps}")
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the MP4 encoder is closed")
+            stream = Stream(self, fps, done, self.overlap)
             self._inflight += 1
-            pool = self._pool
+            if self.workers:
+                self._queue.append(stream)
+                self._cv.notify_all()
+        return stream
+
+    def submit(self, frames: np.ndarray, fps: int, done: Done) -> None:
+        """Encode a whole clip; ``done`` runs once, from some thread, when it ends."""
+        stream = self.open(fps, done)
         try:
-            fut = pool.submit(encode_mp4, frames, fps)
-        except (BrokenProcessPool, RuntimeError) as e:
-            self._finish(done, None, f"MP4 encoder pool unavailable: {e}")
-            self._replace(pool)
+            stream.add(frames)
+        except ValueError as e:
+            stream.abort(f"MP4 encoding failed: {e}")
             return
-        fut.add_done_callback(lambda f: self._collect(f, done, pool))
+        stream.close()
 
-    def _collect(self, fut: Future, done: Done, pool: ProcessPoolExecutor) -> None:
+    def _inline(self, stream: Stream) -> None:
+        """workers=0: encode on the caller's thread, chunk by chunk."""
+        with self._cv:
+            chunks = list(stream.chunks)
+            stream.chunks.clear()
+            self._buffered -= sum(c.nbytes for c in chunks)
         try:
-            data = fut.result()
-        except BrokenProcessPool as e:
-            # An encoder process died (killed, or crashed in the codec): new pool, this
-            # request fails with the reason, the next ones go to the new processes.
-            log.error("MP4 encoder process died: %s", e)
-            self._replace(pool)
-            self._finish(done, None, f"MP4 encoder process died: {e}")
-            return
-        except Exception as e:  # noqa: BLE001
-            self._finish(done, None, f"MP4 encoding failed: {e}")
-            return
-        self._finish(done, data, None)
+            for c in chunks:
+                stream.writer = stream.writer or Mp4Writer(c.shape[2], c.shape[1], stream.fps)
+                stream.writer.add(c)
+            if stream.closed and not stream.ended:
+                if stream.writer is None:
+                    raise ValueError("frames must hold at least one frame")
+                data = stream.writer.close()
+                stream._end(data, None)
+        except Exception as e:  # noqa: BLE001 - reported to the request, not raised
+            stream._end(None, f"MP4 encoding failed: {e}")
 
-    def _finish(self, done: Done, data: bytes | None, error: str | None) -> None:
-        with self._lock:
-            self._inflight -= 1
-        done(data, error)
+    def _drop(self, stream: Stream) -> None:
+        if stream in self._queue:
+            self._queue.remove(stream)
 
-    def _replace(self, broken: ProcessPoolExecutor) -> None:
-        with self._lock:
-            if self._pool is broken:
-                self._pool = self._new_pool()
-        broken.shutdown(wait=False, cancel_futures=True)
+    # -- feeders: one thread per encoder process -------------------------------------
+
+    def _spawn(self, i: int) -> Connection:
+        ctx = multiprocessing.get_context("spawn")
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(there,), name=f"mp4-encoder{i}", daemon=True)
+        proc.start()
+        there.close()
+        self._procs[i] = proc
+        return here
+
+    def _feed(self, i: int) -> None:
+        conn, broken = None, ""
+        while True:
+            if conn is None:
+                try:
+                    conn = self._spawn(i)
+                    self._pids[i] = conn.recv()[1]
+                    broken = ""
+                    self._ready[i].set()
+                except Exception as e:  # noqa: BLE001 - the next clip fails with it, never waits on it
+                    log.error("MP4 encoder process %d did not start: %s", i, e)
+                    conn, broken = None, f"MP4 encoder process could not start: {type(e).__name__}: {e}"
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or any(s.ready for s in self._queue),
+                                  timeout=1.0 if broken else None)
+                if self._closed:
+                    break
+                stream = next((s for s in self._queue if s.ready), None)
+                if stream is None:
+                    continue
+                self._queue.remove(stream)
+                self._feeding.add(stream)
+            if conn is None:
+                data, error = None, broken
+            else:
+                try:
+                    data, error = self._encode(conn, stream)
+                except (OSError, EOFError) as e:  # the process died: the clip fails, a new one starts
+                    code = self._exit_code(i)
+                    log.error("MP4 encoder process %d died (exit code %s): %s", i, code, e)
+                    self.died += 1
+                    data, error = None, f"MP4 encoder process died (exit code {code})"
+                    conn.close()
+                    conn = None
+            with self._cv:
+                self._feeding.discard(stream)
+            stream._end(data, stream.abort_reason or error)
+        if conn is not None:
+            conn.close()
+        proc = self._procs[i]
+        if proc is not None:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+    def _exit_code(self, i: int) -> int | None:
+        proc = self._procs[i]
+        if proc is None:
+            return None
+        proc.join(timeout=5)
+        return proc.exitcode
+
+    def _encode(self, conn: Connection, stream: Stream) -> tuple[bytes | None, str | None]:
+        """Send ``stream`` to the process chunk by chunk as they come; its bytes or error."""
+        conn.send(("open", stream.fps))
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(stream.chunks) or stream.closed or self._closed)
+                chunk = stream.chunks.popleft() if stream.chunks else None
+                if chunk is not None:
+                    self._buffered -= chunk.nbytes  # (the one in hand is over the bound)
+                    self._cv.notify_all()
+                last = chunk is None and stream.closed
+                # close() lets a whole clip finish; one still decoding cannot
+                aborted = stream.abort_reason is not None or (self._closed and not stream.closed)
+            if aborted:
+                conn.send(("abort",))
+                conn.recv()
+                return None, "the MP4 encoder was closed"
+            if chunk is not None:
+                conn.send(chunk)
+            elif last:
+                conn.send(("close",))
+                kind, payload = conn.recv()
+                return (payload, None) if kind == "ok" else (None, payload)
 
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the processes; streams not ended end with an error."""
+        with self._cv:
+            self._closed = True
+            left = list(self._queue)
+            self._queue.clear()
+            self._cv.notify_all()
+        for s in left:
+            s._end(None, "the MP4 encoder was closed")
+        for t in self._feeders:
+            t.join(timeout=30)

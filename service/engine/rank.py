@@ -33,8 +33,8 @@ again) fails the request and takes the rank out: RANK_FAILED, and it takes no mo
 
 Threads of a rank:
 - the pipeline thread takes requests from the inbox one at a time: text encoding (HEAD),
-  forwards through the gate, VAE decode (TAIL), then hands the uint8 frames to the MP4
-  encoder pool and takes the next request;
+  forwards through the gate, VAE decode (TAIL) whose chunks go to an MP4 encoder process
+  as they come (engine.tail), then takes the next request while x264 finishes;
 - the caller of ``serve`` (the tick thread) runs the agreement, opens the gate or replays;
 - anyone may call ``assign``, ``events`` (long poll) and ``ping`` meanwhile.
 """
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,6 +62,7 @@ from .events import Event, EventKind
 from .experts import NONE, Tick, agree, needs
 from .preview import Previewer
 from .state import StateTap
+from .tail import Handoff
 
 
 class Phase(enum.Enum):
@@ -141,7 +143,8 @@ class RankWorker:
         self._go = False
         self._done_forwards = 0  # of the current request
         self._expected = 0  # forwards the current request makes
-        self._cancel: set[str] = set()  # running jobs to stop at their next forward boundary
+        self._cancel: set[str] = set()  # running jobs to stop at their next forward boundary or chunk
+        self._encoding: dict[str, Handoff] = {}  # jobs whose MP4 is still being encoded
         self._abort = False  # tick thread -> pipeline thread: leave the gate, the job is cancelled
         self._stopped = False  # the pipeline thread left the gate on an abort (no forward ran)
         self._failed: str | None = None  # a sticky error took this rank out
@@ -193,9 +196,9 @@ class RankWorker:
             self._cv.notify_all()
 
     def cancel(self, job_id: str) -> bool:
-        """Stop ``job_id``: dropped if queued, stopped at its next forward if running (its
-        FINISHED event says ``cancelled``). False if this rank does not hold it or its
-        forwards are all done (decode and encode finish; the caller discards the result)."""
+        """Stop ``job_id``: dropped if queued, stopped at its next forward if running, at its
+        next decoded chunk if decoding, its encode dropped if encoding (its FINISHED event says
+        ``cancelled``). False if this rank does not hold it or its MP4 is done."""
         with self._cv:
             for job in self._inbox:
                 if job.id == job_id:
@@ -204,11 +207,12 @@ class RankWorker:
                                      error="cancelled"))
                     return True
             job = self._current
-            if job is None or job.id != job_id or self._phase is Phase.TAIL:
-                return False
-            self._cancel.add(job_id)
-            self._cv.notify_all()
-            return True
+            if job is not None and job.id == job_id:
+                self._cancel.add(job_id)
+                self._cv.notify_all()
+                return True
+            tail = self._encoding.get(job_id)
+        return tail is not None and tail.cancel()
 
     def events(self, timeout: float = 1.0) -> list[Event]:
         """Everything that happened since the last call; waits up to ``timeout`` for one."""
@@ -444,11 +448,15 @@ class RankWorker:
             self.tap.take(step, total, latents, loop, lambda st: self._emit_locked(
                 Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=st.step, total=st.total, state=st)))
 
-        frames = None
+        marks: dict[str, float] = {}
+        timings: dict[str, float] = {}
+        tail = Handoff(self.encoder, job.req.fps, lambda mp4, err, stop: self._finish(
+            job, mp4, err, stop, marks, timings, steps)) if self.lead else None  # SP: the lead alone encodes
         error: str | None = None
         cancelled = False
         try:
-            frames = self.runner.frames(job.req, on_step, on_latents if self.lead else None)
+            self.runner.frames(job.req, on_step, on_latents if self.lead else None,
+                               partial(self._decoded, job, tail) if tail is not None else None)
         except JobCancelled:
             error, cancelled = "cancelled", True
         except Exception as e:  # noqa: BLE001 - the request fails with the reason; the rank lives
@@ -457,11 +465,15 @@ class RankWorker:
                 self._failed = error
         if self.previewer is not None:
             self.previewer.drain()  # its last preview before its end (TAIL: off the tick path)
-        marks = dict(self._marks)
+        marks.update(self._marks)
         marks["frames"] = time.monotonic()
         with self._cv:
+            if error is None and job.id in self._cancel:  # cancelled after its last chunk
+                error, cancelled = "cancelled", True
             self._current = None
             self._cancel.discard(job.id)
+            if tail is not None:
+                self._encoding[job.id] = tail  # cancel() finds it there until it finishes
             if self._phase is not Phase.TAIL:  # failed or cancelled before its last forward
                 marks.setdefault("forwards_done", marks["frames"])
                 self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
@@ -469,21 +481,29 @@ class RankWorker:
             self._cv.notify_all()
         if self._failed:  # first: the group fails with this reason, for every job it holds
             self._emit_locked(Event(EventKind.RANK_FAILED, rank=self.rank, job_id=job.id, error=self._failed))
-        timings = _stages(marks)
-        if frames is None or not self.lead:  # SP: the lead rank alone encodes and reports
+        timings.update(_stages(marks))
+        if tail is None:
             self._finish(job, None, error, cancelled, marks, timings, steps)
         else:
-            self.encoder.submit(frames, job.req.fps,
-                                lambda data, err: self._finish(job, data, err, False, marks, timings, steps))
+            tail.end(error, cancelled)  # the encoder goes on; this thread takes the next request
+
+    def _decoded(self, job: Job, tail: Handoff, frames: np.ndarray) -> None:
+        """Each chunk the VAE decodes (pipeline thread): to the encoder, unless cancelled."""
+        with self._cv:
+            if job.id in self._cancel:
+                raise JobCancelled
+        tail.add(frames)
 
     def _finish(self, job: Job, mp4: bytes | None, error: str | None, cancelled: bool,
                 marks: dict[str, float], timings: dict[str, float], steps: list[float]) -> None:
         now = time.monotonic()
         if mp4 is not None:
             timings = {**timings, "encode_s": now - marks["frames"]}
-        self._emit_locked(Event(EventKind.FINISHED, rank=self.rank, job_id=job.id, mp4=mp4, error=error,
-                                cancelled=cancelled, seconds=now - marks["start"], timings=timings,
-                                step_s=tuple(steps)))
+        with self._cv:
+            self._encoding.pop(job.id, None)
+            self._emit(Event(EventKind.FINISHED, rank=self.rank, job_id=job.id, mp4=mp4, error=error,
+                             cancelled=cancelled, seconds=now - marks["start"], timings=timings,
+                             step_s=tuple(steps)))
 
     def _on_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
         """The adapter's latents at a step's end (pipeline thread): the previewer takes them."""

@@ -65,6 +65,9 @@ class ModelAdapter(ABC):
     # batch (Wan); the server's rule for which requests do (PipelineRunner sets it; None: none).
     cfg_batchable: ClassVar[bool] = False
     cfg_rule: Callable[[GenerationRequest], bool] | None = None
+    # Whether ``run`` takes ``on_frames`` and hands it the decoded frames chunk by chunk (Wan,
+    # models/decode.py); other families' frames go to it whole (PipelineRunner.frames).
+    streams_frames: ClassVar[bool] = False
 
     @classmethod
     def accepts(cls, index: dict[str, Any]) -> bool:

@@ -47,6 +47,7 @@ from .automode import cfg_batch_on, decide_auto, device_budget, dtype_of, probe_
 from .cache import StepCaches
 from .checks import check_request
 from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
+from .decode import FramesCallback
 from .experts import expert_of
 from .lora import RankAdapters
 from .progress import progress_bar
@@ -260,10 +261,12 @@ class PipelineRunner:
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None,
-        on_latents: LatentsCallback | None = None,
-    ) -> np.ndarray:
+        on_latents: LatentsCallback | None = None, on_frames: FramesCallback | None = None,
+    ) -> np.ndarray | None:
         """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding). ``on_latents``: each
-        step's latents but the last's, when ``req`` is ``resumable``."""
+        step's latents but the last's, when ``req`` is ``resumable``. ``on_frames``: the frames
+        go there instead, in order, chunk by chunk as the VAE decodes them (whole where the
+        family cannot: ``adapter.streams_frames``), and this returns None."""
         self._check_open()
         self.validate(req)
         if self._plan_hooks and not self.tick_driven:
@@ -272,8 +275,14 @@ class PipelineRunner:
         eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
         with eager, attention.chosen(self.config.model.attention), self.loras.applied(req.loras), \
                 self.caches.applied(cache, req.num_inference_steps):
-            return self.adapter.run(self.transformer, req, on_step,
-                                    on_latents if self.resumable(req) else None)
+            latents = on_latents if self.resumable(req) else None
+            if on_frames is not None and self.adapter.streams_frames:
+                return self.adapter.run(self.transformer, req, on_step, latents, on_frames)  # type: ignore[call-arg]
+            frames = self.adapter.run(self.transformer, req, on_step, latents)
+        if on_frames is None:
+            return frames
+        on_frames(frames)
+        return None
 
     def generate(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None

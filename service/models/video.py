@@ -61,8 +61,9 @@ X264_BASE = {"crf": "18", "preset": "medium"}
 X264_CPU_AVX512 = 1 << 16  # x264.h; stable since x264 gained AVX-512 (build 152)
 
 
-def x264_options(threads: int = X264_THREADS) -> dict[str, str]:
-    """The codec options of every encode (the CPU mask is read once per process).
+def x264_options(threads: int = X264_THREADS, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The codec options of every encode (the CPU mask is read once per process); ``base``
+    (preset and crf) is ``X264_BASE`` unless a benchmark compares others.
 
     Threading goes in ``x264-params`` too, which libx264 applies last, so x264 gets
     exactly these whatever PyAV's codec defaults are (its thread type is "slice").
@@ -70,7 +71,7 @@ def x264_options(threads: int = X264_THREADS) -> dict[str, str]:
     if threads < 1:
         raise ValueError(f"x264 threads must be >= 1 (never auto), got {threads}")
     params = f"{_x264_params()}:threads={threads}:sliced-threads=0:non-deterministic=0"
-    return {**X264_BASE, "threads": str(threads), "x264-params": params}
+    return {**(base or X264_BASE), "threads": str(threads), "x264-params": params}
 
 
 @functools.cache
@@ -138,12 +139,13 @@ class Mp4Writer:
     split: x264 sees the same frames in the same order with the same options.
     """
 
-    def __init__(self, width: int, height: int, fps: int, *, threads: int = X264_THREADS) -> None:
+    def __init__(self, width: int, height: int, fps: int, *, threads: int = X264_THREADS,
+                 base: dict[str, str] | None = None) -> None:
         if fps < 1:
             raise ValueError(f"fps must be >= 1, got {fps}")
         if width < 1 or height < 1:
             raise ValueError(f"frame size must be positive, got {width}x{height}")
-        options = x264_options(threads)
+        options = x264_options(threads, base)
         self.size = (height, width)
         self.frames = 0  # frames given to x264
         self.finished = 0  # frames x264 has given back encoded (it holds its lookahead)
@@ -198,16 +200,17 @@ class Mp4Writer:
             os.unlink(self._path)
 
 
-def encode_mp4(frames: np.ndarray, fps: int, *, threads: int = X264_THREADS) -> bytes:
+def encode_mp4(frames: np.ndarray, fps: int, *, threads: int = X264_THREADS,
+               base: dict[str, str] | None = None) -> bytes:
     """Encode ``frames`` (uint8 [T, H, W, 3]) as an H.264 MP4 at ``fps``; deterministic.
 
-    ``threads`` is for benchmarks: the service always encodes with ``X264_THREADS``,
-    since another count gives other (equally deterministic) bytes.
+    ``threads`` and ``base`` are for benchmarks: the service always encodes with
+    ``X264_THREADS`` and ``X264_BASE``, since others give other (equally deterministic) bytes.
     """
     _check_frames(frames)
     if frames.shape[0] < 1:
         raise ValueError("frames must hold at least one frame")
-    writer = Mp4Writer(frames.shape[2], frames.shape[1], fps, threads=threads)
+    writer = Mp4Writer(frames.shape[2], frames.shape[1], fps, threads=threads, base=base)
     try:
         writer.add(frames)
     except BaseException:

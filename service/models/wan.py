@@ -25,6 +25,7 @@ from torch import nn
 
 from . import cfg, loop
 from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
+from .decode import FramesCallback, decode_frames
 from .experts import expert_of, expert_plan
 from .request import GenerationRequest, RequestError
 from .resume import Resumed
@@ -56,6 +57,7 @@ class WanAdapter(ModelAdapter):
     can_probe = True
     cfg_batchable = True
     tasks = ("t2v",)
+    streams_frames = True  # run() takes on_frames: the VAE's chunks as they are decoded
     text_pipeline: ClassVar[str | None] = "WanPipeline"  # runs a request without an image
     image_pipeline: ClassVar[str | None] = None  # runs a request with one
 
@@ -212,8 +214,8 @@ class WanAdapter(ModelAdapter):
 
     def run(
         self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
-        on_latents: LatentsCallback | None = None,
-    ) -> np.ndarray:
+        on_latents: LatentsCallback | None = None, on_frames: FramesCallback | None = None,
+    ) -> np.ndarray | None:
         if not self._parts:
             raise RuntimeError("load_components() was not called")
         pipe = self._pipeline(transformer, req)
@@ -267,11 +269,16 @@ class WanAdapter(ModelAdapter):
                 num_inference_steps=steps,
                 guidance_scale=req.guidance_scale,
                 generator=generator,
-                output_type="pt",  # stays on the device: uint8 there, 4x fewer bytes to copy
+                # stays on the device: uint8 there, 4x fewer bytes to copy; with on_frames, the
+                # latents, decoded here chunk by chunk (models/decode.py)
+                output_type="latent" if on_frames is not None else "pt",
                 callback_on_step_end=callback,
                 max_sequence_length=msl,
                 **extra,
             )
+            if on_frames is not None:
+                decode_frames(pipe, out.frames, on_frames)
+                return None
             return frames_to_uint8(out.frames[0])  # [T, C, H, W] -> uint8 [T, H, W, 3]
         finally:
             self.unstage()

@@ -101,7 +101,7 @@ def test_encoders_run_below_the_rank_priority() -> None:
     enc = Encoder(2)
     try:
         enc.wait_warm()
-        pids = list(enc._pool._processes)  # noqa: SLF001 - the pool's own processes
+        pids = enc.pids()
         assert len(pids) == 2
         want = [min(19, os.getpriority(os.PRIO_PROCESS, 0) + BACKGROUND_NICE)] * 2
         end = time.monotonic() + 60  # one process may still be importing: its initializer comes first
