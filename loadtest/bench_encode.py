@@ -1,29 +1,30 @@
-"""MP4 encode time of a 480p x 81-frame clip: thread counts and kinds, and encoding while
-the VAE still decodes. Writes JSON (command, machine, date) and prints tables.
+"""MP4 encoding: x264 thread counts, preset/crf at equal quality, and encode beside decode
+through a real rank. Writes JSON (command, machine, date) and prints tables.
 
-Parts (``--parts``, default ``threads,stream``; both need only numpy + av + the repo):
+Parts (``--parts``, default ``threads,settings,overlap``):
 
-- ``threads``: the same clips (``noise``: what the demo models' random weights give;
-  ``smooth``: a panning low-frequency field, nearer a real video) encoded in this
-  process with x264 frame threads and sliced threads at each ``--threads`` count, the
-  configurations interleaved ``--reps`` times so a noisy host hurts all of them alike.
-  Wall and CPU seconds, file size, SHA-256 (one per configuration across reps, or the
-  run says so) and what x264 reports it ran with. ``before`` is 1 thread, the encoder's
-  settings until issue 20 (the same bytes as that code); ``after`` is ``X264_THREADS``.
-- ``stream``: could encoding start while the VAE decodes? An encoder process is fed the
-  clip in the Wan VAE's causal chunks (1 frame, then 4 per latent frame) spread over a
-  simulated decode of ``--decode-s`` seconds (the feeder sleeps, as a rank does while its
-  GPU decodes), against decoding first and encoding after. Bytes must equal
-  ``encode_mp4``'s. ``tail_s`` is what is left after the last chunk: x264 holds back its
-  lookahead (40 frames at preset medium) until the end, so that part never overlaps.
-- ``decode``: the same with a real Wan VAE decode on ``--device`` (needs torch and
-  diffusers): ``--vae wan2.1`` builds Wan2.1's VAE shape (diffusers' defaults, random
-  weights: the time does not depend on the values), ``demo`` the demo model's narrow one.
-  Chunks come from a forward hook on the VAE's decoder; the frames must equal the whole
-  decode's, the MP4 bytes must be equal.
+- ``threads``: the same clips (``noise``: what the random-weight presets give; ``smooth``: a
+  panning low-frequency field, nearer a real video) encoded in this process with x264 frame
+  threads and sliced threads at each ``--threads`` count, interleaved ``--reps`` times so a
+  noisy host hurts all alike: wall and CPU seconds, the busiest thread, size, SHA-256 (one
+  per configuration across reps, or the run says so). ``after`` is ``X264_THREADS``.
+- ``settings``: clips at each ``--presets`` x ``--crfs`` with ``X264_THREADS`` threads: CPU
+  seconds, bytes, PSNR (dB, RGB, the decoded MP4 against the frames given); the ``demo`` clip
+  is the trained demo model's own clips at its default request, end to end. For each preset,
+  ``equal_quality`` names the highest crf whose PSNR is at least the default's (``X264_BASE``)
+  on every clip; ``more_threads`` says whether the default at 2x the threads keeps the bytes
+  (it does not, so "the free cores" cannot go to the last clip in flight).
+- ``overlap``: the same requests through one real rank (``RankWorker``, the trained demo
+  model, one encoder process) with decoded chunks streamed to the encoder (``overlap``) and
+  with the whole clip handed over after the decode (``after``, the code before issue 49),
+  interleaved ``--reps`` times: seconds from the first assign to the last MP4, the tail after
+  the last forward, and the MP4 digests (they must be equal).
+- ``decode``: a real Wan VAE decode on ``--device`` (``service.models.decode``, chunk by
+  chunk) streamed into the service's encoder against decode-then-encode: ``--vae wan2.1``
+  builds Wan2.1's VAE shape (random weights: the time does not depend on the values).
 
-    python loadtest/bench_encode.py --out loadtest/results/cpu-encode-DATE.json
-    python loadtest/bench_encode.py --parts threads,stream,decode --threads 1,2,4,8,16 \\
+    OMP_NUM_THREADS=1 python loadtest/bench_encode.py --out loadtest/results/cpu-encode-DATE.json
+    python loadtest/bench_encode.py --parts threads,decode --threads 1,2,4,8,16 \\
         --device cuda --vae wan2.1 --out h200-encode-DATE.json       # a GPU host
 """
 
@@ -31,13 +32,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import multiprocessing as mp
 import os
 import resource
 import statistics
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -103,8 +105,12 @@ def _encode(frames: np.ndarray, threads: int, sliced: bool) -> bytes:
     if not sliced:
         return video.encode_mp4(frames, FPS, threads=threads)
     base = video.x264_options
-    video.x264_options = lambda t=threads: {  # type: ignore[assignment]
-        **base(t), "x264-params": base(t)["x264-params"].replace("sliced-threads=0", "sliced-threads=1")}
+
+    def sliced_options(t: int = threads, b: dict[str, str] | None = None) -> dict[str, str]:
+        o = base(t, b)
+        return {**o, "x264-params": o["x264-params"].replace("sliced-threads=0", "sliced-threads=1")}
+
+    video.x264_options = sliced_options  # type: ignore[assignment]
     try:
         return video.encode_mp4(frames, FPS, threads=threads)
     finally:
@@ -159,102 +165,142 @@ def part_threads(args: argparse.Namespace, clips: dict[str, np.ndarray]) -> dict
     return {"rows": rows, "convert_s": {k: round(convert_s(f), 3) for k, f in clips.items()}}
 
 
-# -- streaming ----------------------------------------------------------------------------
-
-def _stream_encoder(conn: Any, width: int, height: int, threads: int) -> None:
-    """Child process: an Mp4Writer fed chunks from ``conn`` until None, then the bytes."""
-    conn.send("ready")
-    while True:
-        writer = None
-        while (msg := conn.recv()) is not None:
-            if isinstance(msg, str) and msg == "exit":
-                return
-            if writer is None:
-                writer = video.Mp4Writer(width, height, FPS, threads=threads)
-            writer.add(msg)
-        conn.send(writer.close() if writer else b"")
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return 99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
-class StreamEncoder:
-    """A spawned encoder process reused across runs (its start-up is not what we measure)."""
+def demo_clips(model_dir: str, count: int) -> np.ndarray:
+    """``count`` of the trained model's clips at its default request, end to end."""
+    from service.models import GenerationRequest, PipelineRunner
+    from service.models.demo.score import prompt_set
+    from service.models.registry import request_defaults
 
-    def __init__(self, width: int, height: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_stream_encoder, args=(child, width, height, video.X264_THREADS))
-        self.proc.start()
-        assert self.conn.recv() == "ready"
-
-    def send(self, frames: np.ndarray) -> None:
-        self.conn.send(frames)
-
-    def finish(self) -> bytes:
-        self.conn.send(None)
-        return self.conn.recv()
-
-    def close(self) -> None:
-        self.conn.send("exit")
-        self.proc.join(timeout=30)
-
-
-def wan_chunks(t: int) -> list[slice]:
-    """The frames each Wan VAE decoder call yields: 1, then 4 per further latent frame."""
-    out, start = [slice(0, 1)], 1
-    while start < t:
-        out.append(slice(start, min(start + 4, t)))
-        start += 4
-    return out
-
-
-def held_back(frames: np.ndarray) -> int:
-    """Frames x264 gives out only when the input ends (its lookahead and frame threads):
-    the part of an encode that cannot overlap a decode, however slowly frames arrive."""
-    w = video.Mp4Writer(frames.shape[2], frames.shape[1], FPS)
+    runner = PipelineRunner.load(model_dir, "cpu")
+    base = GenerationRequest(prompt="-", **request_defaults(model_dir))
     try:
-        w.add(frames)
-        return w.frames - w.finished
+        return np.concatenate([runner.frames(replace(base, prompt=s.prompt, seed=i))
+                               for i, s in enumerate(prompt_set()[:count])])
     finally:
-        w.abort()
+        runner.close()
 
 
-def part_stream(args: argparse.Namespace, clips: dict[str, np.ndarray]) -> dict[str, Any]:
+def encode_one(frames: np.ndarray, fps: int, preset: str, crf: int, threads: int) -> dict[str, Any]:
+    c0, w0 = time.process_time(), time.perf_counter()
+    data = video.encode_mp4(frames, fps, threads=threads, base={"preset": preset, "crf": str(crf)})
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+    return {"preset": preset, "crf": crf, "threads": threads, "cpu_s": round(cpu, 3),
+            "wall_s": round(wall, 3), "bytes": len(data),
+            "psnr_db": round(psnr(video.decode_mp4(data), frames), 3),
+            "sha256": hashlib.sha256(data).hexdigest()[:16]}
+
+
+def settings_part(clips: dict[str, np.ndarray], fps: int, presets: list[str],
+                  crfs: list[int]) -> dict[str, Any]:
+    base_preset, base_crf = video.X264_BASE["preset"], int(video.X264_BASE["crf"])
     rows = []
-    for kind, frames in clips.items():
-        held = held_back(frames)
-        print(f"  {kind:6s}: x264 holds back {held} of {len(frames)} frames until the input ends", flush=True)
-        want = video.encode_mp4(frames, FPS)
-        enc = StreamEncoder(frames.shape[2], frames.shape[1])
-        try:
-            for decode_s in [float(d) for d in args.decode_s.split(",")]:
-                seq, streamed, tails, ok = [], [], [], True
-                for _ in range(args.stream_reps):
-                    # Sequential: the whole decode, then the whole clip to the encoder.
-                    t0 = time.perf_counter()
-                    time.sleep(decode_s)
-                    enc.send(frames)
-                    ok &= enc.finish() == want
-                    seq.append(time.perf_counter() - t0)
-                    # Streamed: each chunk as the decode makes it.
-                    chunks = wan_chunks(len(frames))
-                    t0 = time.perf_counter()
-                    for i, sl in enumerate(chunks):
-                        time.sleep(max(0.0, t0 + decode_s * (i + 1) / len(chunks) - time.perf_counter()))
-                        enc.send(frames[sl])
-                    t_last = time.perf_counter()
-                    ok &= enc.finish() == want
-                    streamed.append(time.perf_counter() - t0)
-                    tails.append(time.perf_counter() - t_last)
-                s, st = statistics.median(seq), statistics.median(streamed)
-                rows.append({"clip": kind, "held_back_frames": held, "frames": len(frames),
-                             "decode_s": decode_s, "sequential_s": round(s, 3),
-                             "streamed_s": round(st, 3), "saved_s": round(s - st, 3),
-                             "tail_after_last_chunk_s": round(statistics.median(tails), 3),
-                             "bytes_equal": ok})
-                print(f"  {kind:6s} decode {decode_s:5.1f} s: sequential {s:6.2f} s, streamed {st:6.2f} s, "
-                      f"tail {rows[-1]['tail_after_last_chunk_s']:.2f} s, bytes equal {ok}", flush=True)
-        finally:
-            enc.close()
-    return {"rows": rows, "threads": video.X264_THREADS}
+    for name, frames in clips.items():
+        grid = [(p, c) for p in presets for c in crfs]
+        if (base_preset, base_crf) not in grid:
+            grid.append((base_preset, base_crf))
+        for p, c in grid:
+            rows.append({"clip": name, **encode_one(frames, fps, p, c, video.X264_THREADS)})
+            print(rows[-1], flush=True)
+        more = encode_one(frames, fps, base_preset, base_crf, 2 * video.X264_THREADS)
+        rows.append({"clip": name, **more})
+    default = {r["clip"]: r for r in rows if (r["preset"], r["crf"], r["threads"]) ==
+               (base_preset, base_crf, video.X264_THREADS)}
+    equal = {}
+    for p in presets:
+        ok = [c for c in crfs if all(r["psnr_db"] >= default[r["clip"]]["psnr_db"]
+                                     for r in rows if (r["preset"], r["crf"], r["threads"]) ==
+                                     (p, c, video.X264_THREADS))]
+        if not ok:
+            equal[p] = None
+            continue
+        c = max(ok)
+        mine = {r["clip"]: r for r in rows
+                if (r["preset"], r["crf"], r["threads"]) == (p, c, video.X264_THREADS)}
+        equal[p] = {"crf": c, **{k: {"cpu_ratio": round(mine[k]["cpu_s"] / default[k]["cpu_s"], 3),
+                                     "bytes_ratio": round(mine[k]["bytes"] / default[k]["bytes"], 3),
+                                     "psnr_db": mine[k]["psnr_db"], "default_psnr_db": default[k]["psnr_db"]}
+                                 for k in mine}}
+    more = {r["clip"]: r for r in rows if r["threads"] > video.X264_THREADS}
+    threads = {k: {"threads": more[k]["threads"], "same_bytes": more[k]["sha256"] == default[k]["sha256"],
+                   "cpu_ratio": round(more[k]["cpu_s"] / default[k]["cpu_s"], 3),
+                   "wall_ratio": round(more[k]["wall_s"] / default[k]["wall_s"], 3)} for k in default}
+    return {"default": f"{base_preset}/crf{base_crf}", "rows": rows, "equal_quality": equal,
+            "more_threads": threads}
+
+
+def run_requests(runner: Any, overlap: bool, reqs: list[Any]) -> dict[str, Any]:
+    from service.engine.encoder import Encoder
+    from service.engine.events import EventKind
+    from service.engine.rank import RankWorker
+
+    enc = Encoder(1, overlap=overlap)
+    enc.wait_warm()
+    worker = RankWorker(runner, encoder=enc)
+    events: list[tuple[float, Any]] = []
+    want = {f"r{i}" for i in range(len(reqs))}
+    done = threading.Event()
+
+    def pump() -> None:
+        finished: set[str] = set()
+        while finished != want:
+            for e in worker.events(0.5):
+                events.append((time.monotonic(), e))
+                if e.kind is EventKind.FINISHED:
+                    finished.add(e.job_id)
+        done.set()
+
+    t = threading.Thread(target=pump, daemon=True)
+    try:
+        t0 = time.monotonic()
+        t.start()
+        for i, r in enumerate(reqs):
+            worker.assign(f"r{i}", r)
+        worker.serve()
+        done.wait()
+    finally:
+        worker.close()
+    fin = {e.job_id: (ts, e) for ts, e in events if e.kind is EventKind.FINISHED}
+    last_fwd = max(ts for ts, e in events if e.kind is EventKind.FORWARDS_DONE)
+    end = max(ts for ts, _ in fin.values())
+    errors = [e.error for _, e in fin.values() if e.error]
+    return {"seconds": round(end - t0, 3), "tail_s": round(end - last_fwd, 3), "errors": errors,
+            "request_s": [round(fin[f"r{i}"][1].seconds, 3) for i in range(len(reqs))],
+            "encode_s": [round(fin[f"r{i}"][1].timings.get("encode_s", 0.0), 3) for i in range(len(reqs))],
+            "decode_s": [round(fin[f"r{i}"][1].timings.get("decode_s", 0.0), 3) for i in range(len(reqs))],
+            "sha256": [hashlib.sha256(fin[f"r{i}"][1].mp4 or b"").hexdigest()[:16] for i in range(len(reqs))]}
+
+
+def overlap_part(model_dir: str, n: int, reps: int, size: tuple[int, int, int], steps: int) -> dict[str, Any]:
+    from service.models import GenerationRequest, PipelineRunner
+    from service.models.demo.score import prompt_set
+    from service.models.registry import request_defaults
+
+    w, h, f = size
+    base = GenerationRequest(prompt="-", **{**request_defaults(model_dir), "width": w, "height": h,
+                                            "num_frames": f, "num_inference_steps": steps})
+    reqs = [replace(base, prompt=s.prompt, seed=i) for i, s in enumerate(prompt_set()[:n])]
+    runner = PipelineRunner.load(model_dir, "cpu")
+    runs: dict[str, list[dict[str, Any]]] = {"overlap": [], "after": []}
+    try:
+        for rep in range(reps):
+            for mode in (("overlap", "after") if rep % 2 == 0 else ("after", "overlap")):
+                runs[mode].append(run_requests(runner, mode == "overlap", reqs))
+                print(mode, {k: v for k, v in runs[mode][-1].items() if k != "sha256"}, flush=True)
+    finally:
+        runner.close()
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "tail_s")}
+           for m, rs in runs.items()}
+    same = all(r["sha256"] == runs["after"][0]["sha256"] for rs in runs.values() for r in rs)
+    return {"requests": n, "size": f"{w}x{h}x{f}", "steps": steps, "runs": runs, "median": med,
+            "ratio_seconds_after_over_overlap": round(med["after"]["seconds"] / med["overlap"]["seconds"], 3),
+            "ratio_tail_after_over_overlap": round(med["after"]["tail_s"] / med["overlap"]["tail_s"], 3),
+            "bytes_equal": same}
+
 
 
 def _vae(name: str, device: str) -> Any:
@@ -262,125 +308,135 @@ def _vae(name: str, device: str) -> Any:
 
     if name == "wan2.1":
         vae = AutoencoderKLWan()  # diffusers' defaults are Wan2.1's VAE (base_dim 96)
-    elif name == "demo":
-        from service.models.demo import ensure_demo_model
-
-        vae = AutoencoderKLWan.from_pretrained(ensure_demo_model("tiny"), subfolder="vae")
     else:
-        vae = AutoencoderKLWan.from_pretrained(name, subfolder="vae")
+        from service.models.registry import resolve_model
+
+        folder = resolve_model(None if name == "demo" else name)
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae")
     return vae.to(device=device).float().eval()
 
 
-def _to_uint8(x: Any) -> np.ndarray:
-    """Decoder output [1, 3, t, H, W] in [-1, 1] -> uint8 [t, H, W, 3], as the pipeline does."""
-    from service.models.adapter import frames_to_uint8
+def _encode_clip(stream_chunks: Any, overlap: bool) -> tuple[bytes, float]:
+    """Run ``stream_chunks(add)`` into a fresh encoder process's stream; the MP4 and the
+    seconds from the first chunk's request to the bytes."""
+    from service.engine.encoder import Encoder
 
-    x = (x.clamp(-1.0, 1.0) * 0.5 + 0.5).clamp(0.0, 1.0)  # VAE clamp, then VideoProcessor's denormalize
-    return frames_to_uint8(x[0].permute(1, 0, 2, 3))
+    enc = Encoder(1, overlap=overlap)
+    enc.wait_warm()
+    got: dict[str, Any] = {}
+    done = threading.Event()
+
+    def finish(data: bytes | None, error: str | None) -> None:
+        got.update(data=data, error=error)
+        done.set()
+
+    try:
+        t0 = time.perf_counter()
+        stream = enc.open(FPS, finish)
+        stream_chunks(stream.add)
+        stream.close()
+        done.wait()
+        seconds = time.perf_counter() - t0
+    finally:
+        enc.close()
+    if got["error"]:
+        raise RuntimeError(got["error"])
+    return got["data"], seconds
 
 
 def part_decode(args: argparse.Namespace, width: int, height: int, frames_n: int) -> dict[str, Any]:
+    """The service's chunked decode (models/decode.py) into its encoder, streamed or not."""
     import torch
+    from diffusers.video_processor import VideoProcessor
+
+    from service.models.decode import decode_frames
 
     dev = torch.device(args.device)
     vae = _vae(args.vae, args.device)
+    processor = VideoProcessor(vae_scale_factor=vae.spatial_compression_ratio)
+    pipe = SimpleNamespace(vae=vae, video_processor=processor)
     lat_t = (frames_n - 1) // 4 + 1
-    z = torch.randn(1, 16, lat_t, height // 8, width // 8, generator=torch.Generator().manual_seed(0)).to(dev)
+    ch, f = vae.config.z_dim, vae.spatial_compression_ratio
+    z = torch.randn(1, ch, lat_t, height // f, width // f, generator=torch.Generator().manual_seed(0)).to(dev)
 
-    def sync() -> None:
+    def decode(add: Any) -> None:
+        with torch.inference_mode():
+            decode_frames(pipe, z, add)
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def decode(on_chunk: Any = None) -> np.ndarray:
-        handle = None
-        if on_chunk is not None:
-            def hook(_module: Any, _args: Any, out: Any) -> None:  # None: the output stays as it is
-                on_chunk(_to_uint8(out))
-
-            handle = vae.decoder.register_forward_hook(hook)
-        try:
-            with torch.inference_mode():
-                out = vae.decode(z).sample
-            sync()
-            return _to_uint8(out)
-        finally:
-            if handle is not None:
-                handle.remove()
-
-    decode()  # warm-up: CUDA kernels and the allocator; oneDNN's primitives on a CPU
+    chunks: list[np.ndarray] = []
+    decode(chunks.append)  # warm-up: CUDA kernels and the allocator; oneDNN's primitives on a CPU
+    frames = np.concatenate(chunks)
     t0 = time.perf_counter()
-    frames = decode()
+    decode(lambda _f: None)
     decode_alone = time.perf_counter() - t0
     want = video.encode_mp4(frames, FPS)
-    enc = StreamEncoder(width, height)
-    try:
-        t0 = time.perf_counter()
-        enc.send(decode())
-        ok_seq = enc.finish() == want
-        sequential = time.perf_counter() - t0
-        got: list[np.ndarray] = []
-        t0 = time.perf_counter()
-
-        def take(f: np.ndarray) -> None:
-            got.append(f)
-            enc.send(f)
-
-        decode(take)
-        t_last = time.perf_counter()
-        ok_stream = enc.finish() == want
-        streamed = time.perf_counter() - t0
-        tail = time.perf_counter() - t_last
-    finally:
-        enc.close()
-    same_frames = np.array_equal(np.concatenate(got), frames)
+    after, sequential = _encode_clip(decode, overlap=False)
+    streamed_mp4, streamed = _encode_clip(decode, overlap=True)
     row = {"vae": args.vae, "device": args.device, "size": f"{width}x{height}x{frames_n}",
            "decode_s": round(decode_alone, 3), "sequential_s": round(sequential, 3),
            "streamed_s": round(streamed, 3), "saved_s": round(sequential - streamed, 3),
-           "tail_after_last_chunk_s": round(tail, 3), "chunks": len(got),
-           "frames_equal": same_frames, "bytes_equal": ok_seq and ok_stream,
+           "chunks": len(chunks), "bytes_equal": after == want == streamed_mp4,
            "frames_sha256": frames_sha256(frames)}
-    print(f"  decode {row['decode_s']} s, sequential {row['sequential_s']} s, "
-          f"streamed {row['streamed_s']} s, frames equal {same_frames}, bytes equal {row['bytes_equal']}",
-          flush=True)
+    print(f"  decode {row['decode_s']} s, decode then encode {row['sequential_s']} s, "
+          f"streamed {row['streamed_s']} s, bytes equal {row['bytes_equal']}", flush=True)
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="threads,stream", help="threads,stream,decode")
-    p.add_argument("--size", default="832x480x81", help="WIDTHxHEIGHTxFRAMES")
-    p.add_argument("--clips", default="noise,smooth")
+    p.add_argument("--parts", default="threads,settings,overlap", help="threads,settings,overlap,decode")
+    p.add_argument("--size", default="832x480x81", help="threads part: WIDTHxHEIGHTxFRAMES")
+    p.add_argument("--clips", default="noise,smooth", help="threads part's clips")
     p.add_argument("--threads", default="1,2,4,8", help="x264 thread counts to compare")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--decode-s", default="0,2,5", help="simulated decode times for the stream part")
-    p.add_argument("--stream-reps", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="for the decode part")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--settings-clips", default="demo,smooth")
+    p.add_argument("--presets", default="ultrafast,superfast,veryfast,faster,fast,medium")
+    p.add_argument("--crfs", default="12,14,16,18")
+    p.add_argument("--demo-clips", type=int, default=3)
+    p.add_argument("--requests", type=int, default=6, help="overlap part")
+    p.add_argument("--request-size", default="256x256x33", help="overlap part: WxHxF of each request")
+    p.add_argument("--steps", type=int, default=2, help="overlap part")
+    p.add_argument("--model", default=None, help="default: the trained demo model")
+    p.add_argument("--device", default="cpu", help="decode part")
     p.add_argument("--vae", default="demo", help="decode part: wan2.1 | demo | a model folder")
     p.add_argument("--decode-size", default=None, help="decode part's size (default --size)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    w, h, t = (int(v) for v in args.size.split("x"))
-    parts = [x for x in args.parts.split(",") if x]
-    clips = {k: clip(k, t, h, w) for k in args.clips.split(",") if k}
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import av
 
+    from service.models.registry import resolve_model
+
+    parts = [x for x in args.parts.split(",") if x]
+    model_dir = resolve_model(args.model)
     res: dict[str, Any] = {**header(args.device, numpy=np.__version__, av=av.__version__,
                                     x264_params=video.x264_options()["x264-params"]),
-                           "size": args.size, "fps": FPS,
-                           "x264_threads": video.X264_THREADS,
-                           "clips_sha256": {k: frames_sha256(f) for k, f in clips.items()}}
+                           "x264_threads": video.X264_THREADS, "x264_base": video.X264_BASE,
+                           "fps": FPS, "model": Path(model_dir).name}
     if "threads" in parts:
+        w, h, t = (int(v) for v in args.size.split("x"))
+        clips = {k: clip(k, t, h, w) for k in args.clips.split(",") if k}
+        res["size"], res["clips_sha256"] = args.size, {k: frames_sha256(f) for k, f in clips.items()}
         print("threads:", flush=True)
         res["threads"] = part_threads(args, clips)
         for r in res["threads"]["rows"]:
             print(f"  {r['clip']:6s} {r['kind']:5s} x{r['threads']:<2d} {r['median_wall_s']:7.2f} s "
                   f"({r['x_one_thread']:.2f}x one thread) cpu {r['median_cpu_s']:7.2f} s busiest thread "
                   f"{r['median_busiest_thread_s']:6.2f} s (<= {r['max_cores_used']:.2f} cores) "
-                  f"{r['bytes']:9d} B "
-                  f"sha {r['sha256'][:12]} ({r['distinct_sha256']} distinct) {r['role']}")
-    if "stream" in parts:
-        print("stream:", flush=True)
-        res["stream"] = part_stream(args, clips)
+                  f"{r['bytes']:9d} B sha {r['sha256'][:12]} ({r['distinct_sha256']} distinct) {r['role']}")
+    if "settings" in parts:
+        sclips = {k: demo_clips(model_dir, args.demo_clips) if k == "demo" else clip(k, 49, 480, 832)
+                  for k in args.settings_clips.split(",") if k}
+        res["settings_clips"] = {k: list(v.shape) for k, v in sclips.items()}
+        res["settings"] = settings_part(sclips, FPS, args.presets.split(","),
+                                        [int(c) for c in args.crfs.split(",")])
+        print("equal quality:", res["settings"]["equal_quality"], flush=True)
+    if "overlap" in parts:
+        w, h, f = (int(x) for x in args.request_size.split("x"))
+        res["overlap"] = overlap_part(model_dir, args.requests, args.reps, (w, h, f), args.steps)
+        print({k: v for k, v in res["overlap"].items() if k != "runs"}, flush=True)
     if "decode" in parts:
         print("decode:", flush=True)
         dw, dh, dtn = (int(v) for v in (args.decode_size or args.size).split("x"))

@@ -8,7 +8,7 @@ encoder process has one feeder thread here that takes the next open stream (firs
 first served) and sends it chunk by chunk through a pipe, so x264 works while the GPU
 still decodes, and the pipeline thread takes its next request without waiting on x264.
 ``overlap=False`` gives a stream to a process only once it is closed (the whole clip, as
-before issue 49): the benchmark's baseline (loadtest/encode_bench.py).
+before issue 49): the benchmark's baseline (loadtest/bench_encode.py).
 
 Memory is bounded: chunks wait here until a process takes them, and once ``max_buffered``
 bytes wait, ``add`` blocks until a process took some (``waits`` counts it; a rank holds

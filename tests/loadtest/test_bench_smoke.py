@@ -54,16 +54,23 @@ def test_sp_bench_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_encode_bench_cpu_smoke(tmp_path: Path) -> None:
-    """Thread counts and the streamed encode at a toy size: one file per configuration,
-    streamed bytes equal to encode_mp4's, x264's hold-back counted."""
-    report = _run("bench_encode.py", ["--parts", "threads,stream", "--size", "64x48x9", "--threads", "1,2",
-                                      "--reps", "2", "--decode-s", "0,0.2"], tmp_path)
+    """Every part at a toy size: one file per thread configuration; the default at equal
+    quality to itself and more threads giving other bytes; the streamed encode through a
+    real rank and beside a real chunked VAE decode giving the bytes of decode-then-encode."""
+    report = _run("bench_encode.py", [
+        "--parts", "threads,settings,overlap,decode", "--size", "64x48x9", "--threads", "1,2", "--reps", "1",
+        "--settings-clips", "demo", "--demo-clips", "1", "--presets", "ultrafast,medium", "--crfs", "18",
+        "--requests", "2", "--request-size", "64x64x5", "--steps", "1"], tmp_path, timeout=900)
     rows = report["threads"]["rows"]
     assert {(r["kind"], r["threads"]) for r in rows} >= {("frame", 1), ("frame", 2), ("slice", 2)}
     assert all(r["distinct_sha256"] == 1 and r["x264"]["threads"] for r in rows)
-    assert [r["role"] for r in rows if r["role"]] == ["before", "before"]  # X264_THREADS is not in 1,2
-    assert all(r["bytes_equal"] and r["held_back_frames"] == 9 for r in report["stream"]["rows"])
-
+    s = report["settings"]
+    assert s["equal_quality"]["medium"]["crf"] == 18  # the default equals itself
+    assert s["more_threads"]["demo"]["same_bytes"] is False  # the thread count is part of the bytes
+    o = report["overlap"]
+    assert o["bytes_equal"] and not any(r["errors"] for rs in o["runs"].values() for r in rs)
+    d = report["decode"]
+    assert d["bytes_equal"] and d["chunks"] == 3  # 9 frames: 1 + 4 + 4
 
 
 def test_lora_bench_cpu_smoke(tmp_path: Path) -> None:
