@@ -164,7 +164,8 @@ def test_attention_flag() -> None:
     with pytest.raises(SystemExit):
         parse("--attention", "fp4")
     for name in ("sdpa", "fa4", "triton-fp8"):  # each declared once: the flag, the mapping, the config
-        assert config("--attention", name).model.attention == mapped({"attention": name}).model.attention == name
+        flags, mapping = config("--attention", name), mapped({"attention": name})
+        assert flags.model.attention == mapping.model.attention == name
 
 
 def test_exact_attention_goes_with_sequence_parallelism() -> None:
