@@ -9,9 +9,16 @@ Parts (``--parts``, comma-separated):
   each batch 1 and batch 2 (CFG in one forward), beside the kernel floor timed in the same run:
   the block's attention alone (SDPA as torch picks it, and each exact backend forced) plus its
   GEMMs alone (bf16 and FP8), ``kernel_floor_ms``, and the ratios.
+- ``attention`` (issue 46): the attention kernels alone at Wan's shapes, batch 1 and 2 (CFG):
+  self-attention at ``--attn-tokens`` (32,760 and 75,600) and cross-attention from the first to
+  512 text tokens. SDPA (cuDNN first), flash-attn-4, cuDNN's FP8 SDPA with its per-tensor
+  quantization (eager: not fused as in the compiled block) and without it (the kernel alone), our
+  Triton 8-bit kernel; each with ms, TFLOP/s and its relative error to SDPA. A kernel that cannot
+  run says why (service.models.attention_routes.available).
 - ``model40``: the whole 40-layer transformer resident at 832x480x81: one CFG step as two
-  batch-1 forwards and as one batch-2 forward, eager, compiled and compiled FP8; with
-  ``--attention fp8|int8-fp8`` Wan's self-attention runs our 8-bit kernel (GPU only).
+  batch-1 forwards and as one batch-2 forward, eager, compiled and compiled FP8 (FP8 weights),
+  once per ``--attention`` setting (comma-separated: ``sdpa,exact,fp8`` gives the exact step with
+  SDPA and with the measured routes, 8-bit attention, and FP8 weights + 8-bit attention).
 - ``dlo``: the service's own PipelineRunner on a ``wan14b-shape`` demo checkpoint (``--model``),
   DLO DP1 (AllGather) and resident: seconds per step and requests/s at 4,096 tokens
   (1024x1024, one frame: transfer-bound) and 32,760 tokens, ``--cfg-batch`` off/on,
@@ -19,6 +26,7 @@ Parts (``--parts``, comma-separated):
 - ``defaults``: the runner under default flags (DLO DP1): the attention kernel, compile and CFG
   batch it reports, and dynamo's graph count across requests (no recompile after warm-up).
 
+    python loadtest/bench_compute.py --parts attention,model40 --attention sdpa,exact,fp8 --out $OUT/a.json
     python loadtest/bench_compute.py --parts block,model40 --out $OUT/h200-compute-block.json
     python loadtest/bench_compute.py --parts dlo --model /tmp/wan12 --out $OUT/h200-compute-dlo.json
     python loadtest/bench_compute.py --device cpu --small --parts block,model40 --out /tmp/c.json  # smoke
@@ -29,28 +37,25 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as dt
 import json
 import statistics
-import sys
 import time
 import traceback
-from contextlib import nullcontext
-from pathlib import Path
+from importlib import metadata
 from typing import Any
 
 import torch
-from bench_offload import SHAPES, _machine
+from reporting import SHAPES, TEXT_TOKENS, header, write_report
 from torch import nn
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
-from service.models import attention
+from service.models import attention, attention_routes, cudnn_fp8_attention, fa4_attention, fp8_attention
 
 WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
               qk_norm="rms_norm_across_heads", eps=1e-6)
 SMALL = dict(WAN14B, num_attention_heads=2, attention_head_dim=32, text_dim=64, ffn_dim=128)
-TEXT = 512
+TEXT = TEXT_TOKENS
 
 
 def bench(fn: Any, device: torch.device, reps: int, warmup: int = 2) -> float:
@@ -213,13 +218,24 @@ def part_block(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.device)
 
 
 def part_model40(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.device) -> dict[str, Any]:
-    """One CFG step of the whole transformer at ``args.step_tokens``: 2 x batch 1 and 1 x batch 2."""
+    """One CFG step of the whole transformer at ``args.step_tokens``: 2 x batch 1 and 1 x batch 2,
+    per ``--attention`` setting (its exact routes measured or cached first, as at load)."""
     model = build(args.layers, cfg, dev)
     fp8 = to_fp8(model) if dev.type == "cuda" else None  # copied before any forward is patched
-    out: dict[str, Any] = {"layers": args.layers, "tokens": args.step_tokens, "attention": args.attention}
-    routed = attention.chosen(args.attention) if args.attention != "exact" else nullcontext()
-    with routed:
-        return _model40_variants(args, cfg, dev, model, fp8, out)
+    out: dict[str, Any] = {"layers": args.layers, "tokens": args.step_tokens}
+    heads, hd = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    for setting in args.attention.split(","):
+        row: dict[str, Any] = {"attention": setting}
+        try:
+            attention.check(setting, model, dev)
+            routes = attention.load_routes(setting, model, dev, heads, hd, torch.bfloat16)
+            row["routes"] = routes.as_dict()
+            with attention.chosen(setting):
+                out[setting] = _model40_variants(args, cfg, dev, model, fp8, row)
+        except Exception as e:  # noqa: BLE001 - a setting that cannot run here says why; the others go on
+            row["error"] = f"{type(e).__name__}: {e}"
+            out[setting] = row
+    return out
 
 
 def _model40_variants(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.device, model: nn.Module,
@@ -228,8 +244,10 @@ def _model40_variants(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.
     if fp8 is not None:
         variants.append(("compiled_fp8", fp8, True))
     for name, m, compiled in variants:
+        torch._dynamo.reset()
+        for blk in m.blocks:  # the class's forward again (a previous setting compiled it)
+            blk.__dict__.pop("forward", None)
         if compiled:
-            torch._dynamo.reset()
             fn = torch.compile(type(m.blocks[0]).forward, backend=args.backend, fullgraph=True, dynamic=False)
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)
@@ -246,7 +264,88 @@ def _model40_variants(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.
             out[f"{name}_b{batch}_first_s"] = round(first, 1)
         out[f"{name}_cfg_step_s"] = round(2 * out[f"{name}_b1_forward_s"], 3)
         out[f"{name}_cfg_batched_step_s"] = out[f"{name}_b2_forward_s"]
-        print(json.dumps({k: v for k, v in out.items() if k.startswith(name)}), flush=True)
+        mine = {k: v for k, v in out.items() if k.startswith(name)}
+        print(json.dumps({"attention": out["attention"], **mine}), flush=True)
+    return out
+
+
+def kernels(dev: torch.device, self_attention: bool) -> dict[str, Any]:
+    """The attention kernels for [B, S, H, D] q, k, v on ``dev``: a callable each, or why it
+    cannot run (cuDNN FP8 and the Triton kernel serve self-attention only)."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with torch.nn.attention.sdpa_kernel(list(attention.ORDER), set_priority=True):
+            return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    out: dict[str, Any] = {"sdpa": exact}
+    why = attention_routes.available("fa4", dev)
+    out["fa4"] = why or fa4_attention.attend
+    triton = {int8: (lambda q, k, v, i=int8: fp8_attention.attend(q, k, v, i)) for int8 in (False, True)}
+    for name, kernel, fn in (("cudnn_fp8", "cudnn_fp8", cudnn_fp8_attention.attend),
+                             ("triton_fp8", "triton", triton[False]),
+                             ("triton_int8_fp8", "triton", triton[True])):
+        why = attention_routes.available(kernel, dev) or (None if self_attention else "self-attention only")
+        out[name] = why or fn
+    if not isinstance(out["cudnn_fp8"], str):
+        def kernel_only(q8: tuple, k8: tuple, v8: tuple) -> torch.Tensor:  # quantized before timing
+            s = cudnn_fp8_attention.scales(q8[1], k8[1], v8[1])
+            return cudnn_fp8_attention._kernel(q8[0], k8[0], v8[0], *s.graph_inputs())
+
+        out["cudnn_fp8_kernel_only"] = kernel_only
+    return out
+
+
+def part_attention(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.device) -> dict[str, Any]:
+    """Each attention kernel alone at Wan's shapes: ms, TFLOP/s, relative error to SDPA."""
+    heads, hd = cfg["num_attention_heads"], cfg["attention_head_dim"]
+    calls = [("self", t, t) for t in args.attn_tokens] + [("cross", args.attn_tokens[0], TEXT)]
+    results: dict[str, Any] = {}
+    for kind, sq, skv in calls:
+        for batch in (1, 2):
+            g = torch.Generator(device=dev).manual_seed(sq)
+            q = torch.randn(batch, sq, heads, hd, device=dev, dtype=torch.bfloat16, generator=g)
+            k, v = (torch.randn(batch, skv, heads, hd, device=dev, dtype=torch.bfloat16, generator=g)
+                    for _ in range(2))
+            flops = 4 * batch * heads * sq * skv * hd
+            row: dict[str, Any] = {"kind": kind, "batch": batch, "q_tokens": sq, "kv_tokens": skv}
+            with torch.inference_mode():
+                ref = None
+                for name, fn in kernels(dev, kind == "self").items():
+                    if isinstance(fn, str):
+                        row[name] = f"not available: {fn}"
+                        continue
+                    try:
+                        alone = name == "cudnn_fp8_kernel_only"
+                        args_ = tuple(map(cudnn_fp8_attention.quantize, (q, k, v))) if alone else (q, k, v)
+                        got = fn(*args_)
+                        if alone:  # O's descale is V's
+                            got = got.float() * args_[2][1]
+                        ms = bench(lambda: fn(*args_), dev, args.reps)
+                        got = got.float()
+                        ref = got if ref is None else ref
+                        row[name] = {"ms": ms, "tflops": round(flops / ms / 1e9, 1),
+                                     "rel_err_to_sdpa": round(float((got - ref).norm() / ref.norm()), 5)}
+                    except Exception as e:  # noqa: BLE001 - record it; the other kernels go on
+                        row[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+            base = row["sdpa"]["ms"]
+            for name, r in row.items():
+                if isinstance(r, dict) and name != "sdpa":
+                    r["speedup_vs_sdpa"] = round(base / r["ms"], 3)
+            print(json.dumps(row), flush=True)
+            results[f"{kind}:{batch}x{sq}->{skv}"] = row
+    return results
+
+
+def versions() -> dict[str, Any]:
+    """The attention wheels' versions (None: not installed) and cuDNN's, for the result's machine."""
+    cudnn = torch.backends.cudnn
+    out: dict[str, Any] = {"cudnn": cudnn.version() if cudnn.is_available() else None}
+    for dist in ("flash-attn-4", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "triton"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
     return out
 
 
@@ -336,7 +435,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--attention", default="exact", help="model40 and dlo: exact, fp8 or int8-fp8")
+    p.add_argument("--attention", default="exact", help="model40: --attention settings, comma-separated "
+                   "(exact, sdpa, fa4, fp8, triton-fp8, int8-fp8); dlo: one of them")
+    p.add_argument("--attn-tokens", default="32760,75600", help="attention: the self-attention token counts")
     p.add_argument("--step-tokens", type=int, default=32760)
     p.add_argument("--step-reps", type=int, default=2)
     p.add_argument("--model", default="/tmp/wan12")
@@ -349,16 +450,18 @@ def main() -> None:
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.batch2 = [int(t) for t in args.batch2.split(",") if t]
     args.dlo_runs = args.dlo_runs.split(",")
+    args.attn_tokens = [int(t) for t in args.attn_tokens.split(",")]
     dev = torch.device(args.device)
     cfg = SMALL if args.small else WAN14B
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "machine": _machine(args.device),
-                              "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    result: dict[str, Any] = {**header(args.device, **versions()),
                               "config": {k: v for k, v in cfg.items() if k != "patch_size"}}
     for part in args.parts.split(","):
         t0 = time.perf_counter()
         try:
             if part == "block":
                 result[part] = part_block(args, cfg, dev)
+            elif part == "attention":
+                result[part] = part_attention(args, cfg, dev)
             elif part == "model40":
                 result[part] = part_model40(args, cfg, dev)
             elif part == "dlo":
@@ -369,7 +472,7 @@ def main() -> None:
             traceback.print_exc()
             result[part + "_error"] = f"{type(e).__name__}: {e}"
         result[part + "_wall_s"] = round(time.perf_counter() - t0, 1)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_report(result, args.out)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps({k: v for k, v in result.items() if k.endswith("_wall_s") or k.endswith("_error")}))

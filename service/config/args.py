@@ -112,9 +112,12 @@ class EngineArgs:
         "recompile): auto: on CUDA, off on CPU; warm-up is a start-up stage", choices=SWITCHES)
     attention: str = flag(
         ModelConfig.attention, OFFLOAD,
-        "self-attention kernel: exact (default: SDPA, cuDNN first) or an approximate one, opt-in, Wan "
-        "on Hopper GPUs only: fp8 (Q/K/P/V in e4m3; 1.13x cuDNN at 32,760 tokens, mean relative error "
-        "0.05-0.10) or int8-fp8 (Q/K int8; 1.09x, 0.04); docs/benchmarks.md", choices=ATTENTIONS)
+        "attention kernel: exact (default: SDPA, cuDNN first, and for Wan on sm90 flash-attn-4 where a "
+        "table timed on the GPU at load finds it faster), sdpa (SDPA only), fa4 (flash-attn-4 for every Wan "
+        "call it takes; sm90, pip extra 'gpu'); approximate, opt-in, Wan's self-attention on sm90 only: "
+        "fp8 (cuDNN's FP8 SDPA, pip extra 'gpu'), triton-fp8 / int8-fp8 (our Triton kernel; 1.13x / 1.09x "
+        "cuDNN at 32,760 tokens, mean relative error 0.05-0.10 / 0.04); docs/benchmarks.md",
+        choices=ATTENTIONS)
     cache: str | None = flag(
         None, OFFLOAD,
         "step cache of requests that name none (generate: the request's): none (default), "

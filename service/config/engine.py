@@ -60,7 +60,7 @@ class EngineConfig:
             refused.append("--quantization")
         if self.step_cache is not None:
             refused.append("--cache")
-        if model.attention != "exact":
+        if model.attention not in ("exact", "sdpa"):  # exact routes SP's all-to-all calls to SDPA
             refused.append(f"--attention {model.attention}")
         refused += [f"--{k.replace('_', '-')} on" for k in ("cfg_batch", "compile")
                     if getattr(model, k) == "on"]

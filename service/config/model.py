@@ -10,7 +10,9 @@ from .errors import FlagError
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8", "none")  # None: the checkpoint's own (a `dloserve quantize` folder: fp8)
 SWITCHES = ("auto", "on", "off")  # --cfg-batch, --compile
-ATTENTIONS = ("exact", "fp8", "int8-fp8")  # --attention: exact SDPA, or an approximate kernel (opt-in)
+# --attention: exact kernels (routed by measurement; SDPA only; flash-attn-4 where it takes the call),
+# or an approximate self-attention kernel (opt-in): cuDNN's FP8, our Triton FP8 / INT8-FP8
+ATTENTIONS = ("exact", "sdpa", "fa4", "fp8", "triton-fp8", "int8-fp8")
 
 
 @dataclass(frozen=True)
@@ -23,10 +25,12 @@ class ModelConfig:
     folder); "none" refuses an fp8 folder. ``cfg_batch``: a CFG request's conditional and
     unconditional rows in one transformer forward of batch 2 (auto: on CUDA devices, off on CPU,
     where frames stay bitwise diffusers'). ``compile``: torch.compile of the repeated block
-    class (auto: on CUDA, off on CPU). ``attention``: "exact" (SDPA, the default) or an
-    approximate self-attention kernel of our own for Wan on Hopper GPUs (service.models.fp8_attention):
-    "fp8" (Q, K, P, V in e4m3) or "int8-fp8" (Q, K in int8, P, V in e4m3); refused at load where
-    it cannot run (CPU, no Triton, not sm90).
+    class (auto: on CUDA, off on CPU). ``attention`` (service.models.attention): "exact" (the
+    default: SDPA, and flash-attn-4 for the Wan shapes a table measured on the GPU at load routes
+    to it), "sdpa" (SDPA only) or "fa4" (flash-attn-4 wherever it takes the call); or an approximate
+    self-attention kernel for Wan on Hopper GPUs: "fp8" (cuDNN's FP8 SDPA, q/k/v/P/O in e4m3),
+    "triton-fp8" / "int8-fp8" (our Triton kernel: Q, K in e4m3 / int8). fa4 and the approximate
+    ones are refused at load where they cannot run (CPU, not sm90, the gpu extra missing).
     """
 
     dtype: str | None = None

@@ -1,19 +1,24 @@
-"""Which attention kernel runs, chosen on purpose and reported.
+"""Which attention kernel runs, chosen on purpose and reported (``--attention``).
 
-diffusers' Wan and Flux attention call ``F.scaled_dot_product_attention``; which fused kernel
-torch dispatches it to depends on its priority order, the device, dtype and head size. The
-order is set here, exact kernels only, fastest first as measured on an H200 at the Wan2.1-14B
-shape (40 heads x 128, bf16; loadtest/results/h200-compute-2026-12-02.json, self + cross
-attention of one block at 32,760 tokens): cuDNN 39.4 ms, flash 61.8 ms, memory-efficient
-122.8 ms. What torch then picks for the model's own head shape and dtype is reported at load
-(the log, ``describe()``, and ``/readyz``'s last start).
+Exact (the default, ``exact``): SDPA under a priority order set here, exact kernels only, fastest
+first as measured on an H200 at the Wan2.1-14B shape (40 heads x 128, bf16;
+loadtest/results/h200-compute-2026-12-02.json, self + cross attention of one block at 32,760
+tokens): cuDNN 39.4 ms, flash 61.8 ms, memory-efficient 122.8 ms; and, for Wan, flash-attn-4
+wherever a table measured on this GPU at load says it is faster (service.models.attention_routes:
+CUDA sm90 with the ``gpu`` extra; elsewhere SDPA, and the report says why). ``sdpa`` keeps SDPA
+everywhere; ``fa4`` sends every Wan attention call flash-attn-4 takes to it (refused where it
+cannot run). What runs for the model's own head shape and dtype is reported at load (the log,
+``describe()``, and ``/readyz``'s last start).
 
-Approximate kernels are opt-in (``--attention fp8`` / ``int8-fp8``, service.models.fp8_attention):
-our own 8-bit flash-attention forward for Wan's self-attention on Hopper GPUs, 1.13x (fp8) /
-1.09x (int8-fp8) cuDNN at 32,760 tokens with a mean relative error of 0.05-0.10 / 0.04
-(docs/benchmarks.md). ``chosen`` routes Wan's self-attention to it; cross-attention (other
-lengths) and masked attention stay exact; sequence parallelism refuses it (engine config).
-SageAttention 1 was slower than cuDNN.
+Approximate, opt-in, Wan's self-attention on Hopper GPUs only; cross-attention, masked and
+sequence-parallel calls stay exact (SP refuses them: engine config):
+
+- ``fp8``: cuDNN's FP8 SDPA (service.models.cudnn_fp8_attention), q, k, v quantized per tensor
+  inside the compiled block; 1.46x cuDNN bf16 at 32,760 tokens in issue 46's measurement.
+- ``triton-fp8`` / ``int8-fp8``: our own Triton kernel (service.models.fp8_attention), 1.13x /
+  1.09x cuDNN at 32,760 tokens, mean relative error 0.05-0.10 / 0.04 (docs/benchmarks.md). Kept
+  behind the choice until the H200 measures it against cuDNN's FP8 (issue 46: delete it unless
+  a case where it wins is measured).
 """
 
 from __future__ import annotations
@@ -29,83 +34,142 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.config.errors import FlagError
 
-from . import fp8_attention
+from . import cudnn_fp8_attention, fa4_attention, fp8_attention
+from .attention_routes import ORDER, Routes, available, measured_routes
 
-ORDER = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-         SDPBackend.MATH)
 WHY = ("exact kernels, fastest first as measured on an H200 at 40 heads x 128 bf16: cuDNN 39.4 ms, "
        "flash 61.8 ms, memory-efficient 122.8 ms (self + cross attention of one block, 32,760 tokens)")
 
-
-APPROXIMATE = {"fp8": False, "int8-fp8": True}  # --attention -> the kernel's qk_int8
-ERROR = {"fp8": "mean relative error 0.053 (random q, k, v) to 0.10 (sharper attention, q x 4) against "
-                "the exact fp32 output; cuDNN bf16: 0.002",
+# --attention -> (the approximate self-attention kernel, the kernel availability names)
+APPROXIMATE = {"fp8": "cudnn_fp8", "triton-fp8": "triton_fp8", "int8-fp8": "triton_int8_fp8"}
+NEEDS = {"fa4": "fa4", "fp8": "cudnn_fp8", "triton-fp8": "triton", "int8-fp8": "triton"}
+HEAD_DIMS = {"fp8": cudnn_fp8_attention.HEAD_DIMS, "triton-fp8": fp8_attention.HEAD_DIMS,
+             "int8-fp8": fp8_attention.HEAD_DIMS}
+ERROR = {"fp8": "not yet measured on an H200 (issue 46 measured 0.06 relative error at scale_s 448, random "
+                "inputs); per-tensor e4m3 q, k, v, P and O",
+         "triton-fp8": "mean relative error 0.053 (random q, k, v) to 0.10 (sharper attention, q x 4) "
+                       "against the exact fp32 output; cuDNN bf16: 0.002",
          "int8-fp8": "mean relative error 0.036-0.039 (random q, k, v; sharper attention, q x 2 and x 4) "
                      "against the exact fp32 output; cuDNN bf16: 0.002"}
+MAIN = (32760, 512)  # the shape a report names: Wan 480p x 81 frames, and its text tokens
+
+_measured = Routes()  # the exact routes of the model this process loaded (report() sets them)
+
+
+def routes_for(backend: str) -> Routes:
+    """The exact routes under ``backend``: forced by sdpa / fa4, else the measured ones."""
+    if backend == "sdpa":
+        return Routes(source="flag", why="--attention sdpa")
+    if backend == "fa4":
+        return Routes(default="fa4", source="flag", why="--attention fa4")
+    return _measured
 
 
 @contextmanager
 def chosen(backend: str = "exact") -> Iterator[None]:
     """SDPA with the priority order above (torch falls through to the next kernel where one
-    does not support the inputs, e.g. cuDNN on the CPU); with an approximate ``backend``, Wan's
-    self-attention goes to our kernel for the duration (the same router object each time, so a
-    compiled block traced under it is not recompiled)."""
+    does not support the inputs, e.g. cuDNN on the CPU); where a route or ``backend`` sends
+    Wan's attention elsewhere, Wan's dispatch is our router for the duration (the same router
+    object each time, so a compiled block traced under it is not recompiled)."""
     with sdpa_kernel(list(ORDER), set_priority=True):
-        if backend == "exact":
+        routes, approx = routes_for(backend), APPROXIMATE.get(backend)
+        if approx is None and routes.kernels() == {"sdpa"}:
             yield
             return
         from diffusers.models.transformers import transformer_wan as wan
 
         original = wan.dispatch_attention_fn
-        wan.dispatch_attention_fn = _router(original, APPROXIMATE[backend])
+        wan.dispatch_attention_fn = _router(original, approx, routes)
         try:
             yield
         finally:
             wan.dispatch_attention_fn = original
 
 
+def _approximate(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if kernel == "cudnn_fp8":
+        return cudnn_fp8_attention.attend(q, k, v)
+    return fp8_attention.attend(q, k, v, kernel == "triton_int8_fp8")
+
+
 @cache
-def _router(original: Any, qk_int8: bool) -> Any:
-    """diffusers' ``dispatch_attention_fn`` with unmasked same-length CUDA attention sent to the
-    8-bit kernel; everything else (cross-attention, masks, SP's parallel_config) to ``original``."""
+def _router(original: Any, approx: str | None, routes: Routes) -> Any:
+    """diffusers' ``dispatch_attention_fn`` with unmasked CUDA calls routed: self-attention to
+    the ``approx`` kernel if any, the rest by ``routes`` (flash-attn-4 or SDPA); masks, SP's
+    parallel_config and anything else to ``original``."""
 
     def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                  scale: float | None = None, **kwargs: Any) -> torch.Tensor:
         if (attn_mask is None and dropout_p == 0.0 and not is_causal and scale is None
                 and kwargs.get("parallel_config") is None and query.is_cuda
-                and query.shape == key.shape == value.shape
                 and query.dtype in (torch.bfloat16, torch.float16)):
-            return fp8_attention.attend(query, key, value, qk_int8)
+            own = query.shape == key.shape == value.shape
+            if own and approx is not None:
+                return _approximate(approx, query, key, value)
+            kernel = routes.kernel("self" if own else "cross", query.shape[1], key.shape[1], query.shape[2],
+                                   query.shape[3])
+            if kernel == "fa4" and fa4_attention.fits(query, key, value):
+                return fa4_attention.attend(query, key, value)
         return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                         scale=scale, **kwargs)
 
     return dispatch
 
 
+def _is_wan(transformer: torch.nn.Module) -> bool:
+    return type(transformer).__module__.endswith("transformer_wan")
+
+
 def check(backend: str, transformer: torch.nn.Module, device: torch.device) -> None:
-    """FlagError naming ``--attention`` where an approximate ``backend`` cannot serve this model on
-    ``device`` (exact always can)."""
-    if backend == "exact":
+    """FlagError naming ``--attention`` where ``backend`` cannot serve this model on ``device``
+    (CPU, not sm90, the gpu extra missing, not Wan, a head dim the kernel does not take);
+    exact and sdpa always can."""
+    if backend in ("exact", "sdpa"):
         return
     flag = f"--attention {backend}"
-    if not type(transformer).__module__.endswith("transformer_wan"):
-        raise FlagError(f"{flag}: the approximate kernel serves Wan models only (this transformer is "
-                        f"{type(transformer).__name__}); use --attention exact")
-    why = fp8_attention.available(device)
+    if not _is_wan(transformer):
+        raise FlagError(f"{flag}: serves Wan models only (this transformer is {type(transformer).__name__}); "
+                        "use --attention exact")
+    why = available(NEEDS[backend], device)
     if why is not None:
         raise FlagError(f"{flag}: {why}; use --attention exact")
     head_dim = int((getattr(transformer, "config", {}) or {}).get("attention_head_dim", 0))
-    if head_dim not in fp8_attention.HEAD_DIMS:
-        raise FlagError(f"{flag}: the kernel takes head dims {list(fp8_attention.HEAD_DIMS)}, this model has "
-                        f"{head_dim}; use --attention exact")
+    dims = HEAD_DIMS.get(backend, tuple(range(8, 257, 8)))
+    if head_dim not in dims:
+        raise FlagError(f"{flag}: the kernel takes head dims {list(dims)}, this model has {head_dim}; "
+                        "use --attention exact")
+
+
+def load_routes(backend: str, transformer: torch.nn.Module, device: torch.device, heads: int,
+                head_dim: int, dtype: torch.dtype) -> Routes:
+    """The exact routes for this model (kept for ``chosen``): measured on a GPU where
+    flash-attn-4 runs, else SDPA with the reason; any failure falls back to SDPA."""
+    global _measured
+    if backend in ("sdpa", "fa4"):
+        _measured = Routes()
+        return routes_for(backend)
+    why = available("fa4", device)
+    if not _is_wan(transformer):
+        routes = Routes(why="flash-attn-4 is routed for Wan's attention only")
+    elif why is not None:
+        routes = Routes(why=f"flash-attn-4 not tried: {why}")
+    else:
+        try:
+            routes = measured_routes(heads, head_dim, dtype, device)
+        except Exception as e:  # noqa: BLE001 - the fallback is SDPA, and the report says why
+            routes = Routes(why=f"measuring the exact kernels failed ({type(e).__name__}: {e}); SDPA")
+    _measured = routes
+    return routes
 
 
 def report(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype | None,
            backend: str = "exact") -> dict[str, Any]:
-    """The kernel SDPA runs for this transformer's heads on ``device`` (asked of torch's own
-    dispatcher, ``_fused_sdp_choice``, on empty inputs of the model's shape); with an approximate
-    ``backend`` (checked first), self-attention's kernel, its error, and SDPA's for the rest."""
+    """What runs for this transformer's heads on ``device`` (``check`` first): SDPA's kernel
+    (asked of torch's own dispatcher, ``_fused_sdp_choice``, on empty inputs of the model's
+    shape), the exact routes and why, and with an approximate ``backend`` its kernel and error.
+    ``backend`` / ``cross_attention``: the kernels of Wan's self- and cross-attention at 32,760
+    tokens (SDPA's name where SDPA runs)."""
     check(backend, transformer, device)
     config = getattr(transformer, "config", {}) or {}
     heads = int(config.get("num_attention_heads", 1))
@@ -117,11 +181,19 @@ def report(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtyp
                 counts[t.dtype] += t.numel()
         dtype = counts.most_common(1)[0][0] if counts else torch.float32
     q = torch.empty(1, heads, 1024, head_dim, device=device, dtype=dtype)
-    with chosen():
-        picked = SDPBackend(torch._fused_sdp_choice(q, q, q))
-    out = {"backend": picked.name.lower(), "order": [b.name.lower() for b in ORDER],
-           "heads": heads, "head_dim": head_dim, "dtype": str(dtype).removeprefix("torch."), "why": WHY}
-    if backend != "exact":
-        out.update(backend=f"triton_{backend.replace('-', '_')}", approximate=True, error=ERROR[backend],
-                   cross_attention=out["backend"])
+    with sdpa_kernel(list(ORDER), set_priority=True):
+        picked = SDPBackend(torch._fused_sdp_choice(q, q, q)).name.lower()
+    routes = load_routes(backend, transformer, device, heads, head_dim, dtype)
+
+    def name(kind: str) -> str:
+        tokens, text = MAIN
+        kernel = routes.kernel(kind, tokens, tokens if kind == "self" else text, heads, head_dim)
+        return picked if kernel == "sdpa" else kernel
+
+    out = {"backend": name("self"), "cross_attention": name("cross"), "sdpa": picked,
+           "order": [b.name.lower() for b in ORDER], "heads": heads, "head_dim": head_dim,
+           "dtype": str(dtype).removeprefix("torch."), "why": WHY + (f"; {routes.why}" if routes.why else ""),
+           "routes": routes.as_dict()}
+    if backend in APPROXIMATE:
+        out.update(backend=APPROXIMATE[backend], approximate=True, error=ERROR[backend])
     return out

@@ -206,11 +206,11 @@ class PipelineRunner:
         try:  # a failed warm-up or component load stops the copies behind it (fill_behind)
             attn = attention.report(expert_of(module)[0], dev, dtype, config.model.attention)
             if attn.get("approximate"):
-                log.warning("attention: self-attention runs %s, approximate (%s); the rest SDPA %s",
+                log.warning("attention: self-attention runs %s, approximate (%s); cross-attention %s",
                             attn["backend"], attn["error"], attn["cross_attention"])
             else:
-                log.info("attention: SDPA runs %s (order %s; %s)", attn["backend"], " > ".join(attn["order"]),
-                         attn["why"])
+                log.info("attention: self %s, cross %s (SDPA order %s; %s)", attn["backend"],
+                         attn["cross_attention"], " > ".join(attn["order"]), attn["why"])
             compiled = None
             if compile_on(config.model, dev, adapter):
                 compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev))

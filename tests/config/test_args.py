@@ -84,6 +84,8 @@ def test_auto_resolves_once_and_is_not_usable_before() -> None:
     (["--sequence-parallel-size", "2", "--dlo-resident-layers", "2"], "--dlo-resident-layers: not yet with"),
     (["--sequence-parallel-size", "2", "--cfg-batch", "on"], "--cfg-batch on: not yet with"),
     (["--sequence-parallel-size", "2", "--attention", "fp8"], "--attention fp8: not yet with"),
+    (["--sequence-parallel-size", "2", "--attention", "fa4"], "--attention fa4: not yet with"),
+    (["--sequence-parallel-size", "2", "--attention", "triton-fp8"], "--attention triton-fp8: not yet with"),
     (["--sequence-parallel-size", "2", "--compile", "on"], "--compile on: not yet with"),
 ])
 @pytest.mark.filterwarnings("ignore:--dlo-no-use-allgather is deprecated")
@@ -156,7 +158,18 @@ def test_attention_flag() -> None:
     assert fp8.model.attention == "fp8"
     assert mapped(offload_mapping(fp8)) == fp8
     assert mapped({"attention": "int8-fp8"}).model.attention == "int8-fp8"
-    with pytest.raises(FlagError, match=r"--attention must be one of \['exact', 'fp8', 'int8-fp8'\], got 's"):
+    with pytest.raises(FlagError, match=r"--attention must be one of \['exact', 'sdpa', 'fa4', 'fp8', "
+                       r"'triton-fp8', 'int8-fp8'\], got 's"):
         mapped({"attention": "sage"})
     with pytest.raises(SystemExit):
         parse("--attention", "fp4")
+    for name in ("sdpa", "fa4", "triton-fp8"):  # each declared once: the flag, the mapping, the config
+        flags, mapping = config("--attention", name), mapped({"attention": name})
+        assert flags.model.attention == mapping.model.attention == name
+
+
+def test_exact_attention_goes_with_sequence_parallelism() -> None:
+    """exact (its SP calls stay SDPA: the router passes parallel_config calls through) and sdpa
+    are accepted with --sequence-parallel-size; the kernels that would take SP's calls are not."""
+    for name in ("exact", "sdpa"):
+        assert config("--sequence-parallel-size", "2", "--attention", name).model.attention == name

@@ -37,3 +37,20 @@ def test_the_verdicts_name_each_missed_threshold() -> None:
     assert any(m.startswith("exact motion") for m in misses)
     assert any(m.startswith("fp8 colour") for m in misses) and "dlo frames differ from exact's" in misses
     assert any(m.startswith("lora colour") for m in misses)
+
+
+def test_attention_settings_that_cannot_run_here_are_not_measured(demo_model: str, tmp_path: Path) -> None:
+    """On this CPU the --attention kernels cannot run: the report says so and why, scores nothing
+    for them (not a copy of exact's) and judges nothing."""
+    out = tmp_path / "q.json"
+    assert quality.main(["--settings", "exact,attn-fp8,attn-fa4", "--seeds", "0", "--limit", "1",
+                         "--model", demo_model, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert results["attn-fp8"] == {"setting": "attn-fp8", "not_measured": "cuDNN's FP8 attention "
+                                   "(nvidia-cudnn-frontend) needs a CUDA GPU (this server computes on cpu)"}
+    assert "summary" not in results["attn-fa4"] and "CUDA GPU" in results["attn-fa4"]["not_measured"]
+    assert quality.verdicts({"exact": results["exact"], "attn-fp8": results["attn-fp8"]}) == \
+        quality.verdicts({"exact": results["exact"]})
+    bad = {"exact": {"summary": {"colour": 0.95, "motion": 0.9}},
+           "attn-fp8": {"summary": {"colour": 0.90, "motion": 0.9}}}
+    assert quality.verdicts(bad) == ["attn-fp8 colour 0.900 more than 0.02 under exact's 0.950"]
