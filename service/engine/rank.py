@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from service.models.batch import Board, Joined
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 
@@ -60,6 +61,7 @@ from .encoder import Encoder
 from .events import Event, EventKind
 from .experts import NONE, Tick, agree, needs
 from .preview import Previewer
+from .rank_batch import BatchDriver
 from .state import StateTap
 
 
@@ -83,6 +85,18 @@ class Job:
     plan: tuple[int, ...] = ()  # the expert of each forward (two-expert models only)
 
 
+@dataclass
+class Member:
+    """A job of the running batch (``RankWorker._drive``): its own thread runs its pipeline."""
+
+    job: Job
+    denoiser: Joined
+    expected: int  # forwards it makes
+    marks: dict[str, float]
+    done: int = 0  # forwards it took part in
+    most: int = 1  # the most requests that shared one of its forwards (timings.batch_size)
+
+
 class JobCancelled(Exception):
     """Raised in the pipeline thread at a forward boundary the tick thread chose."""
 
@@ -101,7 +115,7 @@ def sticky_error(e: BaseException) -> bool:
         m in text for m in ("CUDA error", "CUBLAS_STATUS", "NCCL error", "cudaError", "device-side assert"))
 
 
-class RankWorker:
+class RankWorker(BatchDriver):
     """Rank ``rank`` of a group of ``world`` ranks that make the same gathers per forward.
 
     ``control`` is a gloo group of the same ranks (None for a single rank): the per-tick
@@ -146,6 +160,12 @@ class RankWorker:
         self._stopped = False  # the pipeline thread left the gate on an abort (no forward ran)
         self._failed: str | None = None  # a sticky error took this rank out
         self._marks: dict[str, float] = {}  # monotonic times of the current job's stages
+        self._members: dict[str, Member] = {}  # the running batch's jobs still forwarding
+        self._gate_ids: list[str] = []  # the jobs of the batched forward at the gate
+        self._local = threading.local()  # a batch member's thread: its job (the preview's)
+        self._member_threads: list[threading.Thread] = []
+        self._board: Board | None = None  # where the batch members' denoiser calls wait
+        self._heads: set[str] = set()  # members that have not made their first call yet
         self._events: list[Event] = []
         self._closed = False
         self.start_stages: dict[str, float] = {}  # seconds per set-up stage (engine.start)
@@ -203,6 +223,10 @@ class RankWorker:
                     self._emit(Event(EventKind.FINISHED, rank=self.rank, job_id=job_id, cancelled=True,
                                      error="cancelled"))
                     return True
+            if job_id in self._members:  # in a batch: it leaves at the next forward
+                self._cancel.add(job_id)
+                self._cv.notify_all()
+                return True
             job = self._current
             if job is None or job.id != job_id or self._phase is Phase.TAIL:
                 return False
@@ -224,6 +248,7 @@ class RankWorker:
                 "rank": self.rank,
                 "phase": self._phase.value,
                 "current": self._current.id if self._current else None,
+                "batch": list(self._members),
                 "inbox": [j.id for j in self._inbox],
                 "ticks": self.ticks,
                 "forwards": self.forwards,
@@ -288,6 +313,8 @@ class RankWorker:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=5)
+        for t in self._member_threads:
+            t.join(timeout=5)
         for h in self._hooks:
             h.remove()
         self.tap.close()
@@ -308,7 +335,8 @@ class RankWorker:
                 self._cv.wait_for(lambda: self._phase in (Phase.GATE, Phase.TAIL)
                                   or (self._phase is Phase.IDLE and not self._inbox),
                                   timeout=self.head_wait_s)
-            if self._phase is Phase.GATE and self._current is not None and self._current.id in self._cancel:
+            gate = self._gate_ids or ([self._current.id] if self._current is not None else [])
+            if self._phase is Phase.GATE and gate and all(i in self._cancel for i in gate):
                 self._abort = True  # the pipeline thread leaves the gate; this rank idles the tick
                 self._cv.notify_all()
                 self._cv.wait_for(lambda: not self._abort)
@@ -411,14 +439,23 @@ class RankWorker:
                 if self._closed:
                     return
                 job = self._inbox.popleft()
-                self._current = job
-                self._done_forwards = 0
-                self._expected = self.runner.adapter.forwards(job.req)
-                self._phase = Phase.HEAD
-                self._marks = {"start": time.monotonic()}
-                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id,
-                                 not_resumable=self._not_resumable(job.req)))
-            self._run(job)
+                batched = self._cap(job.req) > 1
+                if batched:
+                    self._current, self._expected, self._marks = None, -1, {}  # counted per member
+                    self._done_forwards = 0
+                    self._start_member(job)
+                else:
+                    self._current = job
+                    self._done_forwards = 0
+                    self._expected = self.runner.adapter.forwards(job.req)
+                    self._phase = Phase.HEAD
+                    self._marks = {"start": time.monotonic()}
+                    self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id,
+                                     not_resumable=self._not_resumable(job.req)))
+            if batched:
+                self._drive(job)
+            else:
+                self._run(job)
 
     def _not_resumable(self, req: GenerationRequest) -> str:
         """Why a rerun of ``req`` would start from step 0 (the lead rank says; "" where its
@@ -430,13 +467,14 @@ class RankWorker:
         except Exception:  # noqa: BLE001 - a request its validation refuses next: nothing to say here
             return ""
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, member: Member | None = None) -> None:
         steps: list[float] = []
+        own = member.marks if member is not None else self._marks  # the single path: set by the gate hooks
 
         def on_step(step: int, total: int) -> None:
             now = time.monotonic()
-            steps.append(now - self._marks.get("last_step", self._marks.get("first_gate", now)))
-            self._marks["last_step"] = now  # the last one ends denoising (its scheduler step too)
+            steps.append(now - own.get("last_step", own.get("first_gate", now)))
+            own["last_step"] = now  # the last one ends denoising (its scheduler step too)
             self._emit_locked(Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=step, total=total))
 
         def on_latents(step: int, total: int, latents: torch.Tensor, loop: dict[str, Any]) -> None:
@@ -448,7 +486,8 @@ class RankWorker:
         error: str | None = None
         cancelled = False
         try:
-            frames = self.runner.frames(job.req, on_step, on_latents if self.lead else None)
+            frames = self.runner.frames(job.req, on_step, on_latents if self.lead else None,
+                                        denoiser=member.denoiser if member is not None else None)
         except JobCancelled:
             error, cancelled = "cancelled", True
         except Exception as e:  # noqa: BLE001 - the request fails with the reason; the rank lives
@@ -457,15 +496,18 @@ class RankWorker:
                 self._failed = error
         if self.previewer is not None:
             self.previewer.drain()  # its last preview before its end (TAIL: off the tick path)
-        marks = dict(self._marks)
+        marks = dict(own)
         marks["frames"] = time.monotonic()
         with self._cv:
-            self._current = None
             self._cancel.discard(job.id)
-            if self._phase is not Phase.TAIL:  # failed or cancelled before its last forward
-                marks.setdefault("forwards_done", marks["frames"])
-                self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
-            self._phase = Phase.IDLE
+            if member is not None:
+                self._left(member, marks)
+            else:
+                self._current = None
+                if self._phase is not Phase.TAIL:  # failed or cancelled before its last forward
+                    marks.setdefault("forwards_done", marks["frames"])
+                    self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
+                self._phase = Phase.IDLE
             self._cv.notify_all()
         if self._failed:  # first: the group fails with this reason, for every job it holds
             self._emit_locked(Event(EventKind.RANK_FAILED, rank=self.rank, job_id=job.id, error=self._failed))
@@ -487,7 +529,7 @@ class RankWorker:
 
     def _on_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
         """The adapter's latents at a step's end (pipeline thread): the previewer takes them."""
-        job = self._current
+        job = getattr(self._local, "job", None) or self._current  # a batch member's own thread
         if job is not None and self.previewer is not None:
             self.previewer.take(job.id, step, total, latents, job.req.height, job.req.width)
 
@@ -504,8 +546,10 @@ class RankWorker:
 def _stages(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per stage on the rank, from the marks the pipeline thread set (they tile the
     time from taking the job to its frames: text encoding up to the first forward's gate,
-    denoising up to the end of the last step, then the VAE decode)."""
+    denoising up to the end of the last step, then the VAE decode); ``batch_size``, not a time:
+    the most requests that shared one of its forwards (1 unbatched)."""
     start, frames = marks["start"], marks["frames"]
     done = min(frames, max(marks.get("forwards_done", frames), marks.get("last_step", 0.0)))
     gate = min(marks.get("first_gate", done), done)
-    return {"text_encode_s": gate - start, "denoise_s": done - gate, "decode_s": frames - done}
+    return {"text_encode_s": gate - start, "denoise_s": done - gate, "decode_s": frames - done,
+            "batch_size": marks.get("batch_size", 1)}

@@ -26,8 +26,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -260,20 +260,30 @@ class PipelineRunner:
 
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None,
-        on_latents: LatentsCallback | None = None,
+        on_latents: LatentsCallback | None = None, denoiser: Any = None,
     ) -> np.ndarray:
         """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding). ``on_latents``: each
-        step's latents but the last's, when ``req`` is ``resumable``."""
+        step's latents but the last's, when ``req`` is ``resumable``. ``denoiser``: a batch
+        member's stand-in (models/batch.py): its driver holds ``applied`` and runs the forwards."""
         self._check_open()
         self.validate(req)
+        keep = on_latents if self.resumable(req) else None
+        if denoiser is not None:
+            return self.adapter.run(denoiser, req, on_step, keep)
         if self._plan_hooks and not self.tick_driven:
             self._plan = list(self.adapter.expert_plan(req))
+        with self.applied(req):
+            return self.adapter.run(self.transformer, req, on_step, keep)
+
+    @contextmanager
+    def applied(self, req: GenerationRequest) -> Iterator[None]:
+        """What ``req``'s forwards run under: compile mode, attention kernel, LoRA set, step
+        cache (a batch enters it once for all its members: their batch key is the same)."""
         cache = self.caches.resolve(req.cache)
         eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
         with eager, attention.chosen(self.config.model.attention), self.loras.applied(req.loras), \
                 self.caches.applied(cache, req.num_inference_steps):
-            return self.adapter.run(self.transformer, req, on_step,
-                                    on_latents if self.resumable(req) else None)
+            yield
 
     def generate(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None
