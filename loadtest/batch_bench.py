@@ -54,15 +54,15 @@ def run_round(model_dir: str, device: str, cap: int | str, reqs: dict[str, Any])
                           scheduler=SchedulerConfig(max_batch_size=cap))
     runner = PipelineRunner.load(model_dir, device, config=config)
     worker = RankWorker(runner, encoder=Encoder(1), head_wait_s=60.0)
-    frames: dict[str, np.ndarray] = {}
-    submit = worker.encoder.submit
+    made: list[tuple[Any, np.ndarray]] = []  # what the runner returned (each request is distinct)
+    run = runner.frames
 
-    def keep(f: np.ndarray, fps: int, done: Any) -> None:  # which request's frames: its thread says
-        job = getattr(worker._local, "job", None) or worker._current  # noqa: SLF001
-        frames[job.id] = f.copy()
-        submit(f, fps, done)
+    def keep(req: Any, *args: Any, **kw: Any) -> np.ndarray:
+        out = run(req, *args, **kw)
+        made.append((req, out.copy()))
+        return out
 
-    worker.encoder.submit = keep  # type: ignore[method-assign]
+    runner.frames = keep  # type: ignore[method-assign]
     ended: dict[str, Any] = {}
 
     def pump() -> None:
@@ -79,6 +79,7 @@ def run_round(model_dir: str, device: str, cap: int | str, reqs: dict[str, Any])
                 worker.assign(job, req)
             worker.serve()
             t.join()
+        frames = {j: next(f for r, f in made if r == req) for j, req in reqs.items()}
         errors = {j: e.error for j, e in ended.items() if e.error}
         seconds = timer.ms / 1000
         return {"cap": cap, "forwards": worker.forwards, "seconds": round(seconds, 2),

@@ -25,31 +25,27 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from service.models.batch import Board, Joined
 
 from .batching import batch_cap, batch_key
 from .events import Event, EventKind
-
-if TYPE_CHECKING:
-    from .rank import Job, Member, RankWorker
+from .job import Job, JobCancelled, Member, Phase, sticky_error
 
 
 class BatchDriver:
     """The batch half of ``RankWorker`` (its state is declared there)."""
 
-    def _cap(self: RankWorker, req: object) -> int:
+    def _cap(self: Any, req: object) -> int:
         """Requests that may share ``req``'s forwards here (1: it runs alone, as before)."""
         adapter = self.runner.adapter
         if self.sequence_parallel or self.experts > 1 or adapter.staged or adapter.streamed:
             return 1  # SP all-to-alls, an expert switch, one staged VAE: one request at a time
         return batch_cap(req, self.runner.config)
 
-    def _start_member(self: RankWorker, job: Job) -> None:
+    def _start_member(self: Any, job: Job) -> None:
         """``job`` joins the batch: its thread starts its pipeline (the caller holds ``_cv``)."""
-        from .rank import Member, Phase
-
         if self._board is None:
             self._board = Board(self._cv)
         member = Member(job, Joined(self.runner.transformer, self._board, job.id),
@@ -64,16 +60,14 @@ class BatchDriver:
         self._member_threads = [x for x in self._member_threads if x.is_alive()] + [t]
         t.start()
 
-    def _member_main(self: RankWorker, member: Member) -> None:
+    def _member_main(self: Any, member: Member) -> None:
         self._bind_device()
         self._local.job = member.job
         with member.denoiser._board.solo:  # its host work takes turns with the others' (models/batch.py)
             self._run(member.job, member)
 
-    def _drive(self: RankWorker, first: Job) -> None:
+    def _drive(self: Any, first: Job) -> None:
         """Run the batch ``first`` began until none of its members forwards."""
-        from .rank import JobCancelled, Phase, sticky_error
-
         key, cap = batch_key(first.req, self.runner.config), self._cap(first.req)
         board = self._board
         assert board is not None
@@ -108,7 +102,7 @@ class BatchDriver:
                 self._phase = Phase.IDLE
                 self._cv.notify_all()
 
-    def _counted(self: RankWorker, ids: list[str]) -> None:
+    def _counted(self: Any, ids: list[str]) -> None:
         """After a forward of ``ids`` (``_cv`` held): a member whose forwards are done leaves."""
         for i in ids:
             m = self._members.get(i)
@@ -121,10 +115,8 @@ class BatchDriver:
                 del self._members[i]
                 self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=i))
 
-    def _gather(self: RankWorker, board: Board, key: str | None, cap: int) -> list[str]:
+    def _gather(self: Any, board: Board, key: str | None, cap: int) -> list[str]:
         """The members of the next forward (``_cv`` held; [] when the batch is over)."""
-        from .rank import JobCancelled, Phase
-
         since = time.monotonic()
         while True:
             if self._closed:
@@ -148,10 +140,10 @@ class BatchDriver:
             self._cv.notify_all()
             self._cv.wait(timeout=0.05 if heads else 1.0)
 
-    def _joins(self: RankWorker, job: Job, key: str | None) -> bool:
+    def _joins(self: Any, job: Job, key: str | None) -> bool:
         return batch_key(job.req, self.runner.config) == key and self._cap(job.req) > 1
 
-    def _left(self: RankWorker, member: Member, marks: dict[str, float]) -> None:
+    def _left(self: Any, member: Member, marks: dict[str, float]) -> None:
         """``member``'s pipeline ended (``_cv`` held); failed or cancelled before its last
         forward, it leaves the batch here."""
         marks["batch_size"] = member.most

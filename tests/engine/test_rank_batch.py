@@ -44,15 +44,15 @@ class Rank:
         self.runner = PipelineRunner.load(MODEL, "cpu", config=config)
         self.worker = RankWorker(self.runner, encoder=Encoder(1), head_wait_s=60.0)
         self.frames: dict[str, np.ndarray] = {}
-        submit = self.worker.encoder.submit
-        local = self.worker._local  # noqa: SLF001 - which member's thread hands the frames over
+        self._made: list[tuple[GenerationRequest, np.ndarray]] = []  # what the runner returned, in order
+        frames = self.runner.frames
 
-        def keep(frames: np.ndarray, fps: int, done: object) -> None:
-            job = getattr(local, "job", None) or self.worker._current  # noqa: SLF001
-            self.frames[job.id] = frames.copy()
-            submit(frames, fps, done)
+        def keep(req: GenerationRequest, *args, **kw) -> np.ndarray:  # noqa: ANN002, ANN003
+            out = frames(req, *args, **kw)
+            self._made.append((req, out.copy()))
+            return out
 
-        self.worker.encoder.submit = keep  # type: ignore[method-assign]
+        self.runner.frames = keep  # type: ignore[method-assign]
 
     def run(self, jobs: dict[str, GenerationRequest], on_event=None) -> dict[str, Event]:  # noqa: ANN001
         """Assign ``jobs`` at once, tick until idle; FINISHED by job; forwards this round."""
@@ -74,6 +74,9 @@ class Rank:
         self.worker.serve()
         t.join(timeout=300)
         self.forwards = self.worker.forwards - forwards
+        for job, req in jobs.items():  # each request of a round is distinct (seed, prompt, shape)
+            self.frames[job] = next(f for r, f in self._made if r == req)
+        self._made.clear()
         return done
 
     def close(self) -> None:
