@@ -28,6 +28,10 @@ its next forward boundary. The tick thread decides it (never the pipeline thread
 own, which could leave a gate the group already opened): instead of opening the gate it
 tells the pipeline thread to abort, and the rank replays that tick idle like any free rank.
 
+Batches (engine/rank_batch.py): where ``--max-batch-size`` and the cost model allow
+(engine/batching.py), requests of one batch key share each forward of this rank; the tick
+protocol is the same, a batched forward makes the same gathers as any other.
+
 A sticky failure (a CUDA or collective error: the device or the group cannot be trusted
 again) fails the request and takes the rank out: RANK_FAILED, and it takes no more work.
 
