@@ -75,7 +75,9 @@ class Rank:
         t.join(timeout=300)
         self.forwards = self.worker.forwards - forwards
         for job, req in jobs.items():  # each request of a round is distinct (seed, prompt, shape)
-            self.frames[job] = next(f for r, f in self._made if r == req)
+            made = [f for r, f in self._made if r == req]
+            if made:  # (a cancelled one has none)
+                self.frames[job] = made[0]
         self._made.clear()
         return done
 
