@@ -99,6 +99,8 @@ class ServiceConfig(BaseModel):
     pg_timeout_s: float = P.pg_timeout_s  # last resort: request deadlines tear a group down first
     scheduler: Literal["continuous", "waves"] = S.scheduler
     starve_s: float = Field(S.starve_s, gt=0)
+    max_batch_size: int | Literal["auto"] = Field(S.max_batch_size, description="requests sharing each "
+                                                  "streamed forward on a rank (engine/batching.py)")
     encoders_per_rank: int | None = Field(P.encoders_per_rank, ge=0, description="None: from the rank's CPUs")
     rank_standby: bool | None = Field(P.rank_standby, description="a pre-imported process per rank "
                                       "replaces one that dies; None: on GPU ranks")
@@ -262,7 +264,8 @@ class ServiceConfig(BaseModel):
                                   rank_standby_preload=self.rank_standby_preload)
         scheduler = SchedulerConfig(scheduler=self.scheduler, queue_size=self.queue_size,
                                     starve_s=self.starve_s, max_wait_ms=self.max_wait_ms,
-                                    max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries)
+                                    max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries,
+                                    max_batch_size=self.max_batch_size)
         return EngineConfig(model_dir=model_dir, parallel=parallel, scheduler=scheduler,
                             **from_offload_mapping(self.offload, STREAMED_DEFAULT))
 
@@ -277,7 +280,7 @@ class ServiceConfig(BaseModel):
                 "rank_standby": p.rank_standby, "rank_standby_preload": p.rank_standby_preload,
                 "scheduler": s.scheduler, "queue_size": s.queue_size,
                 "starve_s": s.starve_s, "max_wait_ms": s.max_wait_ms, "max_queue_wait_s": s.max_queue_wait_s,
-                "job_retries": s.job_retries}
+                "job_retries": s.job_retries, "max_batch_size": s.max_batch_size}
 
     def tenants(self) -> Tenants:
         """Each API key's quota (its owner id's), the defaults where the key file sets none;

@@ -241,6 +241,8 @@ class Timings(BaseModel):
     decode_s: float | None = Field(None, description="VAE decode to uint8 frames")
     encode_s: float | None = Field(None, description="MP4 encoding")
     store_s: float | None = Field(None, description="writing the MP4 and the record (an upload on S3)")
+    batch_size: int | None = Field(None, description="the most requests that shared one of its forwards "
+                                   "(1: it ran alone; engine/batching.py)")
 
 
 class Video(BaseModel):

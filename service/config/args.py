@@ -42,6 +42,19 @@ def _count(text: str) -> int:
     return n
 
 
+def batch_size(text: str) -> int | str:
+    """``--max-batch-size``: "auto" or an integer >= 1."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer >= 1, got {text!r}")
+    return n
+
+
 def flag(default: Any, group: str, help: str, *names: str, **argparse_kw: Any) -> Any:  # noqa: A002
     """A field that is a flag: its default, its group, its help, its names (the first is
     ``--field-name`` unless given) and any other ``add_argument`` keywords."""
@@ -178,6 +191,11 @@ class EngineArgs:
     max_queue_wait_s: float = flag(
         SchedulerConfig.max_queue_wait_s, QUEUE,
         "a queued job waits at most this long for a rank (e.g. through a rebuild)", type=float)
+    max_batch_size: int | str = flag(
+        SchedulerConfig.max_batch_size, QUEUE,
+        "requests of one batch key that share each streamed forward on a rank (continuous scheduler); "
+        "auto: as many as the streamed bytes cover (engine/batching.py); 1: one request per forward",
+        type=batch_size)
     starve_s: float = flag(
         SchedulerConfig.starve_s, QUEUE,
         "continuous: a request queued this long goes next, whatever its cost", type=float)
@@ -258,7 +276,8 @@ class EngineArgs:
         scheduler = SchedulerConfig(scheduler=self.scheduler,  # type: ignore[arg-type]
                                     queue_size=self.queue_size, starve_s=self.starve_s,
                                     max_wait_ms=self.max_wait_ms,
-                                    max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries)
+                                    max_queue_wait_s=self.max_queue_wait_s, job_retries=self.job_retries,
+                                    max_batch_size=self.max_batch_size)  # type: ignore[arg-type]
         return EngineConfig(model_dir=model_dir, parallel=parallel, offload=offload, model=model,
                             lora=LoraConfig(self.lora_cache_gb), step_cache=step_cache(self.cache),
                             scheduler=scheduler)

@@ -28,6 +28,10 @@ its next forward boundary. The tick thread decides it (never the pipeline thread
 own, which could leave a gate the group already opened): instead of opening the gate it
 tells the pipeline thread to abort, and the rank replays that tick idle like any free rank.
 
+Batches (engine/rank_batch.py): where ``--max-batch-size`` and the cost model allow
+(engine/batching.py), requests of one batch key share each forward of this rank; the tick
+protocol is the same, a batched forward makes the same gathers as any other.
+
 A sticky failure (a CUDA or collective error: the device or the group cannot be trusted
 again) fails the request and takes the rank out: RANK_FAILED, and it takes no more work.
 
@@ -41,12 +45,10 @@ Threads of a rank:
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -54,56 +56,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from service.models.batch import Board
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 
 from .encoder import Encoder
 from .events import Event, EventKind
 from .experts import NONE, Tick, agree, needs
+from .job import Job, JobCancelled, Member, Phase, sticky_error  # noqa: F401 - sticky_error: the tests' name
 from .preview import Previewer
+from .rank_batch import BatchDriver
 from .state import StateTap
 from .tail import Handoff
 
 
-class Phase(enum.Enum):
-    """Where the pipeline thread is."""
-
-    IDLE = "idle"  # no request, or between requests
-    HEAD = "head"  # text encoding and set-up before the first forward
-    GATE = "gate"  # a forward is waiting for the tick that lets it run
-    FORWARD = "forward"  # a forward is running (its gathers with the group's)
-    BETWEEN = "between"  # between two forwards of one request (scheduler step, CFG)
-    TAIL = "tail"  # all forwards done: VAE decode, then the frames go to the encoder
-
-
-@dataclass(frozen=True)
-class Job:
-    """One request assigned to this rank."""
-
-    id: str
-    req: GenerationRequest
-    plan: tuple[int, ...] = ()  # the expert of each forward (two-expert models only)
-
-
-class JobCancelled(Exception):
-    """Raised in the pipeline thread at a forward boundary the tick thread chose."""
-
-
-def sticky_error(e: BaseException) -> bool:
-    """Whether an error leaves the rank unusable: the CUDA context (an illegal access, ECC,
-    a launch failure: every later call fails too) or the process group (a collective that
-    failed leaves the ranks out of step)."""
-    if isinstance(e, dist.DistError):
-        return True
-    accel = getattr(torch, "AcceleratorError", None)
-    if accel is not None and isinstance(e, accel):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        m in text for m in ("CUDA error", "CUBLAS_STATUS", "NCCL error", "cudaError", "device-side assert"))
-
-
-class RankWorker:
+class RankWorker(BatchDriver):
     """Rank ``rank`` of a group of ``world`` ranks that make the same gathers per forward.
 
     ``control`` is a gloo group of the same ranks (None for a single rank): the per-tick
@@ -145,10 +112,17 @@ class RankWorker:
         self._expected = 0  # forwards the current request makes
         self._cancel: set[str] = set()  # running jobs to stop at their next forward boundary or chunk
         self._encoding: dict[str, Handoff] = {}  # jobs whose MP4 is still being encoded
+        self._live: set[str] = set()  # jobs in the pipeline (ours or a batch member's thread) until decoded
         self._abort = False  # tick thread -> pipeline thread: leave the gate, the job is cancelled
         self._stopped = False  # the pipeline thread left the gate on an abort (no forward ran)
         self._failed: str | None = None  # a sticky error took this rank out
         self._marks: dict[str, float] = {}  # monotonic times of the current job's stages
+        self._members: dict[str, Member] = {}  # the running batch's jobs still forwarding
+        self._gate_ids: list[str] = []  # the jobs of the batched forward at the gate
+        self._local = threading.local()  # a batch member's thread: its job (the preview's)
+        self._member_threads: list[threading.Thread] = []
+        self._board: Board | None = None  # where the batch members' denoiser calls wait
+        self._heads: set[str] = set()  # members that have not made their first call yet
         self._events: list[Event] = []
         self._closed = False
         self.start_stages: dict[str, float] = {}  # seconds per set-up stage (engine.start)
@@ -206,8 +180,7 @@ class RankWorker:
                     self._emit(Event(EventKind.FINISHED, rank=self.rank, job_id=job_id, cancelled=True,
                                      error="cancelled"))
                     return True
-            job = self._current
-            if job is not None and job.id == job_id:
+            if job_id in self._live:  # at its next forward (a batch member: it leaves the batch) or chunk
                 self._cancel.add(job_id)
                 self._cv.notify_all()
                 return True
@@ -228,6 +201,7 @@ class RankWorker:
                 "rank": self.rank,
                 "phase": self._phase.value,
                 "current": self._current.id if self._current else None,
+                "batch": list(self._members),
                 "inbox": [j.id for j in self._inbox],
                 "ticks": self.ticks,
                 "forwards": self.forwards,
@@ -292,6 +266,8 @@ class RankWorker:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=5)
+        for t in self._member_threads:
+            t.join(timeout=5)
         for h in self._hooks:
             h.remove()
         self.tap.close()
@@ -312,7 +288,8 @@ class RankWorker:
                 self._cv.wait_for(lambda: self._phase in (Phase.GATE, Phase.TAIL)
                                   or (self._phase is Phase.IDLE and not self._inbox),
                                   timeout=self.head_wait_s)
-            if self._phase is Phase.GATE and self._current is not None and self._current.id in self._cancel:
+            gate = self._gate_ids or ([self._current.id] if self._current is not None else [])
+            if self._phase is Phase.GATE and gate and all(i in self._cancel for i in gate):
                 self._abort = True  # the pipeline thread leaves the gate; this rank idles the tick
                 self._cv.notify_all()
                 self._cv.wait_for(lambda: not self._abort)
@@ -415,14 +392,24 @@ class RankWorker:
                 if self._closed:
                     return
                 job = self._inbox.popleft()
-                self._current = job
-                self._done_forwards = 0
-                self._expected = self.runner.adapter.forwards(job.req)
-                self._phase = Phase.HEAD
-                self._marks = {"start": time.monotonic()}
-                self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id,
-                                 not_resumable=self._not_resumable(job.req)))
-            self._run(job)
+                batched = self._cap(job.req) > 1
+                if batched:
+                    self._current, self._expected, self._marks = None, -1, {}  # counted per member
+                    self._done_forwards = 0
+                    self._start_member(job)
+                else:
+                    self._current = job
+                    self._live.add(job.id)
+                    self._done_forwards = 0
+                    self._expected = self.runner.adapter.forwards(job.req)
+                    self._phase = Phase.HEAD
+                    self._marks = {"start": time.monotonic()}
+                    self._emit(Event(EventKind.STARTED, rank=self.rank, job_id=job.id,
+                                     not_resumable=self._not_resumable(job.req)))
+            if batched:
+                self._drive(job)
+            else:
+                self._run(job)
 
     def _not_resumable(self, req: GenerationRequest) -> str:
         """Why a rerun of ``req`` would start from step 0 (the lead rank says; "" where its
@@ -434,13 +421,14 @@ class RankWorker:
         except Exception:  # noqa: BLE001 - a request its validation refuses next: nothing to say here
             return ""
 
-    def _run(self, job: Job) -> None:
+    def _run(self, job: Job, member: Member | None = None) -> None:
         steps: list[float] = []
+        own = member.marks if member is not None else self._marks  # the single path: set by the gate hooks
 
         def on_step(step: int, total: int) -> None:
             now = time.monotonic()
-            steps.append(now - self._marks.get("last_step", self._marks.get("first_gate", now)))
-            self._marks["last_step"] = now  # the last one ends denoising (its scheduler step too)
+            steps.append(now - own.get("last_step", own.get("first_gate", now)))
+            own["last_step"] = now  # the last one ends denoising (its scheduler step too)
             self._emit_locked(Event(EventKind.STEP, rank=self.rank, job_id=job.id, step=step, total=total))
 
         def on_latents(step: int, total: int, latents: torch.Tensor, loop: dict[str, Any]) -> None:
@@ -456,7 +444,8 @@ class RankWorker:
         cancelled = False
         try:
             self.runner.frames(job.req, on_step, on_latents if self.lead else None,
-                               partial(self._decoded, job, tail) if tail is not None else None)
+                               partial(self._decoded, job, tail) if tail is not None else None,
+                               denoiser=member.denoiser if member is not None else None)
         except JobCancelled:
             error, cancelled = "cancelled", True
         except Exception as e:  # noqa: BLE001 - the request fails with the reason; the rank lives
@@ -465,19 +454,23 @@ class RankWorker:
                 self._failed = error
         if self.previewer is not None:
             self.previewer.drain()  # its last preview before its end (TAIL: off the tick path)
-        marks.update(self._marks)
+        marks.update(own)
         marks["frames"] = time.monotonic()
         with self._cv:
             if error is None and job.id in self._cancel:  # cancelled after its last chunk
                 error, cancelled = "cancelled", True
-            self._current = None
             self._cancel.discard(job.id)
+            self._live.discard(job.id)
             if tail is not None:
                 self._encoding[job.id] = tail  # cancel() finds it there until it finishes
-            if self._phase is not Phase.TAIL:  # failed or cancelled before its last forward
-                marks.setdefault("forwards_done", marks["frames"])
-                self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
-            self._phase = Phase.IDLE
+            if member is not None:
+                self._left(member, marks)
+            else:
+                self._current = None
+                if self._phase is not Phase.TAIL:  # failed or cancelled before its last forward
+                    marks.setdefault("forwards_done", marks["frames"])
+                    self._emit(Event(EventKind.FORWARDS_DONE, rank=self.rank, job_id=job.id))
+                self._phase = Phase.IDLE
             self._cv.notify_all()
         if self._failed:  # first: the group fails with this reason, for every job it holds
             self._emit_locked(Event(EventKind.RANK_FAILED, rank=self.rank, job_id=job.id, error=self._failed))
@@ -507,7 +500,7 @@ class RankWorker:
 
     def _on_latents(self, step: int, total: int, latents: torch.Tensor) -> None:
         """The adapter's latents at a step's end (pipeline thread): the previewer takes them."""
-        job = self._current
+        job = getattr(self._local, "job", None) or self._current  # a batch member's own thread
         if job is not None and self.previewer is not None:
             self.previewer.take(job.id, step, total, latents, job.req.height, job.req.width)
 
@@ -524,8 +517,10 @@ class RankWorker:
 def _stages(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per stage on the rank, from the marks the pipeline thread set (they tile the
     time from taking the job to its frames: text encoding up to the first forward's gate,
-    denoising up to the end of the last step, then the VAE decode)."""
+    denoising up to the end of the last step, then the VAE decode); ``batch_size``, not a time:
+    the most requests that shared one of its forwards (1 unbatched)."""
     start, frames = marks["start"], marks["frames"]
     done = min(frames, max(marks.get("forwards_done", frames), marks.get("last_step", 0.0)))
     gate = min(marks.get("first_gate", done), done)
-    return {"text_encode_s": gate - start, "denoise_s": done - gate, "decode_s": frames - done}
+    return {"text_encode_s": gate - start, "denoise_s": done - gate, "decode_s": frames - done,
+            "batch_size": marks.get("batch_size", 1)}

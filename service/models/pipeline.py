@@ -26,8 +26,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -262,27 +262,37 @@ class PipelineRunner:
     def frames(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None,
         on_latents: LatentsCallback | None = None, on_frames: FramesCallback | None = None,
+        denoiser: Any = None,
     ) -> np.ndarray | None:
         """Run ``req``; uint8 frames [T, H, W, 3] (before MP4 encoding). ``on_latents``: each
         step's latents but the last's, when ``req`` is ``resumable``. ``on_frames``: the frames
         go there instead, in order, chunk by chunk as the VAE decodes them (whole where the
-        family cannot: ``adapter.streams_frames``), and this returns None."""
+        family cannot: ``adapter.streams_frames``), and this returns None. ``denoiser``: a batch
+        member's stand-in (models/batch.py): its driver holds ``applied`` and runs the forwards."""
         self._check_open()
         self.validate(req)
-        if self._plan_hooks and not self.tick_driven:
+        keep = on_latents if self.resumable(req) else None
+        if denoiser is None and self._plan_hooks and not self.tick_driven:
             self._plan = list(self.adapter.expert_plan(req))
-        cache = self.caches.resolve(req.cache)
-        eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
-        with eager, attention.chosen(self.config.model.attention), self.loras.applied(req.loras), \
-                self.caches.applied(cache, req.num_inference_steps):
-            latents = on_latents if self.resumable(req) else None
+        with self.applied(req) if denoiser is None else nullcontext():
+            model = self.transformer if denoiser is None else denoiser
             if on_frames is not None and self.adapter.streams_frames:
-                return self.adapter.run(self.transformer, req, on_step, latents, on_frames)  # type: ignore[call-arg]
-            frames = self.adapter.run(self.transformer, req, on_step, latents)
+                return self.adapter.run(model, req, on_step, keep, on_frames)  # type: ignore[call-arg]
+            frames = self.adapter.run(model, req, on_step, keep)
         if on_frames is None:
             return frames
         on_frames(frames)
         return None
+
+    @contextmanager
+    def applied(self, req: GenerationRequest) -> Iterator[None]:
+        """What ``req``'s forwards run under: compile mode, attention kernel, LoRA set, step
+        cache (a batch enters it once for all its members: their batch key is the same)."""
+        cache = self.caches.resolve(req.cache)
+        eager = self.compiled.eager(bool(req.loras)) if self.compiled else nullcontext()
+        with eager, attention.chosen(self.config.model.attention), self.loras.applied(req.loras), \
+                self.caches.applied(cache, req.num_inference_steps):
+            yield
 
     def generate(
         self, req: GenerationRequest, on_step: Callable[[int, int], None] | None = None

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from service.config import ModeChoice, SchedulerConfig
+from service.engine.batching import batch_cap, batch_key
 from service.engine.events import Event, EventKind
 from service.engine.executor import Executor, GroupInfo, GroupState
 from service.engine.metrics import metrics
@@ -336,6 +337,34 @@ class Dispatcher:
                     waves[id(pick.info)] = self.assignments
                     self.assignments += 1
                 self._give(tr.info, pick, now, waves[id(pick.info)])
+            self._join_batches(tr.info, now)
+
+    def _batch(self, payload: Any) -> tuple[str | None, int]:
+        """(batch key, cap) of a request on this executor's ranks (None, 1: it runs alone)."""
+        config = getattr(self.executor, "config", None)
+        if config is None or not hasattr(payload, "loras"):
+            return None, 1
+        return batch_key(payload, config), batch_cap(payload, config)
+
+    def _join_batches(self, g: GroupInfo, now: float) -> None:
+        """Queued requests of a running batch's key join it, up to its cap (engine/batching.py)."""
+        ranks: dict[int, list[Held]] = {}
+        for h in self._of(g.id):
+            if h.forwarding and not h.cancelled and not h.paused:
+                ranks.setdefault(h.rank, []).append(h)
+        for rank, held in ranks.items():
+            key, cap = self._batch(held[0].ticket.payload)
+            while key is not None and len(held) < cap:
+                t = self.scheduler.join(lambda x, k=key: self._batch(x.payload)[0] == k, now)
+                if t is None:
+                    break
+                info = {"scheduler": self.scheduler.name, "key": t.key, "size": len(held) + 1,
+                        "reason": "batch"}
+                self._give(g, Pick(rank, t, info, tuple(h.ticket.payload for h in held) + (t.payload,)), now,
+                           self.assignments)
+                self.assignments += 1
+                if t.id in self._held:
+                    held.append(self._held[t.id])
 
     def _give(self, g: GroupInfo, pick: Pick, now: float, wave: int) -> None:
         t = pick.ticket

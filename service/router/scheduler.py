@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,17 @@ class Scheduler(ABC):
     def take(self, size: int, running: dict[int, Ticket], now: float) -> list[Pick]:
         """Assignments for a group of ``size`` ranks, ``running`` the tickets its ranks are
         forwarding (by rank); free ranks are those not in it."""
+
+    def join(self, match: Callable[[Ticket], bool], now: float) -> Ticket | None:
+        """The oldest queued ticket ``match`` accepts, to share a running batch's forwards
+        (engine/batching.py): of the best priority queued, of a tenant that may run now."""
+        may = [t for t in self.queued() if not self.fair or self.tenants.may_run(t.tenant)]
+        best = min((t.priority for t in may), default=None)
+        for t in may:
+            if t.priority == best and match(t) and self._dequeue(t.id):
+                self._handed_out(t)
+                return t
+        return None
 
     @abstractmethod
     def queued(self) -> list[Ticket]:
