@@ -331,36 +331,23 @@ def _start_local_cluster(dashboard: bool = False) -> None:
 
 
 def _report_listeners(host: str) -> None:
-    """Say at start which of our processes listen beyond loopback: with a loopback --host
-    there should be none (a warning names any); otherwise Ray's ports are reachable, and
-    its metrics export port answers without the cluster's token."""
+    """Name our processes that listen beyond loopback. With a loopback --host only Serve's
+    replica gRPC server should (Ray 2.60 binds it to [::]; Ray's token authentication refuses
+    callers without the cluster's token); otherwise Ray's metrics export port answers anyone."""
     if not _own_cluster["started"]:
         return  # a joined cluster's listeners are its operator's
     from service.api.hostproc import descendants, listeners
 
-    found = [x for x in listeners([os.getpid(), *descendants(os.getpid())]) if not x["loopback"]]
-    if not found:
-        return
+    found = [x for x in listeners([os.getpid(), *descendants(os.getpid())]) if not x["loopback"]
+             and not (host in LOOPBACK and str(x["process"]).startswith(SERVE_REPLICA))]
     names = ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in found)
-    if host in LOOPBACK:
-        replica = [x for x in found if str(x["process"]).startswith(SERVE_REPLICA)]
-        if replica:  # Ray 2.60 binds it to [::]:0 (Serve's replica module), whatever the node
-            print(f"dloserve serve: note: Serve's replica gRPC server (calls between deployments) listens "
-                  f"on {', '.join(str(x['port']) for x in replica)} on every interface (Ray binds it so); "
-                  "Ray's token authentication refuses callers without the cluster's token",
-                  file=sys.stderr, flush=True)
-        others = [x for x in found if x not in replica]
-        if others:
-            print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: "
-                  + ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in others),
-                  file=sys.stderr, flush=True)
-        return
-    import ray
-
-    port = next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive")), None)
-    print(f"dloserve serve: WARNING: Ray listens on {len(found)} ports beyond loopback ({names}); its "
-          f"token authentication guards the control ports, but its metrics export port ({port}) answers "
-          f"anyone: firewall it (docs/operate.md, 'Ray's ports')", file=sys.stderr, flush=True)
+    if found and host in LOOPBACK:
+        print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: {names}",
+              file=sys.stderr, flush=True)
+    elif found:
+        print(f"dloserve serve: WARNING: Ray listens on {len(found)} ports beyond loopback ({names}); its "
+              "token authentication guards the control ports, but its metrics export port answers anyone: "
+              "firewall it (docs/operate.md, 'Ray's ports')", file=sys.stderr, flush=True)
 
 
 def _join(address: str, timeout_s: float) -> str | None:
@@ -416,9 +403,12 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
 
             try:
                 _drain(drain_s)
-                if joined:  # the cluster lives on: our app and its job store go
+                if joined:  # the cluster lives on: our app and its job store (records stay) go
                     serve.delete("dloserve")
-                    _stop_store()
+                    if "url" in _store_url:
+                        from service.api.jobs import stop_store
+
+                        stop_store(_store_url["url"])
                 # else reads answer until the cluster's processes (HTTP proxy among them) stop
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
                 pass
@@ -432,14 +422,6 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
 
 
 _store_url: dict[str, str] = {}
-
-
-def _stop_store() -> None:
-    """The app is gone: its job store (a detached actor) goes too; records stay in storage."""
-    from service.api.jobs import stop_store
-
-    if "url" in _store_url:
-        stop_store(_store_url["url"])
 
 
 def _drain(timeout_s: float) -> None:
