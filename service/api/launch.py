@@ -111,10 +111,12 @@ def _run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if not args.address and args.host in LOOPBACK:
+    if not args.address and args.host in LOOPBACK and "ray" not in sys.modules:
         # Ray's single-machine mode (meant for laptops; on Linux it does the same): the node's
         # address is the loopback one, so every Ray listener binds it. Ray reads the variable
-        # when it is imported, so it is set before anything here imports Ray.
+        # when it is imported (a driver that imported it before would look for its node at the
+        # host's address while the raylet took the loopback one), so only before that; else
+        # the listener report names what binds the host's address.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     model_checked = _beside_ray(args, marks)  # torch's import and the model's check overlap Ray's start
     if args.model and not Path(args.model).expanduser().is_dir():  # no folder: said before anything starts
