@@ -53,7 +53,6 @@ from service.api.openapi import body_rules, instance_openapi
 from service.api.origin import LOOPBACK_HOSTS, refusal
 from service.api.previews import RESPONSES as PREVIEW_RESPONSES
 from service.api.previews import preview_response
-from service.api.ray_hooks import start_controller, wait_proxies
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError
 from service.api.schemas import (
@@ -104,7 +103,6 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
 
 _CREATE_BODY = create_body(_inlined(VideoCreate.model_json_schema()))  # input_reference: a string, or a file
 _ERR = {"model": ErrorResponse}
-PROXY_START_TIMEOUT_S = 60.0  # serve.start's own limit for its proxies
 _AUTH = {401: {**_ERR, "description": "missing or unknown API key"},
          422: {**_ERR, "description": "a query parameter is invalid (param names it)"}}
 _CREATE_ERRORS = {**_AUTH, 408: {**_ERR, "description": "the body did not start within first_byte_"
@@ -558,26 +556,20 @@ def build_app(args: dict[str, Any], launched: Launched | None = None) -> Any:
     what ``dloserve serve`` did before (none from a Serve config file)."""
     cfg = ServiceConfig(**args)
     bundles = cfg.engine_config().parallel.bundles()
-    actor = dict(VideoIngress.ray_actor_options or {})
-    if launched and launched.ingress_executable:  # the launcher's warm host: its imports are done
-        actor["runtime_env"] = {"py_executable": launched.ingress_executable}
     return VideoIngress.options(
         num_replicas=cfg.num_replicas,
         placement_group_bundles=bundles,
         placement_group_strategy=cfg.placement_strategy,
-        ray_actor_options=actor,
     ).bind(cfg.model_dump(), launched)
 
 
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
            proxy_location: str = "EveryNode", launched: Launched | None = None) -> DeploymentHandle:
-    """Start Serve on host:port and run the app (used by the CLI and tests); Serve's HTTP
-    proxies start beside the replica (ray_hooks.py) and are up when this returns."""
+    """Start Serve on host:port and run the app (used by the CLI and tests)."""
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
-    proxies = start_controller({"host": host, "port": port}, proxy_location)
+    serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     if launched and launched.marks:  # /readyz's startup: Serve's controller is up
         launched = replace(launched, marks={**launched.marks, "serve_up": time.time()})
     handle = serve.run(build_app(cfg.model_dump(), launched), name=name, route_prefix="/")
-    wait_proxies(proxies, PROXY_START_TIMEOUT_S)
     return handle

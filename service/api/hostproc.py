@@ -32,17 +32,7 @@ def port_free(host: str, port: int) -> bool:
 
 def port_holder(port: int) -> str | None:
     """'pid 123 (ray::ProxyActor)' for a process listening on ``port``, if /proc tells."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            local, state, inode = parts[1], parts[3], parts[9]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                inodes.add(inode)
+    inodes = {inode for _, p, inode in _listening() if p == port}
     if not inodes:
         return None
     for pid_dir in Path("/proc").iterdir():
@@ -56,6 +46,22 @@ def port_holder(port: int) -> str | None:
         except OSError:
             continue
     return "a process this user cannot see"
+
+
+def _listening() -> list[tuple[str, int, str]]:
+    """(address, port, socket inode) of every listening TCP socket (/proc/net/tcp{,6})."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A":  # LISTEN
+                hexip, hexport = f[1].split(":")
+                out.append((_ip(hexip), int(hexport, 16), f[9]))
+    return out
 
 
 def _cmdline(pid_dir: Path) -> str:
@@ -135,25 +141,16 @@ def listeners(pids: list[int]) -> list[dict[str, object]]:
         except OSError:
             continue
     out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
+    for ip, port, inode in _listening():
+        if inode not in owner:
             continue
-        for line in lines:
-            f = line.split()
-            if f[3] != "0A" or f[9] not in owner:  # 0A: LISTEN
-                continue
-            hexip, hexport = f[1].split(":")
-            ip = _ip(hexip)
-            try:
-                argv0 = Path(f"/proc/{owner[f[9]]}/cmdline").read_bytes().split(b"\0")[0]
-            except OSError:
-                argv0 = b"?"
-            cmd = argv0.decode(errors="replace")
-            loopback = ip.startswith(("127.", "::ffff:127.")) or ip == "::1"
-            out.append({"address": ip, "port": int(hexport, 16), "process": os.path.basename(cmd)[:40],
-                        "pid": owner[f[9]], "loopback": loopback})
+        try:
+            argv0 = Path(f"/proc/{owner[inode]}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            argv0 = b"?"
+        loopback = ip.startswith(("127.", "::ffff:127.")) or ip == "::1"
+        name = os.path.basename(argv0.decode(errors="replace"))[:40]
+        out.append({"address": ip, "port": port, "process": name, "pid": owner[inode], "loopback": loopback})
     return sorted(out, key=lambda x: (bool(x["loopback"]), str(x["process"]), str(x["port"]).zfill(5)))
 
 

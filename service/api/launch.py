@@ -2,12 +2,14 @@
 
     dloserve serve [MODEL] --data-parallel-size 2 --enable-distributed-layerwise-offload
 
-With no MODEL the tiny demo model is served. RAY_ADDRESS (or --address) joins a running
-cluster (within --join-timeout-s); without one a new local cluster is started, never the
-last one this machine ran, and with a loopback --host every Ray listener of it is on the
-loopback address too (``_start_local_cluster``). A busy port ends it with exit code 2
-before anything starts. SIGINT or SIGTERM at any moment stops the service and every
-process of a cluster it started; reads of jobs answer until the HTTP proxy stops.
+With no MODEL the demo model is served. RAY_ADDRESS (or --address) joins a running cluster
+(within --join-timeout-s); without one a new local cluster is started, never the last one
+this machine ran, and with a loopback --host every Ray listener of it is on the loopback
+address too (``_start_local_cluster``). Either way the same public calls follow:
+``serve.start``, ``serve.run`` (service.api.app.deploy), and the replica places its ranks in
+its own placement group (engine.ray_executor). A busy port ends it with exit code 2 before
+anything starts. SIGINT or SIGTERM at any moment stops the service and every process of a
+cluster it started; reads of jobs answer until the HTTP proxy stops.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from service.api import launch_ahead as ahead
 from service.api.serve_flags import (
     add_arguments,
     admin_key_hashes,
@@ -99,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         _signals["count"] = 0
         _own_cluster["started"] = _own_cluster["ray"] = False
-        ahead.stop()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -110,18 +111,119 @@ def _run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    model_checked = ahead.check_model(args, marks)  # torch's import and the model's check overlap Ray's start
+    if not args.address and args.host in LOOPBACK and "ray" not in sys.modules:
+        # Ray's single-machine mode (meant for laptops; on Linux it does the same): the node's
+        # address is the loopback one, so every Ray listener binds it. Ray reads the variable
+        # when it is imported (a driver that imported it before would look for its node at the
+        # host's address while the raylet took the loopback one), so only before that; else
+        # the listener report names what binds the host's address.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    model_checked = _beside_ray(args, marks)  # torch's import and the model's check overlap Ray's start
     if args.model and not Path(args.model).expanduser().is_dir():  # no folder: said before anything starts
         problem = model_checked()
         if problem:
             print(f"dloserve serve: {problem}", file=sys.stderr)
             return 2
-    if not args.address:  # warm hosts import from here on (a failed check below stops them: run's finally)
-        # the workers' setting (_start_local_cluster), now: the hosts import huggingface_hub,
-        # which reads it once, and become workers with the environment they started with
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        ahead.start_hosts(args, marks)
-    from service.api.keys import KeyFileError
+    problem = _check_keys_and_storage(args)
+    if problem:
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
+    if not port_free(args.host, args.port):
+        holder = port_holder(args.port)
+        print(f"dloserve serve: port {args.port} on {args.host} is already in use"
+              f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
+        return 2
+    marks["checked"] = time.time()
+    if args.address:
+        err = _join(args.address, args.join_timeout_s)
+        if err:
+            print(f"dloserve serve: {err}", file=sys.stderr)
+            return 2
+    else:
+        _start_local_cluster(dashboard=args.ray_dashboard)
+    problem = model_checked()
+    if problem:  # the cluster we started goes with the launcher (run's finally)
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    gpus = args.gpus_per_rank
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+    _size_ranks(args, _own_cluster["started"])
+    cfg = config_from_args(args, gpus, args.engine_config)
+    marks["ray_up"] = time.time()
+    threading.Thread(target=_start_store, args=(cfg,), name="start-job-store", daemon=True).start()
+    from service.api.app import deploy
+
+    _store_url["url"] = cfg.results_url
+    mode = cfg.offload["mode"]
+    sp = cfg.sequence_parallel_size
+    print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
+          f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
+          f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
+    deploy(cfg, args.host, args.port, launched=Launched(marks))
+    url = f"http://{args.host}:{args.port}"
+    try:
+        _wait_ready(url, cfg.instance or "", args.ready_timeout_s)
+    except (TimeoutError, PortTaken) as e:
+        print(f"dloserve serve: {e}", file=sys.stderr)
+        return 2 if isinstance(e, PortTaken) else 1
+    _report_listeners(args.host)
+    print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
+          f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[[], str | None]:
+    """Check the model (``check_start``; without MODEL it writes the demo one), then import the
+    Serve app's module, on a thread: their seconds (mostly torch's, FastAPI's and Serve's
+    imports) overlap the launcher's checks and Ray's start, which mostly waits for its daemons.
+    The returned call waits for the check, sets ``args.engine_config`` and ``args.model``, and
+    returns the error that ends the start (exit code 2), or None. ``marks["model_checked"]``:
+    when the check was done (/readyz's ``startup.parallel``)."""
+    out: dict[str, object] = {}
+    checked = threading.Event()
+
+    def check() -> None:
+        try:
+            from service.models.adapter import ModelError
+            from service.models.startup import check_start
+
+            try:
+                device = "cpu" if args.gpus_per_rank == 0 else "cuda"
+                args.engine_config, _ = check_start(args.engine_config, args.model, device)
+                args.model = args.engine_config.model_dir
+            except ModelError as e:
+                out["problem"] = str(e)
+            marks["model_checked"] = time.time()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            out["error"] = e
+        checked.set()
+        try:
+            import service.api.app  # noqa: F401
+        except BaseException:  # noqa: BLE001 - the main thread's import reports it
+            pass
+
+    threading.Thread(target=check, name="beside-ray", daemon=True).start()
+
+    def result() -> str | None:
+        checked.wait()
+        if "error" in out:
+            raise out["error"]  # type: ignore[misc]
+        return out.get("problem")  # type: ignore[return-value]
+
+    return result
+
+
+def _check_keys_and_storage(args: argparse.Namespace) -> str | None:
+    """The keys, the webhook settings and the results folder, checked (warnings said); the
+    problem that ends the start, or None."""
+    from service.api.keys import MIN_KEY_CHARS, KeyFileError, short_keys
+    from service.api.serve_flags import key_entries
+    from service.api.store import StoreLocked, lock_folder
     from service.api.webhooks import WebhookConfigError
 
     try:
@@ -129,11 +231,7 @@ def _run(args: argparse.Namespace) -> int:
         admin_key_hashes(args)
         webhook_settings(args)
     except (OSError, KeyFileError, WebhookConfigError) as e:
-        print(f"dloserve serve: {e}", file=sys.stderr)
-        return 2
-    from service.api.keys import MIN_KEY_CHARS, short_keys
-    from service.api.serve_flags import key_entries
-
+        return str(e)
     short = short_keys(e.key for e in key_entries(args))
     if short:
         print(f"dloserve serve: WARNING: {short} API key(s) shorter than {MIN_KEY_CHARS} characters: a short "
@@ -147,8 +245,6 @@ def _run(args: argparse.Namespace) -> int:
         print("dloserve serve: note: keys given as --api-key/--admin-key are visible to every user of "
               "this machine in the process list; use --api-key-file/--admin-key-file (or "
               "DLOSERVE_API_KEYS) instead", file=sys.stderr, flush=True)
-    from service.api.store import StoreLocked, lock_folder
-
     url = results_url(args)
     if args.results_url is None:  # the default per-port folders: stopped instances' are cleaned
         from service.api.cleanup import clean_results
@@ -163,77 +259,53 @@ def _run(args: argparse.Namespace) -> int:
 
             open_storage(url, args.storage_options)  # unreachable or no driver: say so now
     except StoreLocked as e:
-        print(f"dloserve serve: {e}", file=sys.stderr)
-        return 2
+        return str(e)
     except ValueError as e:
-        print(f"dloserve serve: --results-url: {e}", file=sys.stderr)
-        return 2
-    if not port_free(args.host, args.port):
-        holder = port_holder(args.port)
-        print(f"dloserve serve: port {args.port} on {args.host} is already in use"
-              f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
-        return 2
-    marks["checked"] = time.time()
-    app_import = ahead.import_app()  # its seconds overlap Ray's start
-    if args.address:
-        err = _join(args.address, args.join_timeout_s)
-        if err:
-            print(f"dloserve serve: {err}", file=sys.stderr)
-            return 2
-    else:
-        _start_local_cluster(loopback=args.host in LOOPBACK, dashboard=args.ray_dashboard)
-    problem = model_checked()
-    if problem:  # the cluster we started goes with the launcher (run's finally)
-        print(f"dloserve serve: {problem}", file=sys.stderr)
-        return 2
+        return f"--results-url: {e}"
+    return None
 
+
+def _start_store(cfg: object) -> None:
+    """The job store's actor, started beside Serve's start (its process and imports); the
+    replica then finds it (the same name, the same settings). A failure is left to the
+    replica, which reports it the same way."""
+    try:
+        from service.api.service import connect_job_store
+
+        connect_job_store(cfg)  # type: ignore[arg-type]
+    except Exception as e:  # noqa: BLE001 - the replica's own connect raises it again
+        print(f"dloserve serve: the job store did not start beside Serve ({e}); the replica "
+              "tries again", file=sys.stderr, flush=True)
+
+
+def _size_ranks(args: argparse.Namespace, own_cluster: bool) -> None:
+    """``--cpus-per-rank`` when not given: from the host on a cluster of our own (one node, all
+    our ranks on it), else the default of 1 (a joined cluster's nodes are shared)."""
     import ray
 
-    gpus = args.gpus_per_rank
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    ahead.size_ranks(args, _own_cluster["started"])
-    cfg = config_from_args(args, gpus, args.engine_config)
-    marks["ray_up"] = time.time()
-    prestarted = ahead.prestart_ranks(cfg, args, _own_cluster["started"])  # they load while Serve starts
-    ahead.start_store(cfg)
-    launched = Launched(marks, prestarted, ahead.ingress_executable())
-    app_import.join()
-    from service.api.app import deploy
+    from service.config.parallel import CPUS_PER_RANK, host_cpus_per_rank
 
-    _store_url["url"] = cfg.results_url
-    mode = cfg.offload["mode"]
-    sp = cfg.sequence_parallel_size
-    print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
-          f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
-          f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
-    deploy(cfg, args.host, args.port, launched=launched)
-    url = f"http://{args.host}:{args.port}"
-    try:
-        _wait_ready(url, cfg.instance or "", args.ready_timeout_s)
-    except (TimeoutError, PortTaken) as e:
-        print(f"dloserve serve: {e}", file=sys.stderr)
-        return 2 if isinstance(e, PortTaken) else 1
-    _report_listeners(args.host)
-    print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
-          f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
-    while True:
-        time.sleep(3600)
+    if args.cpus_per_rank is not None:
+        args.cpus_per_rank_why = "--cpus-per-rank"
+    elif own_cluster:
+        ranks = args.data_parallel_size * args.sequence_parallel_size * args.num_replicas
+        args.cpus_per_rank, args.cpus_per_rank_why = host_cpus_per_rank(
+            ray.cluster_resources().get("CPU", 1.0), ranks)
+    else:
+        args.cpus_per_rank = CPUS_PER_RANK
+        args.cpus_per_rank_why = "the default on a joined cluster (--cpus-per-rank sets it)"
+    print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
-def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
+def _start_local_cluster(dashboard: bool = False) -> None:
     """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names.
 
     Ray's token authentication stays on (ray.init handles the token for this process and
     the workers it starts). Ray's dashboard only with ``--ray-dashboard`` (it binds
-    127.0.0.1): ``ray.init`` waits for it and its nine module processes before it starts
-    the raylet (docs/operate.md, "Start-up time"); without it Ray runs a minimal one (no
-    web server, one module). With a loopback --host the node's
-    address is the loopback one, so Ray's listeners (GCS, raylet, agents, the metrics export
-    port, workers) bind it too: Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the
-    host's outward address, but takes the loopback address as the node's when
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its single-machine mode, meant for laptops; on
-    Linux it does the same). Its child processes inherit the setting. A watchdog
+    127.0.0.1): ``ray.init`` waits for it and its module processes before it starts the
+    raylet; without it Ray runs a minimal one. No runtime_env: the workers inherit this
+    process's environment through the raylet, so Serve's controller, its proxy and the job
+    store start as plain workers, not through the runtime-env agent. A watchdog
     (service/api/watchdog.py) stops the cluster's processes should this one be killed.
     """
     import ray
@@ -243,13 +315,6 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     from service.api.watchdog import start_watchdog
 
     start_watchdog()  # a SIGKILL of this process leaves none of the cluster's behind
-    if loopback:
-        from service.api.ray_hooks import loopback_node
-
-        loopback_node()
-    # No runtime_env: the workers inherit this process's environment through the raylet, so
-    # Serve's controller, its proxy and the job store start as plain workers, not through the
-    # runtime-env agent.
     os.environ["HF_HUB_OFFLINE"] = "1"
     # Serve's controller gives a new proxy 3 checks of this long to answer before it kills it and
     # serve.start fails (ActorDiedError): 5 s by default, missed once on this 2-core CPU machine
@@ -259,45 +324,32 @@ def _start_local_cluster(loopback: bool, dashboard: bool = False) -> None:
     # host 16 processes importing Ray at the end of ray.init, which they slowed by 1.7-2.5 s
     # (loadtest/results/h200-ray-start-2026-12-02.json); Serve's few actors start their own.
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
+    ctx = ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
     if not dashboard:  # Prometheus's list of endpoints, which the dashboard would write
         from service.api.metrics_discovery import write_service_discovery
 
-        write_service_discovery()
+        write_service_discovery(ctx.address_info["session_dir"])
     _install_handlers()
 
 
 def _report_listeners(host: str) -> None:
-    """Say at start which of our processes listen beyond loopback: with a loopback --host
-    there should be none (a warning names any); otherwise Ray's ports are reachable, and
-    its metrics export port answers without the cluster's token."""
+    """Name our processes that listen beyond loopback. With a loopback --host only Serve's
+    replica gRPC server should (Ray 2.60 binds it to [::]; Ray's token authentication refuses
+    callers without the cluster's token); otherwise Ray's metrics export port answers anyone."""
     if not _own_cluster["started"]:
         return  # a joined cluster's listeners are its operator's
     from service.api.hostproc import descendants, listeners
 
-    found = [x for x in listeners([os.getpid(), *descendants(os.getpid())]) if not x["loopback"]]
-    if not found:
-        return
+    found = [x for x in listeners([os.getpid(), *descendants(os.getpid())]) if not x["loopback"]
+             and not (host in LOOPBACK and str(x["process"]).startswith(SERVE_REPLICA))]
     names = ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in found)
-    if host in LOOPBACK:
-        replica = [x for x in found if str(x["process"]).startswith(SERVE_REPLICA)]
-        if replica:  # Ray 2.60 binds it to [::]:0 (Serve's replica module), whatever the node
-            print(f"dloserve serve: note: Serve's replica gRPC server (calls between deployments) listens "
-                  f"on {', '.join(str(x['port']) for x in replica)} on every interface (Ray binds it so); "
-                  "Ray's token authentication refuses callers without the cluster's token",
-                  file=sys.stderr, flush=True)
-        others = [x for x in found if x not in replica]
-        if others:
-            print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: "
-                  + ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in others),
-                  file=sys.stderr, flush=True)
-        return
-    import ray
-
-    port = next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("Alive")), None)
-    print(f"dloserve serve: WARNING: Ray listens on {len(found)} ports beyond loopback ({names}); its "
-          f"token authentication guards the control ports, but its metrics export port ({port}) answers "
-          f"anyone: firewall it (docs/operate.md, 'Ray's ports')", file=sys.stderr, flush=True)
+    if found and host in LOOPBACK:
+        print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: {names}",
+              file=sys.stderr, flush=True)
+    elif found:
+        print(f"dloserve serve: WARNING: Ray listens on {len(found)} ports beyond loopback ({names}); its "
+              "token authentication guards the control ports, but its metrics export port answers anyone: "
+              "firewall it (docs/operate.md, 'Ray's ports')", file=sys.stderr, flush=True)
 
 
 def _join(address: str, timeout_s: float) -> str | None:
@@ -353,11 +405,13 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
 
             try:
                 _drain(drain_s)
-                if joined:  # the cluster lives on: our app and its job store go
+                if joined:  # the cluster lives on: our app and its job store (records stay) go
                     serve.delete("dloserve")
-                    _stop_store()
-                else:  # reads answer until HTTP stops; then the whole cluster goes
-                    _stop_http()
+                    if "url" in _store_url:
+                        from service.api.jobs import stop_store
+
+                        stop_store(_store_url["url"])
+                # else reads answer until the cluster's processes (HTTP proxy among them) stop
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
                 pass
             ray.shutdown()
@@ -370,24 +424,6 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
 
 
 _store_url: dict[str, str] = {}
-
-
-def _stop_http() -> None:
-    """End HTTP before anything behind it (service.api.ray_hooks.stop_http): clients then get a
-    refused connection, never a 404 from a proxy whose app was deleted under it (what
-    ``serve.delete`` before the proxy's end did for about 2 s). The replica and the job store
-    go with the cluster afterwards: the drain has stored every outcome."""
-    from service.api.ray_hooks import stop_http
-
-    stop_http()
-
-
-def _stop_store() -> None:
-    """The app is gone: its job store (a detached actor) goes too; records stay in storage."""
-    from service.api.jobs import stop_store
-
-    if "url" in _store_url:
-        stop_store(_store_url["url"])
 
 
 def _drain(timeout_s: float) -> None:

@@ -4,7 +4,8 @@ Ray's dashboard writes ``prom_metrics_service_discovery.json`` (Prometheus file-
 service discovery) in the session folder, linked from Ray's temp folder, and
 ``deploy/prometheus/prometheus.yml`` reads it there. ``dloserve serve`` starts its own
 cluster without the dashboard (it delays Ray's start by seconds), so it writes the same
-file itself: one node, its metrics export port, and the autoscaler's when it has one.
+file itself: every live node's metrics export port (``ray.nodes()``), in the session folder
+``ray.init`` named (its ``address_info``), linked from the temp folder above it.
 """
 
 from __future__ import annotations
@@ -15,22 +16,15 @@ from pathlib import Path
 
 import ray
 
-from service.api.ray_hooks import autoscaler_metrics_address, session_dirs
-
 PROMETHEUS_SERVICE_DISCOVERY_FILE = "prom_metrics_service_discovery.json"  # the dashboard's name for it
 
 
-def write_service_discovery(session_dir: str | None = None, temp_dir: str | None = None) -> Path:
-    """Write the file (atomically) and its link from ``temp_dir``; the folders default to this
-    driver's Ray session's. Returns the file's path."""
-    if session_dir and temp_dir:
-        session, temp = Path(session_dir), Path(temp_dir)
-    else:
-        session, temp = session_dirs()
+def write_service_discovery(session_dir: str, temp_dir: str | None = None) -> Path:
+    """Write the file (atomically) in ``session_dir`` and its link from ``temp_dir`` (default:
+    the folder Ray keeps its sessions in, the session folder's parent). Returns its path."""
+    session = Path(session_dir)
+    temp = Path(temp_dir) if temp_dir else session.parent
     targets = [f"{n['NodeManagerAddress']}:{n['MetricsExportPort']}" for n in ray.nodes() if n.get("Alive")]
-    autoscaler = autoscaler_metrics_address()
-    if autoscaler:
-        targets.append(autoscaler)
     target = session / PROMETHEUS_SERVICE_DISCOVERY_FILE
     tmp = session / f"tmp_{PROMETHEUS_SERVICE_DISCOVERY_FILE}"
     tmp.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": targets}]))

@@ -59,9 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     launcher.add_argument("--drain-timeout-s", type=float, default=60.0,
                           help="on SIGTERM: how long running jobs may take to finish")
     launcher.add_argument("--ready-timeout-s", type=float, default=1800.0)
-    launcher.add_argument("--rank-prestart", action=argparse.BooleanOptionalAction, default=True,
-                          help="on a cluster of its own with one replica: start the rank processes right "
-                               "after Ray, so they import while Serve and the ingress start (default on)")
     launcher.add_argument("--ray-dashboard", action=argparse.BooleanOptionalAction, default=False,
                           help="on a cluster of its own: start Ray's dashboard (127.0.0.1:8265; `ray job "
                                "submit`, `ray list`, `serve status`); off by default: it delays Ray's "

@@ -33,7 +33,6 @@ from service.api.views import public_ready, redact, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.engine.metrics import metrics
 from service.engine.outcome import Outcome
-from service.engine.warmhost import hosted
 from service.models.checks import check_request
 from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
@@ -103,7 +102,7 @@ class VideoService:
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
         self.dispatcher = build_dispatcher(
             self.engine, self, placement=placement_group, executor=executor,
-            deadlines=cfg.deadlines(), tenants=cfg.tenants(), prestarted=self.launched.prestarted,
+            deadlines=cfg.deadlines(), tenants=cfg.tenants(),
         )
         self.started_at = time.time()
         self._draining: str | None = None
@@ -377,7 +376,7 @@ class VideoService:
             "node_id": self.node_id,
             "results_url": self.storage.url,
             "startup": startup_breakdown(self.launched.marks, self.replica_at, st.get("startup", {}),
-                                         len(st["groups"]), hosted()),
+                                         len(st["groups"])),
         }
 
     def health_problem(self) -> str | None:

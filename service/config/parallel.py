@@ -31,7 +31,7 @@ class ParallelConfig:
 
     ``encoders_per_rank``: MP4 encoders per rank; None: from its CPUs (engine.encoder).
     ``rank_standby``: a pre-imported process per rank waits to replace it (engine.standby); None:
-    on GPU ranks. ``rank_standby_preload``: a standby (and a rank process the launcher started ahead)
+    on GPU ranks. ``rank_standby_preload``: a standby
     of a one-process group loads the pipeline while it waits, so it takes over without the load
     and the compile warm-up (engine.standby). ``executor``: which transport runs the ranks
     (``dloserve generate``: local). ``pg_timeout_s`` is the last resort (request deadlines tear a

@@ -1,17 +1,12 @@
-"""A waiting rank process loads its pipeline ahead, so it takes over without the load.
+"""A standby loads its rank's pipeline ahead, so it takes over without the load.
 
-A standby, or a rank process the launcher started before Serve, of a *one-process* group
-(DP1, or the ranks of rank-local and resident mode) needs no process group to load: it
-loads on a thread while it waits (the checkpoint, the components, the compile warm-up),
-and its group's ``setup`` only starts the rank loop. A group of several processes (an
-AllGather group, an SP group) shards over its process group and so loads after it forms.
-
-What is loaded ahead is used only for the config it was loaded for (``take``): a config
-that differs (a replica with other flags adopting a pre-started process) is dropped and
-loaded again. A standby shares its GPU with the live rank: it keeps its load only while
-at least ``STANDBY_FREE_SHARE`` of the GPU stays free (the live rank's requests need the
-rest), else drops it and loads when it takes over, as before. Nothing here imports torch
-at module level: ``dloserve serve`` imports engine.standby before Serve starts.
+A standby of a *one-process* group (DP1, or the ranks of rank-local and resident mode)
+needs no process group to load: it loads on a thread while it waits (the checkpoint, the
+components, the compile warm-up), and its group's ``setup`` only starts the rank loop. A
+group of several processes (an AllGather group, an SP group) shards over its process group
+and so loads after it forms. A standby shares its GPU with the live rank: it keeps its load
+only while at least ``STANDBY_FREE_SHARE`` of the GPU stays free (the live rank's requests
+need the rest), else drops it and loads when it takes over.
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from service.config import EngineConfig
@@ -45,19 +39,12 @@ def preloadable(config: EngineConfig) -> bool:
     return config.parallel.dp_size == 1 or config.offload.mode in single
 
 
-def _same(a: EngineConfig, b: EngineConfig) -> bool:
-    """Equal but for the encoder count (the launcher sizes a pre-started process's pool)."""
-    def norm(c: EngineConfig) -> EngineConfig:
-        return replace(c, parallel=replace(c.parallel, encoders_per_rank=None))
-    return norm(a) == norm(b)
-
-
 class Preload:
-    """``start.preload`` on a thread of a waiting process; ``standby``: keep it only where the
-    GPU keeps room for the live rank."""
+    """``start.preload`` on a thread of a standby, kept only where the GPU keeps room for the
+    live rank."""
 
-    def __init__(self, config: EngineConfig, standby: bool) -> None:
-        self.config, self.standby = config, standby
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self.result: Preloaded | None = None
         self.problem: str | None = None  # why nothing is kept (logged; the load runs at setup)
         self.nice: int | None = None  # the loading thread's niceness, once it runs
@@ -69,14 +56,13 @@ class Preload:
 
         from .start import preload
 
-        if self.standby:  # beside a serving rank: its CPU work below the rank's (engine.priority)
-            lower_this_thread()
+        lower_this_thread()  # beside a serving rank: its CPU work below the rank's (engine.priority)
         self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         try:
             cuda = self.config.parallel.device == "cuda"
             device = torch.device("cuda", 0) if cuda else torch.device("cpu")
             got = preload(self.config, device)
-            room = _room_problem(device) if self.standby else None
+            room = _room_problem(device)
             if room is not None:
                 _drop(got)
                 self.problem = room
@@ -90,16 +76,12 @@ class Preload:
         self._thread.join()
         return self.result is not None
 
-    def take(self, config: EngineConfig) -> Preloaded | None:
-        """The load, for ``config`` only (waits for it to finish); None: load at set-up."""
+    def take(self) -> Preloaded | None:
+        """The load (waits for it to finish); None: load at set-up."""
         self._thread.join()
         got, self.result = self.result, None
-        if got is not None and not _same(got.config, config):
-            _drop(got)
-            self.problem = "loaded ahead for another config; loading again"
-            got = None
         if got is None:
-            log.info("rank process: nothing loaded ahead to use: %s", self.problem)
+            log.info("standby: nothing loaded ahead to use: %s", self.problem)
         return got
 
     def close(self) -> None:

@@ -1,20 +1,8 @@
-"""``--dlo-mode auto``'s probe timings kept between starts, keyed by what they depend on.
-
-A probe (a rank's process start, a load of the checkpoint's mmap, a few forwards) took 33-37 s
-of a 115-127 s start on an H200 (loadtest/results/h200-startup-2026-12-02-again.json); what
-it measures (one block's compute at the probe size, the host-to-device rates, the rank-local
-source) does not change between starts on the same hardware and software. So the timings are
-stored in ``$DLOSERVE_CACHE/probe`` (``~/.cache/dloserve/probe``), one JSON file per key, and
-the next start with the same key chooses from them without a probe (``source: cached`` and
-the probe's date in ``/readyz``'s ``offload_mode``).
-
-The key (``probe_facts``): the GPU model and how many the node has, torch's version, the
-denoiser checkpoint's safetensors headers (every tensor's name, dtype, shape and offset: the
-block shapes and what a rank-local fill can DMA) and its config.json, the model settings
-(dtype, quantization, CFG batching, attention, compile), the probe size, the sequence-parallel
-size and this module's ``PROBE_VERSION`` (raised when the probe measures differently). The
-choice itself is made again from the timings each start (the world size, two experts' cost).
-Delete the folder to measure again (a new driver, a changed PCIe topology).
+"""``--dlo-mode auto``'s probe timings kept between starts (the probe cache), keyed by what they
+depend on (``probe_facts``): the GPU model and count, torch's version, the checkpoint's
+safetensors headers and config.json, the model settings, the probe size, the SP size and
+``PROBE_VERSION``. One JSON file per key in ``$DLOSERVE_CACHE/probe``; the choice is made
+again from the timings each start. Delete the folder to measure again.
 """
 
 from __future__ import annotations

@@ -30,11 +30,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from service.config import EngineConfig, ModeChoice, OffloadMode
 
 from .executor import Group, GroupExecutor, Reply, log_start, short
-from .gpus import visible_devices
 from .place import NAMESPACE, RankPlace
 from .preload import preloadable
-from .standby import StandbyRankRemote, WarmRankActorRemote
+from .standby import StandbyRankRemote
 from .start import probe_mode
+from .worker import RankActorRemote
 
 log = logging.getLogger("dloserve.engine")
 POLL_S = 1.0  # how long one events long poll waits on the rank
@@ -51,21 +51,13 @@ def _probe(config: EngineConfig) -> ModeChoice:
 ProbeTask = ray.remote(max_retries=0)(_probe)
 
 
-DevicesTask = ray.remote(max_retries=0)(visible_devices)
-
-
 class RayExecutor(GroupExecutor):
     """Rank groups as Ray actors; ``placement`` is the Serve replica's placement group when
     it has our bundles (else one is made and removed on close)."""
 
-    def __init__(self, config: EngineConfig, placement: PlacementGroup | None = None,
-                 prestarted: list[str] | None = None) -> None:
+    def __init__(self, config: EngineConfig, placement: PlacementGroup | None = None) -> None:
         super().__init__(config)
         self.placement = placement
-        # Rank processes the launcher started before Serve (engine.standby.prestart), by bundle:
-        # the first groups adopt them; a name is dropped once adopted or found gone.
-        self._prestarted: dict[int, str] = dict(enumerate(prestarted or []))
-        self._prestart_gpus: dict[int, str | None] | None = None  # the GPU each loads ahead on
         self._own_placement = False
         # ref -> (group, generation, process, op, job id)
         self._refs: dict[Any, tuple[Group, int, int, str, str]] = {}
@@ -129,8 +121,6 @@ class RayExecutor(GroupExecutor):
         t0 = time.monotonic()
         actors, names, started = self._take_standbys(g)
         if not actors:
-            actors, names, started = self._adopt_prestarted(g)
-        if not actors:
             actors = [self._actor(g, p, self._name(g, p)) for p in range(g.world)]
             names = [self._name(g, p) for p in range(g.world)]
         with self._lock:
@@ -142,43 +132,35 @@ class RayExecutor(GroupExecutor):
         addr = self._get(actors[0].rendezvous_address.remote()) if g.world > 1 else None
         t_addr = time.monotonic()
         facts = self._get([a.setup.remote(addr) for a in actors])
-        prestarted = all(s.get("prestarted") for s in started)
-        standby = all(s["standby"] for s in started) and not prestarted
-        imports = max(s["import_s"] for s in started)
-        detail = {} if standby else {"prestart.import_s" if prestarted else "actors.import_s": imports}
-        if prestarted:  # the task that reads the bundles' GPU ids, part of actors_s
-            detail["actors.gpu_ids_s"] = max(s["gpu_ids_s"] for s in started)
-        if prestarted:  # imported while Serve started: when the last of them was done
-            self.startup["prestart_imported_at"] = max(s["imported_at"] for s in started)
-        hosted = prestarted and all(s.get("hosted") for s in started)  # started before Ray (engine.warmhost)
-        how = {"standby": standby, "prestarted": prestarted, "hosted": hosted}
-        if hosted:  # an import in the host loaded CUDA's driver: its GPU view was the host's
-            how["host_cuda_loaded"] = any(s.get("host_cuda_loaded") for s in started)
+        standby = all(s["standby"] for s in started)
         log_start(g, facts, {"actors_s": t_up - t0, "rendezvous_s": t_addr - t_up,
-                             "setup_s": time.monotonic() - t_addr}, detail,
-                  {**how, "pids": [s["pid"] for s in started]})
+                             "setup_s": time.monotonic() - t_addr}, None,
+                  {"standby": standby, "pids": [s["pid"] for s in started]})
         self._take_rank_choice(facts)
         self._make_standbys(g, started, facts)
         with self._lock:
             for p in range(g.world):
                 self._poll(g, p)
 
-    def _actor(self, g: Group, process: int, name: str, standby: bool = False,
-               visible_devices: str | None = None, config: EngineConfig | None = None) -> Any:
-        """Rank process ``process`` of ``g`` in its bundle; a standby holds no resources
-        (the rank it will replace holds the bundle's) and, in a one-process group, loads the
-        pipeline while it waits (engine.preload)."""
+    def _actor(self, g: Group, process: int, name: str, standby: dict[str, Any] | None = None,
+               config: EngineConfig | None = None) -> Any:
+        """Rank process ``process`` of ``g`` in its bundle, with the bundle's CPUs and GPUs; a
+        standby (``standby``: the live rank's ``started`` facts) holds no resources (the rank it
+        will replace holds the bundle's), takes the rank's GPUs and, in a one-process group,
+        loads the pipeline while it waits (engine.preload)."""
         strategy = PlacementGroupSchedulingStrategy(
             self.placement, placement_group_bundle_index=g.info.first_rank + process)
         place = RankPlace(g.info.id, process, g.world, g.info.first_rank)
-        remote = StandbyRankRemote if standby else WarmRankActorRemote
+        par = self.config.parallel
+        if standby is None:
+            return RankActorRemote.options(
+                name=name, namespace=NAMESPACE, num_cpus=par.cpus_per_rank, num_gpus=par.gpus_per_rank,
+                scheduling_strategy=strategy, max_restarts=0).remote(self.config, place)
         config = config or self.config
-        ahead = standby and g.world == 1 and preloadable(config)
-        return remote.options(
-            name=name, namespace=NAMESPACE, num_cpus=0 if standby else self.config.parallel.cpus_per_rank,
-            num_gpus=0 if standby else self.config.parallel.gpus_per_rank, scheduling_strategy=strategy,
-            max_restarts=0,
-        ).remote(config, place, standby, visible_devices, ahead)
+        return StandbyRankRemote.options(
+            name=name, namespace=NAMESPACE, num_cpus=0, num_gpus=0, scheduling_strategy=strategy,
+            max_restarts=0).remote(config, place, standby["visible_devices"],
+                                   g.world == 1 and preloadable(config))
 
     def _make_standbys(self, g: Group, started: list[dict[str, Any]], facts: list[dict[str, Any]]) -> None:
         """One standby per rank process of a ready group: the rank's GPUs and encoder pool."""
@@ -194,7 +176,7 @@ class RayExecutor(GroupExecutor):
             self._kill_standbys(g.info.id)
             names = [f"{self._name(g, p)}-standby" for p in range(g.world)]
             self._standbys[g.info.id] = [
-                (self._actor(g, p, names[p], True, started[p]["visible_devices"], config), names[p])
+                (self._actor(g, p, names[p], started[p], config), names[p])
                 for p in range(g.world)]
             self._standbys_ahead[g.info.id] = [a.ahead.remote() for a, _ in self._standbys[g.info.id]]
 
@@ -215,87 +197,6 @@ class RayExecutor(GroupExecutor):
             self._kill_all(actors)
             return [], [], []
         return actors, [n for _, n in standbys], started
-
-    def _adopt_prestarted(self, g: Group) -> tuple[list[Any], list[str], list[dict[str, Any]]]:
-        """The launcher's pre-started processes of ``g``'s bundles, adopted (engine.standby):
-        told the final config, their place and their bundle's GPUs; none if one is missing
-        or gone (the caller starts new processes, and the others are stopped)."""
-        bundles = [g.info.first_rank + p for p in range(g.world)]
-        with self._lock:
-            if not self._prestarted:
-                return [], [], []
-        actors: list[Any] = []
-        names: list[str | None] = []
-        try:
-            self._learn_prestart_gpus()
-            t0 = time.monotonic()
-            devices = self._bundle_devices(bundles)
-            gpu_ids_s = round(time.monotonic() - t0, 3)
-            with self._lock:
-                names = [self._prestarted.pop(self._prestart_key(b, d), None)
-                         for b, d in zip(bundles, devices, strict=True)]
-            if None in names:
-                raise RuntimeError("not every bundle has one")
-            actors = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-            places = [RankPlace(g.info.id, p, g.world, g.info.first_rank) for p in range(g.world)]
-            started = self._get([a.adopt.remote(self.config, place, d)
-                                 for a, place, d in zip(actors, places, devices, strict=True)])
-        except Exception as e:  # noqa: BLE001 - new processes instead
-            log.warning("group %s: pre-started rank processes unusable (%s); starting new ones",
-                        g.info.id, short(e))
-            self._kill_all(actors)
-            return [], [], []
-        return actors, [str(n) for n in names], [{**s, "prestarted": True, "gpu_ids_s": gpu_ids_s}
-                                                 for s in started]
-
-    def _prestart_key(self, bundle: int, devices: str | None) -> int:
-        """Which pre-started process a bundle adopts: the one loading ahead on the bundle's
-        GPU (engine.standby.prestart chose it before the bundle existed), else the bundle's own."""
-        for i, gpu in (self._prestart_gpus or {}).items():
-            if devices and gpu == devices and i in self._prestarted:
-                return i
-        return bundle
-
-    def _learn_prestart_gpus(self) -> None:
-        """Each pre-started process's GPU (its ``started`` answer), asked once; one that does
-        not answer has none (its bundle's adoption then fails over to a new process)."""
-        with self._lock:
-            if self._prestart_gpus is not None or not self._prestarted:
-                return
-            names = dict(self._prestarted)
-        gpus: dict[int, str | None] = {}
-        for i, name in names.items():
-            try:
-                actor = ray.get_actor(name, namespace=NAMESPACE)
-                gpus[i] = self._get(actor.started.remote()).get("visible_devices")
-            except Exception:  # noqa: BLE001 - gone: the adoption says so
-                gpus[i] = None
-        with self._lock:
-            if self._prestart_gpus is None:
-                self._prestart_gpus = gpus
-
-    def _bundle_devices(self, bundles: list[int]) -> list[str | None]:
-        """The GPUs (CUDA_VISIBLE_DEVICES) Ray gives a rank in each bundle, read by a small
-        task there with the rank's GPUs; None for CPU ranks."""
-        par = self.config.parallel
-        if not par.gpus_per_rank:
-            return [None] * len(bundles)
-        only = self._only_gpu()
-        if only is not None and len(bundles) == 1 and par.gpus_per_rank == 1:
-            return [only]  # the cluster's one GPU: no task (a new worker process, 0.7-1 s on the H200)
-        refs = [DevicesTask.options(num_cpus=0, num_gpus=par.gpus_per_rank, scheduling_strategy=
-                                    PlacementGroupSchedulingStrategy(self.placement,
-                                                                     placement_group_bundle_index=b)).remote()
-                for b in bundles]
-        return self._get(refs)
-
-    def _only_gpu(self) -> str | None:
-        """The cluster's GPU where it has one and the pre-started processes all loaded on it
-        (they named it as its rank will see it); None otherwise."""
-        gpus = set((self._prestart_gpus or {}).values())
-        if len(gpus) != 1 or None in gpus or ray.cluster_resources().get("GPU", 0) != 1:
-            return None
-        return gpus.pop()
 
     def _kill_standbys(self, gid: str) -> None:
         self._standbys_ahead.pop(gid, None)
@@ -391,12 +292,6 @@ class RayExecutor(GroupExecutor):
         with self._lock:
             for gid in list(self._standbys):
                 self._kill_standbys(gid)
-            left, self._prestarted = list(self._prestarted.values()), {}
-        for name in left:  # never adopted (a start that failed before its groups)
-            try:
-                self._kill_all([ray.get_actor(name, namespace=NAMESPACE)])
-            except ValueError:
-                pass
         self._drop_placement()
 
     def _drop_placement(self) -> None:

@@ -35,6 +35,11 @@ class RankActor:
         self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="gauges", daemon=True)
         self._gauge_thread.start()
 
+    def started(self) -> dict[str, Any]:
+        """Answers once the process has started (its constructor is done)."""
+        return {"pid": os.getpid(), "standby": False,
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
     def rendezvous_address(self) -> str:
         """Process 0 picks its node IP and a free port of it for the TCP rendezvous; the
         store listens on that address only (start.rendezvous_store): the loopback one on a

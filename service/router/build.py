@@ -14,15 +14,13 @@ from service.router.scheduler import make_scheduler
 from service.router.tenants import Tenants
 
 
-def make_executor(config: EngineConfig, placement: Any = None, progress: bool = False,
-                  prestarted: list[str] | None = None) -> Executor:
-    """The transport the config names: Ray actors in a placement group (adopting the rank
-    processes ``dloserve serve`` pre-started, by name), or processes of this host (imported
-    on demand: the local executor needs no Ray)."""
+def make_executor(config: EngineConfig, placement: Any = None, progress: bool = False) -> Executor:
+    """The transport the config names: Ray actors in a placement group, or processes of this
+    host (imported on demand: the local executor needs no Ray)."""
     if config.parallel.executor == "ray":
         from service.engine.ray_executor import RayExecutor
 
-        return RayExecutor(config, placement, prestarted)
+        return RayExecutor(config, placement)
     from service.engine.local import LocalExecutor
 
     return LocalExecutor(config, progress=progress)
@@ -38,10 +36,9 @@ def build_dispatcher(
     max_attempts: int | None = None,
     progress: bool = False,
     tenants: Tenants | None = None,
-    prestarted: list[str] | None = None,
 ) -> Dispatcher:
     """A dispatcher over a new executor for ``config`` (or the one given); call ``start()`` on it."""
-    executor = executor or make_executor(config, placement, progress, prestarted)
+    executor = executor or make_executor(config, placement, progress)
     s = config.scheduler
     return Dispatcher(
         executor, sink, make_scheduler(s.scheduler, config.parallel.dp_size, s.queue_size, s.starve_s,

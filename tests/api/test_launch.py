@@ -196,77 +196,33 @@ def test_short_keys_are_warned_about_at_start(capsys, tmp_path: Path,
     assert "1 API key(s) shorter than 16 characters" in err and "sk-long" not in err
 
 
-def test_rank_processes_are_pre_started_only_on_a_cluster_of_our_own_with_one_replica() -> None:
-    """--rank-prestart (the default) starts the ranks beside Serve only where the launcher
-    knows the one node they run on; elsewhere (a joined cluster, several replicas, the flag
-    off) the executor starts them as before. (The start itself: tests/engine/test_standby.py
-    and the start-up benchmark's e2e test.)"""
-    from service.api.launch_ahead import prestarts
+def test_no_module_uses_rays_private_api() -> None:
+    """One start path on Ray's public API (docs/operate.md, "Start-up"): nothing imports
+    ``ray._private`` or ``ray.serve._private``, or patches Ray's constants."""
+    import re
 
-    on, off = parse("/m"), parse("/m", "--no-rank-prestart")
-    assert on.rank_prestart is True and off.rank_prestart is False
-    cfg = config_from_args(on, gpus_per_rank=1.0)
-    assert prestarts(cfg, on, own_cluster=True)
-    assert not prestarts(cfg, on, own_cluster=False)  # joined
-    assert not prestarts(cfg, off, own_cluster=True)
-    assert not prestarts(cfg.model_copy(update={"num_replicas": 2}), on, own_cluster=True)
-
-
-def test_warm_hosts_start_only_where_ranks_are_pre_started(demo_model: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launcher starts one warm host per rank process (engine.warmhost) before Ray, for the
-    pre-started ranks; none with --no-rank-prestart or a share of a GPU per rank (no one GPU
-    to give it before the placement exists). With one replica the Serve app's replica gets a
-    host as well (none with several replicas). They stop with it."""
-    from service.api import launch_ahead as ahead
-
-    marks: dict[str, float] = {}
-    ahead.start_hosts(parse(demo_model, "--num-replicas", "2"), marks)
-    assert "hosts" not in ahead.warm_hosts and ahead.ingress_executable() is None and not marks
-    for argv in (("--no-rank-prestart",), ("--gpus-per-rank", "0.5")):
-        ahead.start_hosts(parse(demo_model, *argv), marks)
-        hosts = ahead.warm_hosts.pop("hosts")
-        try:
-            assert hosts.procs == [] and "rank_hosts" not in marks
-            assert hosts.ingress is not None and hosts.ingress.args[-1] == ahead.INGRESS_MODULE
-        finally:
-            hosts.close()
-        assert hosts.ingress.poll() is not None
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    ahead.start_hosts(parse(demo_model, "--data-parallel-size", "2", "--dlo-no-use-allgather"), marks)
-    hosts = ahead.warm_hosts["hosts"]
-    try:
-        assert len(hosts.procs) == 2 and marks["rank_hosts"] == hosts.started_at
-        assert all(p.poll() is None for p in [*hosts.procs, hosts.ingress])
-        assert demo_model in hosts.procs[0].args
-        for i, p in enumerate(hosts.procs):  # each on the GPU its pre-started rank will take
-            env = Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
-            assert f"CUDA_VISIBLE_DEVICES={i}".encode() in env
-        shim = ahead.ingress_executable()
-        assert shim and shim.endswith("ingress.sock") and shim != hosts.executable(0)
-        hosts.close(keep=1)  # rank hosts no worker will come to: the ingress host stays
-        assert hosts.procs[0].poll() is None and hosts.procs[1].poll() is not None
-        assert hosts.ingress.poll() is None
-    finally:
-        ahead.warm_hosts.pop("hosts").close()
-    assert all(p.poll() is not None for p in [*hosts.procs, hosts.ingress])
+    root = Path(__file__).resolve().parents[2]
+    private = re.compile(r"\bray(\.serve)?\._private\b|\bray_constants\b|\bpy_executable\b")
+    found = [str(p.relative_to(root)) for p in sorted((root / "service").rglob("*.py"))
+             if private.search(p.read_text())]
+    assert found == []
 
 
 def test_the_job_store_the_launcher_starts_is_the_one_the_replica_connects_to(ray_cluster: dict,
                                                                               tmp_path: Path) -> None:
-    """The launcher starts the job store beside Serve's start (``launch_ahead.start_store``): the replica's
+    """The launcher starts the job store beside Serve's start (``launch._start_store``): the replica's
     own connect (as ``VideoService`` makes it) finds that actor, not a new one."""
     import ray
 
     from service.api.jobs import NAMESPACE, stop_store, store_name
-    from service.api.launch_ahead import start_store
+    from service.api.launch import _start_store
     from service.api.results import open_storage
     from service.api.service import connect_job_store
 
     cfg = ServiceConfig(results_url=str(tmp_path / "results"), max_jobs=7)
     url = open_storage(cfg.results_url, cfg.storage_options).url
     try:
-        start_store(cfg).join(120)
+        _start_store(cfg)
         early = ray.get_actor(store_name(url), namespace=NAMESPACE)
         client = connect_job_store(cfg, url)  # the replica's call
         assert client.handle._actor_id == early._actor_id
@@ -279,7 +235,7 @@ def test_cpus_per_rank_comes_from_the_flag_then_the_host_then_the_default(ray_cl
     """``--cpus-per-rank`` wins; on a cluster of our own the host sizes it (this one's 2 CPUs,
     less the ingress's: the floor of 1); a joined cluster keeps the old default. The reason
     goes to /readyz (test_service.py) and the log."""
-    from service.api.launch_ahead import size_ranks
+    from service.api.launch import _size_ranks as size_ranks
     from service.config.parallel import CPUS_PER_RANK
 
     p = argparse.ArgumentParser()

@@ -18,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.multinode
 APP = "dloserve-multinode"
 SLOW = {**FIELDS, "num_inference_steps": 24}  # long enough to be in flight when the node goes
 KEY_A, KEY_B = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+ADMIN = {"authorization": "Bearer admin-key"}
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +105,11 @@ def served(cluster: dict, demo_model: str, s3_server: dict) -> Iterator[str]:
     from service.api.service import ServiceConfig
 
     keys = [hashlib.sha256(k.encode()).hexdigest() for k in ("key-a", "key-b")]
-    cfg = ServiceConfig(model=demo_model, api_key_hashes=keys, data_parallel_size=1, cpus_per_rank=1,
-                        num_replicas=2,
+    admin = [hashlib.sha256(b"admin-key").hexdigest()]
+    # the same start path as `dloserve serve` (deploy: serve.start, serve.run; each replica's
+    # ranks in its placement group), standbys on (they hold no CPU: each node's one is the rank's)
+    cfg = ServiceConfig(model=demo_model, api_key_hashes=keys, admin_key_hashes=admin, data_parallel_size=1,
+                        cpus_per_rank=1, num_replicas=2, rank_standby=True,
                         results_url=f"s3://{s3_server['bucket']}/multinode",
                         storage_options=s3_server["storage_options"], group_timeout_s=5,
                         pg_timeout_s=60, wave_deadline_base_s=120, wave_deadline_per_forward_s=1.0)
@@ -220,6 +225,43 @@ def test_jobs_are_the_same_through_every_replica(served: str, cluster: dict, dem
         assert httpx.delete(f"{url}/v1/videos/{vid}", timeout=30, headers=KEY_A).status_code == 200
         for r in by_each_replica(url, f"/v1/videos/{vid}", groups).values():
             assert r.status_code == 404
+
+
+def each_replicas_readyz(url: str, done: Callable[[dict], bool], timeout: float = 300) -> dict[str, dict]:
+    """The admin /readyz of each of the two replicas, once ``done`` holds for both."""
+    seen: dict[str, dict] = {}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r = httpx.get(f"{url}/readyz", timeout=30, headers=ADMIN)
+        seen[r.headers["x-dloserve-dp-group"]] = r.json()
+        if len(seen) == 2 and all(done(b) for b in seen.values()):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout} s: {seen}")
+
+
+def test_each_replica_has_its_standby_and_a_killed_rank_comes_back_as_it(served: str, cluster: dict) -> None:
+    """Each replica's rank has a standby on its node, loaded ahead; the worker node's rank,
+    SIGKILLed, is replaced by that standby's process and its replica serves again."""
+    def loaded(body: dict) -> bool:
+        return bool(body.get("standbys_loaded")) and all(body["standbys_loaded"].values())
+
+    ready = each_replicas_readyz(served, loaded)
+    assert {b["node_id"] for b in ready.values()} == {cluster["head_id"], cluster["worker_id"]}
+    worker = next(b for b in ready.values() if b["node_id"] == cluster["worker_id"])
+    (group,) = worker["groups"]
+    assert worker["standbys"][group["group"]] == [f"dloserve-{group['group']}-gen0-rank0-standby"]
+    os.kill(group["last_start"]["pids"][0], signal.SIGKILL)
+
+    def rebuilt(body: dict) -> bool:
+        return body["node_id"] != cluster["worker_id"] or (
+            body["ready"] and body["groups"][0]["generation"] == 1)
+
+    after = each_replicas_readyz(served, rebuilt)
+    again = next(b for b in after.values() if b["node_id"] == cluster["worker_id"])["groups"][0]["last_start"]
+    assert again["standby"] is True, again
+    vid = submit(served, FIELDS, 1)[0]
+    assert wait_all_final(served, [vid])[vid]["status"] == "completed"
 
 
 def test_a_lost_nodes_jobs_run_again_on_the_other_replica(served: str, cluster: dict,

@@ -15,7 +15,7 @@ from service.config.engine import OFFLOAD_KEYS, offload_mapping
 
 # Flags that are the launcher's, not a setting of the service (or that become one by a
 # rule: keys become their hashes, the results folder gets the port's default).
-LAUNCHER = {"help", "model", "host", "port", "address", "drain_timeout_s", "ready_timeout_s", "rank_prestart",
+LAUNCHER = {"help", "model", "host", "port", "address", "drain_timeout_s", "ready_timeout_s",
             "ray_dashboard", "join_timeout_s", "results_url", "api_key", "api_key_file", "admin_key",
             "admin_key_file", "lora", "webhook_url", "webhook_secret_file"}  # the pair: test_webhooks
 # The engine flags that are keys of the Serve config's one ``offload`` mapping, by flag.

@@ -41,26 +41,7 @@ def test_from_the_process_start_with_serve_and_the_replica_apart() -> None:
     assert checked["parallel"] == {"model_check_s": {"began_s": 2.5, "s": 4.0,
                                                      "beside": ["launcher_checks_s", "ray_start_s"]}}
     assert checked["steps"] == out["steps"]  # beside the steps, not one of them
-    ranks = startup_breakdown(marks, 125.0, {**ENGINE, "prestart_imported_at": 124.0}, groups=2)
-    assert ranks["parallel"]["rank_processes_s"] == {
-        "began_s": 12.5, "s": 14.0,
-        "beside": ["serve_start_s", "replica_start_s", "replica_init_s", "groups_s"]}
-    # warm hosts (engine.warmhost): the rank processes began before Ray, beside its start too
-    engine = {**ENGINE, "prestart_imported_at": 124.0}
-    hosted = startup_breakdown({**marks, "rank_hosts": 101.5}, 125.0, engine, groups=2)
-    assert hosted["parallel"]["rank_processes_s"] == {
-        "began_s": 4.0, "s": 22.5,
-        "beside": ["launcher_checks_s", "ray_start_s", "serve_start_s", "replica_start_s", "replica_init_s",
-                   "groups_s"]}
-    assert hosted["steps"] == out["steps"]
-    assert out["replica_hosted"] is False and "replica_imports_s" not in out["parallel"]
-    # the Serve replica ran in its warm host: its imports were done there, beside Ray's start
-    replica = startup_breakdown(marks, 125.0, ENGINE, groups=2,
-                                replica_host={"started": 101.0, "import_s": 5.25, "imported_at": 106.25})
-    assert replica["replica_hosted"] is True
-    assert replica["parallel"]["replica_imports_s"] == {"began_s": 3.5, "s": 5.25,
-                                                        "beside": ["launcher_checks_s", "ray_start_s"]}
-    assert replica["steps"] == out["steps"]
+    assert startup_breakdown(marks, 125.0, ENGINE, groups=2)["parallel"] == {}  # no check stamped
 
 
 def test_a_process_start_is_read_from_proc() -> None:
@@ -89,13 +70,3 @@ def test_not_ready_until_every_group_was_and_a_serve_config_start_begins_at_the_
     assert bare["from"] == "replica" and bare["ready_s"] == 27.0
     assert bare["steps"] == {"replica_init_s": 1.0, "engine.placement_s": 0.5, "groups_s": 25.5}
     assert bare["unaccounted_s"] == 0.0
-
-
-def test_pre_started_ranks_are_a_parallel_span_outside_the_sum() -> None:
-    """The rank processes started after Ray import while Serve starts: their span is reported
-    beside the steps, which still add up to the whole time without it."""
-    out = startup_breakdown(MARKS, 125.0, {**ENGINE, "prestart_imported_at": 124.0}, groups=2)
-    assert out["parallel"]["rank_processes_s"] == {
-        "began_s": 10.0, "s": 14.0, "beside": ["serve_and_replica_start_s", "replica_init_s", "groups_s"]}
-    assert out["unaccounted_s"] == 0.0 and sum(out["steps"].values()) == pytest.approx(out["ready_s"])
-    assert startup_breakdown(MARKS, 125.0, ENGINE, groups=2)["parallel"] == {}  # none adopted

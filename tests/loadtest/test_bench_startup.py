@@ -44,23 +44,9 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     # 100 steps (the most the service takes): a step of the tiny model takes ~12 ms on a fast host,
     # and 10 steps ended (decode and all) before the kill: it completed with no rerun (2026-12-03)
     assert 25 <= start["kill_at_progress"] < 100 and run["scheduler"] == "FlowMatchEulerDiscreteScheduler"
-    # the rank process started before Ray (a warm host, engine.warmhost), imported beside Ray's and
-    # Serve's start, and was adopted: the worker ran in that process
+    # the first rank was a new Ray actor in the replica's placement group, not a standby
     (first,) = start["last_start"]
-    assert first["prestarted"] is True and first["hosted"] is True, first
-    assert "prestart.import_s" in first["stages"], first
-    assert "preload_s" in first["stages"]  # and loaded beside Serve's start (engine.preload)
-    span = start["startup"]["parallel"]["rank_processes_s"]
-    checked = steps["process_start_s"] + steps["launcher_checks_s"]  # the hosts start before the checks
-    assert span["s"] > 0 and steps["process_start_s"] <= span["began_s"] < checked, (span, steps)
-    assert span["beside"][:2] == ["launcher_checks_s", "ray_start_s"]
-    # so did the Serve app's replica: its worker ran in the ingress host, its imports done there
-    assert start["startup"]["replica_hosted"] is True, start["startup"]
-    imports = start["startup"]["parallel"]["replica_imports_s"]
-    # its stamp is the host's own, after its interpreter's start: on a loaded machine that came
-    # after the launcher's checks (0.80 s against 0.76 s, load 14 on 2 cores); before Ray was up
-    ray_up = checked + steps["ray_start_s"]
-    assert imports["s"] > 0 and imports["began_s"] < ray_up, imports
+    assert first["standby"] is False and "preload_s" not in first["stages"], first
     assert start["startup"]["unaccounted_s"] == pytest.approx(0.0, abs=0.01)
     assert start["offload_mode"]["source"] == "rule"  # CPU ranks: auto decided without a probe process
     assert start["next_request"]["status"] == "completed"
