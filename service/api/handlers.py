@@ -11,6 +11,7 @@ in ``dloserve_requests`` under the answer's ``metric``, as the dashboards' alert
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -56,11 +57,22 @@ def answer_of(exc: BaseException) -> Answer | None:
     return None
 
 
-def respond(exc: BaseException, request: Request | None = None) -> JSONResponse:
-    """``exc`` as the API answers it; a refused create counts under the answer's metric."""
+@dataclass(frozen=True)
+class Answered:
+    """One error, answered: what the client reads, and the label a refused create counts as."""
+
+    answer: Answer  # its class's
+    message: str
+    param: str | None
+    code: str
+    headers: dict[str, str]
+
+
+def describe(exc: BaseException) -> Answered | None:
+    """``exc`` as the API answers it; None: no answer (a 500)."""
     ans = answer_of(exc)
     if ans is None:
-        raise exc
+        return None
     headers = dict(ans.headers)
     if isinstance(exc, ApiError):
         message, param, code = exc.message, exc.param, exc.code
@@ -71,10 +83,19 @@ def respond(exc: BaseException, request: Request | None = None) -> JSONResponse:
     retry = getattr(exc, "retry_after_s", None)
     if retry is not None:
         headers["Retry-After"] = str(retry)
+    return Answered(ans, message, param, code, headers)
+
+
+def respond(exc: BaseException, request: Request | None = None) -> JSONResponse:
+    """``exc`` as the API answers it; a refused create counts under the answer's metric."""
+    got = describe(exc)
+    if got is None:
+        raise exc
+    ans = got.answer
     if ans.metric and request is not None and getattr(request.state, _COUNTED, False):
         metrics()["requests"].inc(1, tags={"status": ans.metric})
-    return error(ans.status, message, param, type=ans.type, code=code, headers=headers or None,
-                 where=ans.where)
+    return error(ans.status, got.message, got.param, type=ans.type, code=got.code,
+                 headers=got.headers or None, where=ans.where)
 
 
 def count_refusals(request: Request) -> None:
