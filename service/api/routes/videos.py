@@ -20,7 +20,7 @@ from service.api.openapi import inlined
 from service.api.previews import RESPONSES as PREVIEW_RESPONSES
 from service.api.previews import preview_response
 from service.api.records import JobRecord, JobStatus
-from service.api.routes.common import AUTH, BY_ID, ERR, address, is_admin, owner, service, uploads
+from service.api.routes.common import AUTH, BY_ID, ERR, address, is_admin, owner, page, service, uploads
 from service.api.schemas import Video, VideoCreate, VideoDeleted, VideoList, media_type, parse_body
 from service.api.service import video_object
 from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
@@ -114,8 +114,7 @@ def list_videos(
     recs, more = service(request).list(after, limit, order, owner(request))
     admin = is_admin(request)
     data = [video_object(r, admin) for r in recs]
-    return VideoList.model_validate({"data": data, "first_id": data[0]["id"] if data else None,
-                                     "last_id": data[-1]["id"] if data else None, "has_more": more})
+    return VideoList.model_validate(page(data, more))
 
 
 @router.get("/v1/videos/{video_id}", response_model=Video, responses=BY_ID)
