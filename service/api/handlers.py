@@ -2,7 +2,9 @@
 that answers every error the API knows, and FastAPI's and Starlette's own errors in the same
 shape.
 
-Routes raise; they build no error responses. An ``ApiError`` (errors.py) carries its answer;
+Routes raise; they build no error responses (but for a sync create whose job failed, whose
+500/507 is the job's outcome, ``http.failed_job``, and the preview's 404s, ``previews.py``,
+which answers whole). An ``ApiError`` (errors.py) carries its answer;
 the errors of the router and the models (shared with the batch job, which knows no HTTP) and
 the results storage's ``StorageError`` (an ``OSError`` that must pickle as one) get theirs in
 ``ANSWERS``. A create route marks its request (``count_refusals``): a refusal of it is counted
