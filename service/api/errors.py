@@ -42,14 +42,15 @@ class ApiError(Exception):
     ``headers`` may be the instance's own (a body error names its field and pydantic's error
     type; a sync create's 404 names the job it made)."""
 
-    answer: ClassVar[Answer]
+    answer: ClassVar[Answer]  # each subclass's own
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        own = getattr(type(self), "answer", None)  # (none on ApiError itself: not an answer)
         self.message = message
-        self.param = param if param is not None else self.answer.param
-        self.code = code or self.answer.code
+        self.param = param if param is not None or own is None else own.param
+        self.code = code or (own.code if own is not None else None)
         self.headers = headers or {}
 
     def __reduce__(self) -> tuple[Any, ...]:
