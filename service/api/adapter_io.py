@@ -18,15 +18,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from service.api.errors import Answer, ApiError
 
-class AdapterIOBusy(Exception):
-    """Every adapter-reading thread is busy (503, Retry-After)."""
 
+class AdapterIOBusy(ApiError):
+    """Every adapter-reading thread is busy (Retry-After)."""
+
+    answer = Answer(503, "lora_io_busy", type="server_error", param="source")
     retry_after_s = 30
 
 
-class AdapterIOTimeout(Exception):
-    """The read did not end within the timeout (504)."""
+class AdapterIOTimeout(ApiError):
+    """The read did not end within the timeout."""
+
+    answer = Answer(504, "lora_read_timeout", type="server_error", param="source")
 
 
 class AdapterIO:

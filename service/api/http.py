@@ -17,6 +17,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 from starlette.routing import Match
 
+from service.api.errors import Answer, ApiError
 from service.api.results import ResultStorage
 
 NOSNIFF = {"X-Content-Type-Options": "nosniff"}
@@ -24,13 +25,13 @@ NO_STORE = "no-store"  # job status, lists, health: always asked again
 OWNED = "private, no-cache"  # an MP4: the owner's browser may keep it, and asks (304) before using it
 
 
-def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+def error(status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
           code: str | None = None, headers: dict[str, str] | None = None,
           where: str = "body") -> JSONResponse:
     """OpenAI-style error body, plus FastAPI's ``detail`` list so both kinds of client read it."""
-    body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    body: dict[str, Any] = {"error": {"message": message, "type": type, "param": param, "code": code}}
     if param is not None:
-        body["detail"] = [{"loc": [where, param], "msg": message, "type": code or kind}]
+        body["detail"] = [{"loc": [where, param], "msg": message, "type": code or type}]
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -42,17 +43,22 @@ def failed_job(err: dict[str, Any] | None, headers: dict[str, str], retry_after_
     code = err.get("code", "generation_failed")
     message = err.get("message", "generation failed")
     if code == "storage_failed":
-        return error(507, message, None, kind="server_error", code=code,
+        return error(507, message, None, type="server_error", code=code,
                      headers={**headers, "Retry-After": str(retry_after_s)})
-    return error(500, message, None, kind="server_error", code=code, headers=headers)
+    return error(500, message, None, type="server_error", code=code, headers=headers)
 
 
-class TooLarge(Exception):
-    """The body is over the limit (413)."""
+class TooLarge(ApiError):
+    """The body is over the limit."""
+
+    answer = Answer(413, "body_too_large", metric="rejected")
 
 
-class BodyTimeout(Exception):
-    """The body did not arrive in time (408): a slow client holds a replica slot no longer."""
+class BodyTimeout(ApiError):
+    """The body did not arrive in time: a slow client holds a replica slot no longer (the
+    connection closes rather than wait for the rest)."""
+
+    answer = Answer(408, "body_timeout", metric="rejected", headers=(("Connection", "close"),))
 
 
 async def read_capped(request: Request, cap: int, timeout_s: float,
@@ -94,8 +100,12 @@ async def read_capped(request: Request, cap: int, timeout_s: float,
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
 
 
-class TooManyUploads(Exception):
-    """This key or address already sends as many bodies as it may (429 at once)."""
+class TooManyUploads(ApiError):
+    """This key or address already sends as many bodies as it may: 429 at once, the body
+    unread (the connection closes rather than read it)."""
+
+    answer = Answer(429, "too_many_uploads", type="rate_limit_error", metric="over_quota",
+                    headers=(("Retry-After", "1"), ("Connection", "close")))
 
 
 class Uploads:

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from service.api.errors import BodyError
+from service.api.errors import Answer, BodyError
 from service.models.image import check_image
 from service.models.request import RequestError
 
@@ -39,7 +39,9 @@ SLACK = 1024  # the data URL prefix and JSON quoting around a base64 image
 
 
 class ImageTooLarge(BodyError):
-    """The decoded image is over --max-image-bytes (413)."""
+    """The decoded image is over --max-image-bytes."""
+
+    answer = Answer(413, "image_too_large", metric="rejected")
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,17 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from service.api.errors import Answer, ApiError
+
 QUOTA_OPTIONS = ("max_queued", "max_running")
 PRIORITY_OPTION = "min_priority"  # the best priority the key's requests may ask for (any integer in range)
 WEBHOOK_OPTIONS = ("webhook_url", "webhook_secret")
 
 
-class AuthError(Exception):
-    """No or a wrong API key (401)."""
+class AuthError(ApiError):
+    """No or a wrong API key."""
+
+    answer = Answer(401, "invalid_api_key", headers=(("WWW-Authenticate", "Bearer"),))
 
 
 class KeyFileError(ValueError):

@@ -23,6 +23,23 @@ from service.router.policy import Limits
 CREATE_PATHS = ("/v1/videos", "/v1/videos/sync")
 
 
+def inlined(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic schema with its ``$defs`` put in place (an OpenAPI document has no root $defs)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(dict(defs[ref.rsplit("/", 1)[1]]))
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
 def body_rules(adapter: ModelAdapter, limits: Limits, model_name: str) -> dict[str, dict[str, Any]]:
     """JSON Schema keywords per create-body field, from the model and the operator limits."""
     multiple = getattr(adapter, "multiple", 1)  # Wan: (h, w); Flux: one number

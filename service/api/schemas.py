@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
-from service.api.errors import BodyError
+from service.api.errors import Answer, ApiError, BodyError
 from service.config.cache import MAX_RATIOS, METHODS, PARAMS, CacheError, CacheSpec
 from service.models.lora_ref import MAX_LORAS, LoraRef
 from service.models.request import PRIORITY_RANGE, GenerationRequest
@@ -310,8 +310,10 @@ CONTENT_TYPES = ("application/json", "multipart/form-data", "application/x-www-f
 MAX_FORM_FIELDS = 32  # VideoCreate has 14 fields; more is not a video request
 
 
-class MediaTypeError(ValueError):
-    """A content type this API does not read (415)."""
+class MediaTypeError(ApiError, ValueError):
+    """A content type this API does not read."""
+
+    answer = Answer(415, "unsupported_media_type")
 
 
 def media_type(content_type: str | None) -> str:

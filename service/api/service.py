@@ -1,4 +1,4 @@
-"""The video job service behind the HTTP routes: validation, job records, the dispatcher.
+"""The video job service behind the HTTP routes: admission, job records, adapters, keys, readiness.
 
 Framework-free (no FastAPI here) so the routes stay thin. Validation runs entirely in
 the ingress (pydantic -> GenerationRequest.check -> model adapter rules from the model's
@@ -11,28 +11,27 @@ import dataclasses
 import logging
 import os
 import secrets
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from service.api.adapter_io import AdapterIO
 from service.api.config import ServiceConfig
-from service.api.durable import StateKeeper, usable_state
+from service.api.durable import StateKeeper
+from service.api.errors import ForbiddenSource, LoraExists
+from service.api.heartbeat import Heartbeat
 from service.api.images import take_image
 from service.api.keys import AuthError, Caller, Keys, owner_id
 from service.api.records import JobRecord, JobStatus
 from service.api.results import StorageError, open_storage
 from service.api.schemas import BodyError, Video, validate_create
+from service.api.sink import JobSink
 from service.api.startup import Launched, startup_breakdown
 from service.api.storage_health import StorageHealth
 from service.api.store import JobTable
-from service.api.views import public_ready, redact, tenant_ready, tenant_record
+from service.api.views import public_ready, tenant_ready, tenant_record
 from service.engine.executor import Executor
-from service.engine.metrics import metrics
-from service.engine.outcome import Outcome
 from service.models.checks import check_request
 from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
@@ -40,8 +39,6 @@ from service.models.lora_registry import LoraRegistry, Registered
 from service.models.registry import load_adapter, request_defaults, resolve_model
 from service.models.request import GenerationRequest, RequestError
 from service.router.build import build_dispatcher
-from service.router.health import Availability
-from service.router.queue import Ticket
 
 log = logging.getLogger("dloserve.api")
 __all__ = ["AuthError", "ServiceConfig", "VideoService", "connect_job_store", "video_object"]
@@ -59,7 +56,8 @@ def connect_job_store(cfg: ServiceConfig, url: str | None = None) -> Any:
 
 
 class VideoService:
-    """One DP group, its dispatcher and the job store; the Sink the dispatcher reports to."""
+    """One DP group, its dispatcher and the job store. The dispatcher reports to the job sink
+    (sink.py); the heartbeat (heartbeat.py) keeps the group's standing in the store."""
 
     def __init__(self, cfg: ServiceConfig, placement_group: Any = None, dp_group: str | None = None, *,
                  executor: Executor | None = None, store: Any = None, node_id: str | None = None,
@@ -100,86 +98,21 @@ class VideoService:
         if store is None:
             store = connect_job_store(cfg, self.storage.url)
         self.store: JobTable = store  # JobStore's methods, in-process or through its actor
+        self.sink = JobSink(self.store, self.storage, self.storage_health, self.states, self.dp_group)
         self.dispatcher = build_dispatcher(
-            self.engine, self, placement=placement_group, executor=executor,
+            self.engine, self.sink, placement=placement_group, executor=executor,
             deadlines=cfg.deadlines(), tenants=cfg.tenants(),
         )
         self.started_at = time.time()
         self._draining: str | None = None
-        self._closed = threading.Event()
-        # per job: progress and resumable_step, sent by the heartbeat thread
-        self._progress: dict[str, dict[str, int]] = {}
-        self._previews: dict[str, tuple[int, bytes]] = {}  # latest image per job, sent the same way
-        self._progress_lock = threading.Lock()
-        # Storing a video (an upload, with S3) and its final record happen off the dispatcher
-        # thread, which must get back to scheduling at once.
-        self._finisher = ThreadPoolExecutor(2, thread_name_prefix="dloserve-finish")
         self.dispatcher.start()
-        self._beat = threading.Thread(target=self._heartbeat, name="dloserve-heartbeat", daemon=True)
-        self._beat.start()
+        self.heartbeat = Heartbeat(self)
+        self.heartbeat.start()
 
-    def _heartbeat(self) -> None:
-        """Tell the store this DP group lives (or its jobs fail); drop queued jobs that were
-        deleted through another replica."""
-        last = 0.0
-        while not self._closed.wait(0.25):
-            try:
-                with self._progress_lock:
-                    progress, self._progress = self._progress, {}
-                    previews, self._previews = self._previews, {}
-                if progress:
-                    self.store.progress(progress)
-                self.storage_health.probe()
-                if previews:
-                    self.store.put_previews(previews)
-                self.states.write_due()
-                if time.monotonic() - last >= 1.0:
-                    for job_id in self.store.heartbeat(self.dp_group, self.node_id):
-                        self.dispatcher.cancel(job_id)
-                    self._adopt()
-                    last = time.monotonic()
-            except Exception as e:  # noqa: BLE001 - the store restarting: try again next beat
-                log.warning("heartbeat to the job store failed: %s", e)
-
-    def _adopt(self) -> None:
-        """Take over jobs of lost DP groups (another replica's, or a node's), while this one
-        serves and has room in its queue: they run again here. Each is checked on its own
-        (one that cannot run here ends with the reason; the others still run)."""
-        room = self.cfg.queue_size - self.dispatcher.depth
-        if (not self.cfg.job_retries or self._draining or room <= 0
-                or self.dispatcher.availability()[0] is not Availability.SERVING):
-            return
-        taken = self.store.adopt(self.dp_group, self.node_id, self.model_name, room)
-        for job_id, req, owner in taken:
-            try:
-                self._take_over(job_id, req, owner)
-            except Exception as e:  # noqa: BLE001 - it is this replica's now: never left held by nobody
-                log.exception("could not take over %s", job_id)
-                self.store.fail([job_id], "dp_group_lost", f"it could not run again after its DP group "
-                                f"was lost: {type(e).__name__}: {str(e)[:200]}; submit it again")
-        if taken:  # held or ended now (a lost answer: the store takes them back, CONFIRM_WAIT_S)
-            self.store.confirm(self.dp_group, [job_id for job_id, _, _ in taken])
-
-    def _take_over(self, job_id: str, req: GenerationRequest, owner: str | None) -> None:
-        """Queue one adopted job: not a revoked key's; from its kept state only where this
-        model can go on from it (its latents' shape and dtype, a resumable request), else from 0."""
-        if owner is not None and not self.keys.open and owner not in self._owners:
-            self.store.fail([job_id], "key_revoked", "its API key was removed from the key file before "
-                            "it ran again after a restart")
-            return
-        if req.resume is not None and not (self._resumable(req) and
-                                           usable_state(req.resume, self.adapter.latent_spec(req))):
-            log.warning("the kept state of %s does not fit this model's run of it (shape %s, dtype %s): "
-                        "it reruns from step 0", job_id, list(req.resume.shape), req.resume.dtype)
-            req = req.resumed(None)
-            self.store.progress({job_id: {"resumable_step": 0}})
-        self.states.track(job_id, req)
-        if self.dispatcher.adopt(job_id, req.compat_key(), req, tenant=owner):
-            log.info("took over %s from a lost DP group", job_id)
-
-    def _resumable(self, req: GenerationRequest) -> bool:
-        """What the rank's ``PipelineRunner.resumable`` answers, from the config files alone."""
-        return not self.adapter.resume_blocker(req)
+    def revoked(self, owner: str | None) -> bool:
+        """Whether ``owner``'s key is no longer one of this service's (an adopted job's key
+        must be one: a key removed from the key file before a restart takes its jobs along)."""
+        return owner is not None and not self.keys.open and owner not in self._owners
 
     # -- requests ----------------------------------------------------------------------
     def create(self, fields: dict[str, Any], owner: str | None = None, strict: bool = True) -> JobRecord:
@@ -271,8 +204,8 @@ class VideoService:
     # -- adapters (POST/GET/DELETE /v1/loras) -------------------------------------------------
 
     def add_lora(self, name: str, source: str, owner: str | None = None) -> Registered:
-        """Register a file under one of ``lora_dir``. PermissionError (outside them, or no
-        dirs), KeyError (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
+        """Register a file under one of ``lora_dir``. ForbiddenSource (outside them, or no
+        dirs), LoraExists (name taken), LoraLimit (the owner's cap), LoraError (a bad file,
         naming the key)."""
         try:
             path = Path(os.path.expanduser(source)).resolve()
@@ -280,10 +213,10 @@ class VideoService:
             raise LoraError(name, "source", "cannot resolve it (a symlink loop?)") from None
         roots = [Path(os.path.expanduser(d)).resolve() for d in self.cfg.lora_dir]
         if not roots:
-            raise PermissionError("run-time adapter registration is off on this server (start it with "
+            raise ForbiddenSource("run-time adapter registration is off on this server (start it with "
                                   "--lora-dir FOLDER, or register adapters with --lora NAME=PATH)")
         if not any(path.is_relative_to(r) for r in roots):
-            raise PermissionError("source must be a file under one of this server's --lora-dir folders")
+            raise ForbiddenSource("source must be a file under one of this server's --lora-dir folders")
         try:
             check_regular(path)  # a FIFO or a device would block the reader: refused unopened
         except NotRegularFile as e:
@@ -293,7 +226,10 @@ class VideoService:
         except OSError as e:  # EACCES and such (never the path: its message would name it)
             why = e.strerror or type(e).__name__
             raise LoraError(name, "source", f"cannot read it: {why}") from None
-        return self.loras.register(name, str(path), owner, limit=self.cfg.max_loras_per_key)
+        try:
+            return self.loras.register(name, str(path), owner, limit=self.cfg.max_loras_per_key)
+        except KeyError as e:  # the registry's word for a name that is taken
+            raise LoraExists(str(e.args[0])) from None
 
     def list_loras(self, owner: str | None = None) -> list[Registered]:
         """The adapters ``owner`` may use: the server's and its own (``loras.page``: a page)."""
@@ -409,7 +345,7 @@ class VideoService:
             time.sleep(0.1)
         left = self.dispatcher.held
         self.dispatcher.stop()
-        self._finisher.shutdown(wait=True)  # every outcome stored before the app goes
+        self.sink.close()  # every outcome stored before the app goes
         return {"queued_failed": queued, "running_failed": left, "seconds": round(time.monotonic() - t0, 1)}
 
     def waves(self, caller: Caller) -> list[dict[str, Any]]:
@@ -427,122 +363,10 @@ class VideoService:
         hand to another replica or to the next ``serve`` (api/jobs.py); failing them here
         "service stopped" lost them whenever the store outlived the replica. ``drain`` (the
         launcher's stop) is what ends jobs."""
-        self._closed.set()
+        self.heartbeat.stop()
         self.adapter_io.close()
         self.dispatcher.stop(fail=False)
-        self._finisher.shutdown(wait=True)
-        self._beat.join(timeout=5)
-
-    # -- Sink: called from the dispatcher thread ---------------------------------------
-    def on_start(self, ticket: Ticket, info: dict[str, Any]) -> None:
-        self._update(ticket.id, status=JobStatus.IN_PROGRESS, wave=info["wave"], dp_rank=info["rank"],
-                     resumed_from_step=info.get("resumed_from_step", 0))
-
-    def on_not_resumable(self, ticket_id: str, why: str) -> None:
-        """Its rank keeps no state of it: a rerun would start from step 0, for this reason."""
-        self._update(ticket_id, not_resumable=why)
-
-    def on_progress(self, ticket_id: str, step: int, total: int) -> None:
-        with self._progress_lock:
-            self._progress.setdefault(ticket_id, {})["progress"] = min(99, int(100 * step / max(1, total)))
-
-    def on_preview(self, ticket_id: str, step: int, total: int, image: bytes) -> None:
-        with self._progress_lock:
-            self._previews[ticket_id] = (step, image)
-
-    def on_state(self, ticket_id: str, state: Any) -> None:
-        self.states.offer(ticket_id, state)
-        # The dispatcher keeps it now: say so (a client, or a test that kills the rank, can
-        # know the rerun's starting point; progress alone runs ahead of the kept state).
-        with self._progress_lock:
-            self._progress.setdefault(ticket_id, {})["resumable_step"] = state.step
-
-    def on_requeue(self, ticket: Ticket, why: str) -> None:
-        self.states.urgent(ticket.id)  # paused or its group failed: its step is kept now
-        with self._progress_lock:
-            pending = self._progress.pop(ticket.id, {})
-        kept = {"resumable_step": pending["resumable_step"]} if "resumable_step" in pending else {}
-        self._update(ticket.id, status=JobStatus.QUEUED, progress=0, wave=None, dp_rank=None,
-                     preemptions=ticket.preemptions, **kept)
-
-    def _update(self, job_id: str, **fields: Any) -> None:
-        """A status change from the dispatcher thread; a storage that refuses the write must
-        not crash that thread (every held job would fail): the store keeps it in memory."""
-        try:
-            self.store.update(job_id, **fields)
-        except StorageError as e:
-            log.warning("could not write the record of %s: %s", job_id, e)
-            self.storage_health.failed(e, 4096)
-
-    def on_finish(self, ticket: Ticket, outcome: Outcome, info: dict[str, Any]) -> None:
-        try:
-            self._finisher.submit(self._finish, ticket, outcome)
-        except RuntimeError:  # shut down (after a drain): store it here
-            self._finish(ticket, outcome)
-
-    def _finish(self, ticket: Ticket, outcome: Outcome) -> None:
-        try:
-            self._store_outcome(ticket, outcome)
-        except Exception as e:  # noqa: BLE001 - the storage failed: the job fails with a reason
-            log.exception("could not store the outcome of %s", ticket.id)
-            if isinstance(e, StorageError):
-                self.storage_health.failed(e, len(outcome.mp4 or b""))
-            err = {"code": "storage_failed", "message": "the result could not be stored; submit it again"}
-            try:
-                self.store.finish(ticket.id, by=self.dp_group, status=JobStatus.FAILED, error=err)
-            except Exception:  # noqa: BLE001 - the store is unreachable too
-                log.exception("could not fail %s", ticket.id)
-
-    def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
-        self.states.forget(ticket.id)  # no state of it is written after its end (the store drops them)
-        with self._progress_lock:
-            self._progress.pop(ticket.id, None)
-            last = self._previews.pop(ticket.id, None)
-        if last is not None:  # its last step's preview is in the store before its end is
-            self.store.put_previews({ticket.id: last})
-        t0 = time.monotonic()
-        held = self.store.get(ticket.id)
-        if held is not None and (held.dp_group not in (None, self.dp_group)
-                                 or (held.dp_group is None and not outcome.ok)):
-            # This group was declared lost: another took the job over, or will (only a
-            # finished video of ours may still end it then; a failure or our cancel may not).
-            log.warning("job %s ended here after this group was declared lost; output dropped", ticket.id)
-            return
-        if outcome.ok:
-            assert outcome.mp4 is not None
-            self.storage.write_video(ticket.id, outcome.mp4)  # the video lands before the status
-            fields: dict[str, Any] = {"status": JobStatus.COMPLETED, "progress": 100,
-                                      "dp_rank": outcome.dp_rank}
-        elif outcome.cancelled:
-            fields = {"status": JobStatus.CANCELLED,
-                      "error": {"code": "cancelled", "message": "cancelled (DELETE) while it ran"}}
-        else:
-            # A group's failure reason may quote the request that caused it: name no other job.
-            message = redact(outcome.error, ticket.id) or "unknown error"
-            fields = {"status": JobStatus.FAILED, "error": {"code": "generation_failed", "message": message}}
-        timings = dict(outcome.timings)
-        if timings:
-            timings["store_s"] = time.monotonic() - t0
-        ended = self.store.finish(ticket.id, by=self.dp_group, timings=timings or None, **fields)
-        status = fields["status"].value
-        if ended is None:  # deleted meanwhile, ended already, or another group's now (this one was lost)
-            now = self.store.get(ticket.id)
-            log.warning("job %s ended (%s) here after its record was %s; output dropped", ticket.id, status,
-                        "deleted" if now is None else f"{now.status.value} by {now.dp_group}")
-            if outcome.ok and (now is None or (now.final and now.status is not JobStatus.COMPLETED)):
-                self.storage.remove(f"{ticket.id}.mp4")  # (the same bytes another group may write)
-            return
-        metrics()["requests"].inc(1, tags={"status": status})
-        observe_stages(timings)
-        latency = max(0.0, time.time() - ended.created_at)
-        metrics()["request_latency"].observe(latency, tags={"status": status})
-
-
-def observe_stages(timings: dict[str, Any]) -> None:
-    """Each stage's seconds into the ``dloserve_stage_seconds`` histogram."""
-    for key, value in timings.items():
-        if key.endswith("_s") and key != "step_s" and isinstance(value, int | float):
-            metrics()["stage"].observe(float(value), tags={"stage": key[:-2]})
+        self.sink.close()
 
 
 def video_object(rec: JobRecord, admin: bool = False) -> dict[str, Any]:

@@ -228,7 +228,7 @@ def test_a_lost_replicas_jobs_run_again_on_another_and_its_late_answer_changes_n
     try:
         held, queued = a.create(dict(BODY)), a.create({**BODY, "seed": 2})
         ex_a.wait_assigned(held.id)
-        a._closed.set()  # a's heartbeat stops, as when its process is gone; its rank still holds `held`
+        a.heartbeat.stop()  # a's heartbeat stops, as when its process is gone; its rank still holds `held`
         until(lambda: ex_b.on(held.id) if held.id in ex_b._where else False, timeout=30)
         assert store.get(queued.id).dp_group == "gb"  # both taken over, the held one first
         ex_b.run(held.id)
