@@ -1,13 +1,10 @@
-"""MP4 encoding: x264 thread counts, preset/crf at equal quality, and encode beside decode
-through a real rank. Writes JSON (command, machine, date) and prints tables.
+"""MP4 encoding: x264 preset/crf at equal quality, and encode beside decode through a real
+rank and beside a real VAE decode. Writes JSON (command, machine, date) and prints tables.
+(The x264 thread-count part that chose ``X264_THREADS`` is recorded in results/
+``*-encode-threads-*``/``h200-encode-2026-12-01.json``; docs/benchmarks.md, "Removed experiments".)
 
-Parts (``--parts``, default ``threads,settings,overlap``):
+Parts (``--parts``, default ``settings,overlap``):
 
-- ``threads``: the same clips (``noise``: what the random-weight presets give; ``smooth``: a
-  panning low-frequency field, nearer a real video) encoded in this process with x264 frame
-  threads and sliced threads at each ``--threads`` count, interleaved ``--reps`` times so a
-  noisy host hurts all alike: wall and CPU seconds, the busiest thread, size, SHA-256 (one
-  per configuration across reps, or the run says so). ``after`` is ``X264_THREADS``.
 - ``settings``: clips at each ``--presets`` x ``--crfs`` with ``X264_THREADS`` threads: CPU
   seconds, bytes, PSNR (dB, RGB, the decoded MP4 against the frames given); the ``demo`` clip
   is the trained demo model's own clips at its default request, end to end. For each preset,
@@ -24,8 +21,8 @@ Parts (``--parts``, default ``threads,settings,overlap``):
   builds Wan2.1's VAE shape (random weights: the time does not depend on the values).
 
     OMP_NUM_THREADS=1 python loadtest/bench_encode.py --out loadtest/results/cpu-encode-DATE.json
-    python loadtest/bench_encode.py --parts threads,decode --threads 1,2,4,8,16 \\
-        --device cuda --vae wan2.1 --out h200-encode-DATE.json       # a GPU host
+    python loadtest/bench_encode.py --parts decode --device cuda --vae wan2.1 \\
+        --decode-size 832x480x49 --out h200-encode-DATE.json       # a GPU host
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import resource
 import statistics
 import threading
 import time
@@ -49,120 +45,6 @@ from reporting import header, write_report
 from service.models import video
 
 FPS = 16
-X264_KEYS = ("threads", "lookahead_threads", "sliced_threads")
-
-
-def _cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)  # every thread of this process: x264's too
-    return r.ru_utime + r.ru_stime
-
-
-def _task_cpu() -> dict[int, float]:
-    """CPU seconds of each thread of this process (/proc/self/task/*/stat: utime + stime)."""
-    tck = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # the thread ended between listdir and open
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tck
-    return out
-
-
-class BusiestThread:
-    """The most CPU any one thread spent inside the ``with`` block (x264's threads come and
-    go with the encoder, so they are sampled every 20 ms). An encode cannot finish faster
-    than its busiest thread ran, so cpu_s / busiest is the most cores it could use: a
-    speed-up bound that holds even on a host whose cores are all taken (this one)."""
-
-    def __enter__(self) -> BusiestThread:
-        self._base, self._seen = _task_cpu(), {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        me = threading.get_native_id()
-        while True:
-            for tid, c in _task_cpu().items():
-                if tid != me:
-                    self._seen[tid] = max(self._seen.get(tid, 0.0), c - self._base.get(tid, 0.0))
-            if self._stop.wait(0.02):
-                return
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.seconds = max(self._seen.values(), default=0.0)
-
-
-def _encode(frames: np.ndarray, threads: int, sliced: bool) -> bytes:
-    """``encode_mp4`` with sliced threads swapped in when asked (the service never slices)."""
-    if not sliced:
-        return video.encode_mp4(frames, FPS, threads=threads)
-    base = video.x264_options
-
-    def sliced_options(t: int = threads, b: dict[str, str] | None = None) -> dict[str, str]:
-        o = base(t, b)
-        return {**o, "x264-params": o["x264-params"].replace("sliced-threads=0", "sliced-threads=1")}
-
-    video.x264_options = sliced_options  # type: ignore[assignment]
-    try:
-        return video.encode_mp4(frames, FPS, threads=threads)
-    finally:
-        video.x264_options = base  # type: ignore[assignment]
-
-
-def convert_s(frames: np.ndarray) -> float:
-    """RGB -> yuv420p on one thread, alone: the part of an encode that stays serial."""
-    import av
-
-    t0 = time.perf_counter()
-    for arr in frames:
-        av.VideoFrame.from_ndarray(arr, format="rgb24").reformat(format="yuv420p", threads=1)
-    return time.perf_counter() - t0
-
-
-def part_threads(args: argparse.Namespace, clips: dict[str, np.ndarray]) -> dict[str, Any]:
-    counts = [int(t) for t in args.threads.split(",")]
-    configs = [(kind, t, sliced) for kind in clips for sliced in (False, True) for t in counts
-               if not (sliced and t == 1)]  # one thread: no slices to make
-    runs: dict[tuple[str, int, bool], list[dict[str, Any]]] = {c: [] for c in configs}
-    for rep in range(args.reps):
-        for c in configs if rep % 2 == 0 else configs[::-1]:
-            kind, t, sliced = c
-            w0, c0 = time.perf_counter(), _cpu_s()
-            with BusiestThread() as busiest:
-                data = _encode(clips[kind], t, sliced)
-            wall, cpu = time.perf_counter() - w0, _cpu_s() - c0
-            s = video.x264_settings(data)
-            runs[c].append({"wall_s": wall, "cpu_s": cpu, "busiest_thread_s": busiest.seconds,
-                            "bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest(),
-                            "x264": {k: s.get(k) for k in X264_KEYS}})
-            print(f"  rep {rep} {kind:6s} {'slice' if sliced else 'frame'} x{t:<2d} {wall:7.2f} s wall "
-                  f"{cpu:7.2f} s cpu {busiest.seconds:7.2f} s busiest thread {len(data):9d} B", flush=True)
-    rows = []
-    for (kind, t, sliced), rs in runs.items():
-        base = runs[(kind, 1, False)] if (kind, 1, False) in runs else rs
-        med = statistics.median(r["wall_s"] for r in rs)
-        busy = statistics.median(r["busiest_thread_s"] for r in rs)
-        rows.append({"clip": kind, "threads": t, "kind": "slice" if sliced else "frame",
-                     "median_wall_s": round(med, 3), "walls_s": [round(r["wall_s"], 3) for r in rs],
-                     "median_cpu_s": round(statistics.median(r["cpu_s"] for r in rs), 3),
-                     "median_busiest_thread_s": round(busy, 3),
-                     "max_cores_used": round(statistics.median(r["cpu_s"] / max(r["busiest_thread_s"], 1e-3)
-                                                               for r in rs), 2),
-                     "x_one_thread": round(statistics.median(r["wall_s"] for r in base) / med, 3),
-                     "bytes": rs[0]["bytes"], "distinct_sha256": len({r["sha256"] for r in rs}),
-                     "sha256": rs[0]["sha256"], "x264": rs[0]["x264"],
-                     "role": "before" if (t, sliced) == (1, False) else
-                             "after" if (t, sliced) == (video.X264_THREADS, False) else ""})
-    return {"rows": rows, "convert_s": {k: round(convert_s(f), 3) for k, f in clips.items()}}
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -386,11 +268,8 @@ def part_decode(args: argparse.Namespace, width: int, height: int, frames_n: int
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--parts", default="threads,settings,overlap", help="threads,settings,overlap,decode")
-    p.add_argument("--size", default="832x480x81", help="threads part: WIDTHxHEIGHTxFRAMES")
-    p.add_argument("--clips", default="noise,smooth", help="threads part's clips")
-    p.add_argument("--threads", default="1,2,4,8", help="x264 thread counts to compare")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--parts", default="settings,overlap", help="settings,overlap,decode")
+    p.add_argument("--reps", type=int, default=2, help="overlap part")
     p.add_argument("--settings-clips", default="demo,smooth")
     p.add_argument("--presets", default="ultrafast,superfast,veryfast,faster,fast,medium")
     p.add_argument("--crfs", default="12,14,16,18")
@@ -401,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the trained demo model")
     p.add_argument("--device", default="cpu", help="decode part")
     p.add_argument("--vae", default="demo", help="decode part: wan2.1 | demo | a model folder")
-    p.add_argument("--decode-size", default=None, help="decode part's size (default --size)")
+    p.add_argument("--decode-size", default="832x480x49", help="decode part: WIDTHxHEIGHTxFRAMES")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -415,17 +294,6 @@ def main(argv: list[str] | None = None) -> int:
                                     x264_params=video.x264_options()["x264-params"]),
                            "x264_threads": video.X264_THREADS, "x264_base": video.X264_BASE,
                            "fps": FPS, "model": Path(model_dir).name}
-    if "threads" in parts:
-        w, h, t = (int(v) for v in args.size.split("x"))
-        clips = {k: clip(k, t, h, w) for k in args.clips.split(",") if k}
-        res["size"], res["clips_sha256"] = args.size, {k: frames_sha256(f) for k, f in clips.items()}
-        print("threads:", flush=True)
-        res["threads"] = part_threads(args, clips)
-        for r in res["threads"]["rows"]:
-            print(f"  {r['clip']:6s} {r['kind']:5s} x{r['threads']:<2d} {r['median_wall_s']:7.2f} s "
-                  f"({r['x_one_thread']:.2f}x one thread) cpu {r['median_cpu_s']:7.2f} s busiest thread "
-                  f"{r['median_busiest_thread_s']:6.2f} s (<= {r['max_cores_used']:.2f} cores) "
-                  f"{r['bytes']:9d} B sha {r['sha256'][:12]} ({r['distinct_sha256']} distinct) {r['role']}")
     if "settings" in parts:
         sclips = {k: demo_clips(model_dir, args.demo_clips) if k == "demo" else clip(k, 49, 480, 832)
                   for k in args.settings_clips.split(",") if k}
@@ -439,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         print({k: v for k, v in res["overlap"].items() if k != "runs"}, flush=True)
     if "decode" in parts:
         print("decode:", flush=True)
-        dw, dh, dtn = (int(v) for v in (args.decode_size or args.size).split("x"))
+        dw, dh, dtn = (int(v) for v in args.decode_size.split("x"))
         res["decode"] = part_decode(args, dw, dh, dtn)
     res["loadavg_end"] = os.getloadavg()
     if args.out:

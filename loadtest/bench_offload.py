@@ -35,15 +35,12 @@ from reporting import (
     header,
     host_memory,
     inputs,
-    machine,
     machine_kind,
     preset_model,
     result_path,
     token_list,
     write_report,
 )
-
-_machine = machine  # bench_compute.py's import; it may take reporting.machine instead
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from reporting import header
+from reporting import header, write_report
 from serving import CompletionHooks, final, start_serve, stop_serve, wait_ready
 
 from service.engine.ports import free_port
@@ -310,30 +310,6 @@ def summarize(res: dict[str, Any]) -> None:
             d["bytes_equal_resident"] = all(d["sha256"].get(i) == h for i, h in ideal["sha256"].items())
 
 
-def serve_table(res: dict[str, Any]) -> str:
-    """The README table: one row per design, the ideal first."""
-    ideal = res.get("ideal") or {}
-    head = ["design", "videos/h", "x ideal", "x open-loop ideal", "p50 s", "p99 s", "GPU busy",
-            "bytes = resident"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-
-    def row(*cells: object) -> None:
-        rows.append("| " + " | ".join(str(c) for c in cells) + " |")
-
-    if ideal:
-        cap, loop = ideal["videos_per_hour"], ideal["open_loop_videos_per_hour"]
-        row(f"ideal: {res['dp']} x one resident GPU, one by one", cap, "1.000", f"{cap / loop:.3f}",
-            "-", "-", "-", "-")
-        row("ideal, same arrivals (simulated from the resident times)", loop, f"{loop / cap:.3f}", "1.000",
-            "-", "-", "-", "-")
-    for name, d in res.get("designs", {}).items():
-        busy = ", ".join(f"{b:.2f}" for b in d["gpu_busy_share"]) or "-"
-        row(f"{name} (`{' '.join(d['flags'])}`)", d["videos_per_hour"], d.get("ratio_to_ideal", "-"),
-            d.get("ratio_to_open_loop_ideal", "-"), d["latency_p50_s"], d["latency_p99_s"], busy,
-            d.get("bytes_equal_resident", "-"))
-    return "\n".join(rows)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -380,10 +356,9 @@ def main() -> int:
         print(f"{name}: {d['videos_per_hour']} videos/h, p50 {d['latency_p50_s']} s, "
               f"gpu busy {d['gpu_busy_share']}, failed {len(d['failed'])}", flush=True)
         summarize(res)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+        write_report(res, out)
     summarize(res)
-    out.write_text(json.dumps(res, indent=1))
+    write_report(res, out)
     return 0
 
 

@@ -54,16 +54,13 @@ def test_sp_bench_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_encode_bench_cpu_smoke(tmp_path: Path) -> None:
-    """Every part at a toy size: one file per thread configuration; the default at equal
-    quality to itself and more threads giving other bytes; the streamed encode through a
-    real rank and beside a real chunked VAE decode giving the bytes of decode-then-encode."""
+    """Every part at a toy size: the default at equal quality to itself and more threads
+    giving other bytes; the streamed encode through a real rank and beside a real chunked VAE
+    decode giving the bytes of decode-then-encode."""
     report = _run("bench_encode.py", [
-        "--parts", "threads,settings,overlap,decode", "--size", "64x48x9", "--threads", "1,2", "--reps", "1",
+        "--parts", "settings,overlap,decode", "--decode-size", "64x48x9", "--reps", "1",
         "--settings-clips", "demo", "--demo-clips", "1", "--presets", "ultrafast,medium", "--crfs", "18",
         "--requests", "2", "--request-size", "64x64x5", "--steps", "1"], tmp_path, timeout=900)
-    rows = report["threads"]["rows"]
-    assert {(r["kind"], r["threads"]) for r in rows} >= {("frame", 1), ("frame", 2), ("slice", 2)}
-    assert all(r["distinct_sha256"] == 1 and r["x264"]["threads"] for r in rows)
     s = report["settings"]
     assert s["equal_quality"]["medium"]["crf"] == 18  # the default equals itself
     assert s["more_threads"]["demo"]["same_bytes"] is False  # the thread count is part of the bytes

@@ -12,11 +12,7 @@ from pathlib import Path
 import pytest
 
 LOADTEST = Path(__file__).resolve().parents[2] / "loadtest"
-# The harness itself; bench_compute.py takes the machine through bench_offload still (its owner
-# moves it to the harness in another change of issue 50), and serve_bench.py writes its result
-# itself (ditto, beside the batching benchmark of issue 49).
-OWN = {"reporting.py", "bench_compute.py"}
-LATER = {"serve_bench.py"}
+OWN = {"reporting.py"}  # the harness itself
 
 
 def test_the_header_names_command_date_and_machine_without_importing_torch() -> None:
@@ -43,7 +39,7 @@ def test_results_are_written_by_the_harness() -> None:
     """A result file is written by ``write_report`` (its folder made, one JSON layout)."""
     own = re.compile(r"write_text\(json\.dumps\(\w+, indent=")
     found = [p.name for p in sorted(LOADTEST.glob("*.py"))
-             if p.name not in OWN | LATER and own.search(p.read_text())]
+             if p.name not in OWN and own.search(p.read_text())]
     assert found == []
 
 
