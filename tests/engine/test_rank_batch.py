@@ -45,6 +45,7 @@ class Rank:
         self.worker = RankWorker(self.runner, encoder=Encoder(1), head_wait_s=60.0)
         self.frames: dict[str, np.ndarray] = {}
         self._made: list[tuple[GenerationRequest, np.ndarray]] = []  # what the runner returned, in order
+        self.hold: dict[GenerationRequest, threading.Event] = {}  # its decode waits at its first chunk
         frames = self.runner.frames
 
         def keep(req: GenerationRequest, on_step=None, on_latents=None, on_frames=None,  # noqa: ANN001
@@ -52,6 +53,8 @@ class Rank:
             chunks: list[np.ndarray] = []
 
             def take(f: np.ndarray) -> None:  # the decoded chunks on their way to the encoder
+                if req in self.hold:
+                    assert self.hold[req].wait(120), "the test never let the decode go on"
                 chunks.append(f.copy())
                 if on_frames is not None:
                     on_frames(f)
@@ -160,5 +163,26 @@ def test_a_cancelled_member_leaves_at_the_next_forward_and_the_others_finish() -
         assert done["stop"].cancelled and done["stop"].error == "cancelled"
         assert rank.forwards < 80  # it left long before its own forwards were done
         assert all(done[j].error is None and done[j].mp4 for j in "bc"), {j: done[j].error for j in "bc"}
+    finally:
+        rank.close()
+
+
+def test_a_member_cancelled_while_it_decodes_ends_cancelled_and_the_batch_goes_on() -> None:
+    """Its forwards are done (it left the batch) and its VAE decode runs beside the others'
+    forwards: a cancel still reaches it, at its next decoded chunk, and no MP4 is made."""
+    rank = Rank(4)
+    rank.hold[B] = threading.Event()
+    answers: list[bool] = []
+
+    def on_event(e: Event) -> None:
+        if e.kind is EventKind.FORWARDS_DONE and e.job_id == "b":
+            answers.append(rank.worker.cancel("b"))
+            rank.hold[B].set()
+
+    try:
+        done = rank.run({"b": B, "c": C}, on_event)
+        assert answers == [True]
+        assert done["b"].cancelled and done["b"].error == "cancelled" and done["b"].mp4 is None
+        assert done["c"].error is None and done["c"].mp4
     finally:
         rank.close()
