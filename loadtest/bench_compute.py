@@ -45,7 +45,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
-from reporting import SHAPES, TEXT_TOKENS, header, write_report
+from reporting import SHAPES, TEXT_TOKENS, Timer, header, write_report
 from torch import nn
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
@@ -64,17 +64,9 @@ def bench(fn: Any, device: torch.device, reps: int, warmup: int = 2) -> float:
         fn()
     out = []
     for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+        with Timer(device) as t:
             fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
+        out.append(t.ms)
     return round(statistics.median(out), 3)
 
 
