@@ -96,17 +96,25 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
     return out
 
 
-def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
-               fails: list[str]) -> dict[str, Any]:
-    """One compiled 40-layer CFG forward per setting, against the sdpa one."""
+STEP_SETTINGS = {"exact_sdpa": ("sdpa", False), "exact_routes": ("exact", False),
+                 "attn_fp8": ("fp8", False), "fp8_weights_attn_fp8": ("fp8", True)}
+
+
+def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int, names: list[str],
+               ref_path: Path | None, fails: list[str]) -> dict[str, Any]:
+    """One compiled 40-layer CFG forward per setting, against the sdpa one (``ref_path``: where
+    the sdpa output is kept, so a later call can compare its settings without recomputing it;
+    the weights come from one seed, so the same model is built again)."""
+    torch.manual_seed(0)
     model = build(layers, cfg, dev)
-    fp8 = to_fp8(model) if dev.type == "cuda" else None
+    fp8 = to_fp8(model) if dev.type == "cuda" and any(STEP_SETTINGS[n][1] for n in names) else None
     inp = latents(tokens, 2, cfg, dev)
     heads, hd = cfg["num_attention_heads"], cfg["attention_head_dim"]
     out: dict[str, Any] = {}
-    ref = None
-    for name, setting, m in (("exact_sdpa", "sdpa", model), ("exact_routes", "exact", model),
-                             ("attn_fp8", "fp8", model), ("fp8_weights_attn_fp8", "fp8", fp8)):
+    ref = torch.load(ref_path, map_location=dev) if ref_path and ref_path.is_file() else None
+    for name in names:
+        setting, fp8_weights = STEP_SETTINGS[name]
+        m = fp8 if fp8_weights else model
         if m is None:
             out[name] = "FP8 weights need CUDA (scaled_mm)"
             continue
@@ -124,7 +132,10 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
                 got = m(**inp, return_dict=False)[0]
                 first = time.perf_counter() - t0
                 ms = bench(lambda: m(**inp, return_dict=False), dev, 2, warmup=0)
-            ref = got if ref is None else ref
+            if ref is None:
+                ref = got
+                if ref_path:
+                    torch.save(got, ref_path)
             db = round(psnr(got, ref), 2) if got is not ref else "reference"
             r = {"forward_s": round(ms / 1e3, 3), "first_s": round(first, 1),
                  "rel_err": round(_rel(got, ref), 5), "psnr_db": db, "routes": routes.as_dict()}
@@ -147,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--step-tokens", type=int, default=32760)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--parts", default="kernels,routes,step", help="of kernels, routes, step")
+    p.add_argument("--settings", default=",".join(STEP_SETTINGS), help=f"step: of {list(STEP_SETTINGS)}; "
+                   "the first is the reference unless --ref holds one")
+    p.add_argument("--ref", type=Path, default=None, help="step: the reference output's file (kept, reused)")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     dev = torch.device(a.device)
@@ -156,11 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {**header(a.device, **versions()),
                               "available": {k: attention_routes.available(k, dev) or "runs"
                                             for k in attention_routes.KERNELS}}
-    report["kernels"] = check_kernels(cfg, dev, tokens, a.reps, fails)
-    if dev.type == "cuda" and report["available"]["fa4"] == "runs":
+    parts = a.parts.split(",")
+    if "kernels" in parts:
+        report["kernels"] = check_kernels(cfg, dev, tokens, a.reps, fails)
+    if "routes" in parts and dev.type == "cuda" and report["available"]["fa4"] == "runs":
         heads, hd = cfg["num_attention_heads"], cfg["attention_head_dim"]
         report["routes"] = attention_routes.measured_routes(heads, hd, torch.bfloat16, dev).as_dict()
-    report["step"] = check_step(cfg, dev, a.layers, a.step_tokens, fails)
+        print(json.dumps({"routes": report["routes"]}), flush=True)
+    if "step" in parts:
+        report["step"] = check_step(cfg, dev, a.layers, a.step_tokens, a.settings.split(","), a.ref, fails)
     report["fails"] = fails
     print("wrote", write_report(report, a.out))
     for f in fails:

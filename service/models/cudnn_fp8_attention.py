@@ -145,20 +145,19 @@ def _plan(spec: GraphSpec, device: torch.device) -> Any:
     q, k, v = (graph.tensor(name=n, dim=list(d), stride=list(st), data_type=e4m3)
                for n, (d, st) in (("q", spec.q), ("k", spec.k), ("v", spec.v)))
     scalars = [graph.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32) for n in SCALARS]
-    o, _stats, amax_s, amax_o = graph.sdpa_fp8(q, k, v, *scalars, is_inference=True,
-                                               attn_scale=spec.attn_scale, use_causal_mask=False,
-                                               name="sdpa_fp8")
-    # Hopper: the output must be FP8
+    o, _stats, _amax_s, amax_o = graph.sdpa_fp8(q, k, v, *scalars, generate_stats=False,
+                                                attn_scale=spec.attn_scale, name="sdpa_fp8")
+    # Hopper: the output must be FP8. P's amax stays virtual: as an output it would restrict the
+    # graph to cuDNN's backend engines (frontend 1.32's docstring); scale_s is fixed at 448.
     o.set_output(True).set_dim(list(spec.o[0])).set_stride(list(spec.o[1])).set_data_type(e4m3)
-    for amax in (amax_s, amax_o):
-        amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+    amax_o.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     graph.check_support()
     graph.build_plans()
     workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=device)
-    _PLANS[key] = plan = (graph, handle, (q, k, v, *scalars, o, amax_s, amax_o), workspace)
+    _PLANS[key] = plan = (graph, handle, (q, k, v, *scalars, o, amax_o), workspace)
     return plan
 
 
@@ -172,9 +171,9 @@ def _kernel(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale_q: tor
     graph, handle, tensors, workspace = _plan(spec, q8.device)
     b, s, h, _ = q8.shape
     out = torch.empty(b, s, h, v8.shape[-1], dtype=FP8, device=q8.device)
-    amax_s, amax_o = (torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q8.device) for _ in range(2))
+    amax_o = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q8.device)
     data = (q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2), descale_q, descale_k, descale_v,
-            descale_s, scale_s, scale_o, out.transpose(1, 2), amax_s, amax_o)
+            descale_s, scale_s, scale_o, out.transpose(1, 2), amax_o)
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q8.device).cuda_stream)
     graph.execute(dict(zip(tensors, data, strict=True)), workspace, handle=handle)
     return out
