@@ -49,7 +49,7 @@ from reporting import SHAPES, TEXT_TOKENS, Timer, header, write_report
 from torch import nn
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
-from service.models import attention, attention_routes, cudnn_fp8_attention, fa4_attention, fp8_attention
+from service.models import attention, attention_routes, cudnn_fp8_attention, fa4_attention
 
 WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
@@ -273,12 +273,8 @@ def kernels(dev: torch.device, self_attention: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"sdpa": exact}
     why = attention_routes.available("fa4", dev)
     out["fa4"] = why or fa4_attention.attend
-    triton = {int8: (lambda q, k, v, i=int8: fp8_attention.attend(q, k, v, i)) for int8 in (False, True)}
-    for name, kernel, fn in (("cudnn_fp8", "cudnn_fp8", cudnn_fp8_attention.attend),
-                             ("triton_fp8", "triton", triton[False]),
-                             ("triton_int8_fp8", "triton", triton[True])):
-        why = attention_routes.available(kernel, dev) or (None if self_attention else "self-attention only")
-        out[name] = why or fn
+    why = attention_routes.available("cudnn_fp8", dev) or (None if self_attention else "self-attention only")
+    out["cudnn_fp8"] = why or cudnn_fp8_attention.attend
     if not isinstance(out["cudnn_fp8"], str):
         def kernel_only(q8: tuple, k8: tuple, v8: tuple) -> torch.Tensor:  # quantized before timing
             s = cudnn_fp8_attention.scales(q8[1], k8[1], v8[1])
@@ -333,7 +329,7 @@ def versions() -> dict[str, Any]:
     """The attention wheels' versions (None: not installed) and cuDNN's, for the result's machine."""
     cudnn = torch.backends.cudnn
     out: dict[str, Any] = {"cudnn": cudnn.version() if cudnn.is_available() else None}
-    for dist in ("flash-attn-4", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "triton"):
+    for dist in ("flash-attn-4", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -428,7 +424,7 @@ def main() -> None:
     p.add_argument("--backend", default="inductor")
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--attention", default="exact", help="model40: --attention settings, comma-separated "
-                   "(exact, sdpa, fa4, fp8, triton-fp8, int8-fp8); dlo: one of them")
+                   "(exact, sdpa, fa4, fp8); dlo: one of them")
     p.add_argument("--attn-tokens", default="32760,75600", help="attention: the self-attention token counts")
     p.add_argument("--step-tokens", type=int, default=32760)
     p.add_argument("--step-reps", type=int, default=2)

@@ -10,10 +10,13 @@ magnitude ratios, which the trained model does not have yet), ``lora`` (the red/
 adapter at scale 1: scored against the swapped colour), and ``dlo`` (layerwise offload, DP1): it
 must give the exact setting's frames bit for bit, which is checked, not scored. ``--check`` exits 1
 when a setting misses its threshold (exact: colour >= 0.90 and motion >= 0.85; fp8: within 0.02 of
-exact on both; lora: colour >= 0.75 of the swapped truth). The attention settings (``attn-fa4``,
-``attn-fp8``, ``attn-triton-fp8``, ``attn-int8-fp8``: ``--attention`` fa4, fp8, ...) need a Hopper GPU
-and the gpu extra (``--device cuda``); where their kernel cannot run the report says so
-(``not_measured``, with why) instead of a score; the approximate ones must stay within 0.02 of exact.
+exact on both; lora: colour >= 0.75 of the swapped truth). ``bf16``: exact kernels, the model in
+bfloat16 (``--dtype bfloat16``), the reference of the attention settings (``attn-fa4``, ``attn-fp8``:
+``--attention`` fa4, fp8), which compute in bfloat16 too (the kernels take half precision only) and
+need a Hopper GPU and the gpu extra (``--device cuda``); where their kernel cannot run the report
+says so (``not_measured``, with why) instead of a score; attn-fp8 must stay within 0.02 of bf16.
+Each setting's frames are also compared with its reference's (``psnr_db``, mean over clips; ``inf``
+where every frame is identical).
 """
 
 from __future__ import annotations
@@ -33,9 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from loadtest.reporting import RESULTS, header, machine_kind, write_report  # noqa: E402
 
 # MagCache is left out: it needs the checkpoint's own magnitude ratios (docs/caches.md), not measured yet
-ATTENTION_SETTINGS = ("attn-fa4", "attn-fp8", "attn-triton-fp8", "attn-int8-fp8")  # --attention, GPU only
-SETTINGS = ("exact", "dlo", "fp8", "half-steps", "first_block", "lora", *ATTENTION_SETTINGS)
-APPROXIMATE = ("fp8", "attn-fp8", "attn-triton-fp8", "attn-int8-fp8")  # scored against exact
+ATTENTION_SETTINGS = ("attn-fa4", "attn-fp8")  # --attention, GPU only
+SETTINGS = ("exact", "bf16", "dlo", "fp8", "half-steps", "first_block", "lora", *ATTENTION_SETTINGS)
+APPROXIMATE = ("fp8", "attn-fp8")  # scored against their reference
+
+
+def reference(setting: str) -> str:
+    """The setting whose frames and scores ``setting`` is held against."""
+    return "bf16" if setting in ATTENTION_SETTINGS else "exact"
 EXACT_MIN = {"colour": 0.90, "motion": 0.85}
 FP8_DROP = 0.02
 LORA_MIN = 0.75
@@ -51,6 +59,8 @@ def _config(setting: str, model_dir: str) -> Any:
         flags.update(quantization="fp8")
     if setting in ATTENTION_SETTINGS:
         flags.update(attention=setting.removeprefix("attn-"))
+    if setting == "bf16" or setting in ATTENTION_SETTINGS:
+        flags.update(dtype="bfloat16")
     return EngineArgs(**flags).to_config(model_dir)
 
 
@@ -88,18 +98,28 @@ def run_setting(setting: str, model_dir: str, device: str, seeds: list[int],
         base = replace(base, loras=_swap_lora(runner, model_dir))
         truth = lambda s: ClipSpec(s.shape, SWAP.get(s.colour, s.colour), s.motion, s.background)  # noqa: E731
     specs = [s for s in prompt_set() if setting != "lora" or s.colour in SWAP][:limit]
-    scores, digests = [], []
+    scores, digests, clips = [], [], []
     t0 = time.perf_counter()
     for seed in seeds:
         for spec in specs:
             frames = runner.frames(replace(base, prompt=spec.prompt, seed=seed))
             scores.append(score_clip(frames, truth(spec)))
             digests.append(hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest()[:16])
+            clips.append(np.asarray(frames))
     runner.close()
     return {"setting": setting, "seconds": round(time.perf_counter() - t0, 1),
             "request": {"steps": base.num_inference_steps, "size": f"{base.width}x{base.height}",
                         "frames": base.num_frames, "guidance_scale": base.guidance_scale},
-            "summary": summarise(scores), "digests": digests}
+            "summary": summarise(scores), "digests": digests, "clips": clips}
+
+
+def psnr_db(clips: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    """Mean over clips of each clip's PSNR against its reference (uint8 peak 255; inf: identical)."""
+    out = []
+    for a, b in zip(clips, ref, strict=True):
+        mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+        out.append(np.inf if mse == 0 else 10 * np.log10(255.0 ** 2 / mse))
+    return float(np.mean(out))
 
 
 def _swap_lora(runner: Any, model_dir: str) -> tuple:
@@ -122,10 +142,10 @@ def verdicts(results: dict[str, dict[str, Any]]) -> list[str]:
     if exact:
         misses += [f"exact {k} {exact[k]:.3f} < {v}" for k, v in EXACT_MIN.items() if exact[k] < v]
     for name in APPROXIMATE:
-        got = results.get(name, {}).get("summary")
-        if exact and got:
-            misses += [f"{name} {k} {got[k]:.3f} more than {FP8_DROP} under exact's {exact[k]:.3f}"
-                       for k in EXACT_MIN if got[k] < exact[k] - FP8_DROP]
+        got, base = results.get(name, {}).get("summary"), results.get(reference(name), {}).get("summary")
+        if base and got:
+            misses += [f"{name} {k} {got[k]:.3f} more than {FP8_DROP} under {reference(name)}'s {base[k]:.3f}"
+                       for k in EXACT_MIN if got[k] < base[k] - FP8_DROP]
     if "dlo" in results and "exact" in results and results["dlo"]["digests"] != results["exact"]["digests"]:
         misses.append("dlo frames differ from exact's")
     if "lora" in results and results["lora"]["summary"]["colour"] < LORA_MIN:
@@ -158,12 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     settings = [s for s in a.settings.split(",") if s]
     seeds = [int(s) for s in a.seeds.split(",")]
     results: dict[str, dict[str, Any]] = {}
+    clips: dict[str, list[np.ndarray]] = {}
     for s in settings:
         results[s] = run_setting(s, model_dir, a.device, seeds, a.limit)
         if "not_measured" in results[s]:
             print(s, "not measured:", results[s]["not_measured"], flush=True)
             continue
-        print(s, results[s]["summary"], f"{results[s]['seconds']} s", flush=True)
+        clips[s] = results[s].pop("clips")
+        if s != reference(s) and reference(s) in clips:
+            results[s]["psnr_db"] = {"against": reference(s), "mean": psnr_db(clips[s], clips[reference(s)])}
+        print(s, results[s]["summary"], results[s].get("psnr_db", ""), f"{results[s]['seconds']} s",
+              flush=True)
     report = {"benchmark": "quality", **header(a.device), "model": Path(model_dir).name, "seeds": seeds,
               "results": results, "misses": verdicts(results)}
     out = a.out or RESULTS / f"{machine_kind(report, a.device)}-quality-{dt.date.today().isoformat()}.json"

@@ -11,8 +11,8 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 QUANTIZATIONS = ("fp8", "none")  # None: the checkpoint's own (a `dloserve quantize` folder: fp8)
 SWITCHES = ("auto", "on", "off")  # --cfg-batch, --compile
 # --attention: exact kernels (routed by measurement; SDPA only; flash-attn-4 where it takes the call),
-# or an approximate self-attention kernel (opt-in): cuDNN's FP8, our Triton FP8 / INT8-FP8
-ATTENTIONS = ("exact", "sdpa", "fa4", "fp8", "triton-fp8", "int8-fp8")
+# or the approximate self-attention kernel (opt-in): cuDNN's FP8
+ATTENTIONS = ("exact", "sdpa", "fa4", "fp8")
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,9 @@ class ModelConfig:
     class (auto: on CUDA, off on CPU). ``attention`` (service.models.attention): "exact" (the
     default: SDPA, and flash-attn-4 for the Wan shapes a table measured on the GPU at load routes
     to it), "sdpa" (SDPA only) or "fa4" (flash-attn-4 wherever it takes the call); or an approximate
-    self-attention kernel for Wan on Hopper GPUs: "fp8" (cuDNN's FP8 SDPA, q/k/v/P/O in e4m3),
-    "triton-fp8" / "int8-fp8" (our Triton kernel: Q, K in e4m3 / int8). fa4 and the approximate
-    ones are refused at load where they cannot run (CPU, not sm90, the gpu extra missing).
+    self-attention kernel for Wan on Hopper GPUs: "fp8" (cuDNN's FP8 SDPA, q/k/v/P/O in e4m3).
+    fa4 and fp8 are refused at load where they cannot run (CPU, not sm90, the gpu extra missing,
+    a model that computes in float32).
     """
 
     dtype: str | None = None

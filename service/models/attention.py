@@ -14,11 +14,14 @@ Approximate, opt-in, Wan's self-attention on Hopper GPUs only; cross-attention, 
 sequence-parallel calls stay exact (SP refuses them: engine config):
 
 - ``fp8``: cuDNN's FP8 SDPA (service.models.cudnn_fp8_attention), q, k, v quantized per tensor
-  inside the compiled block; 1.46x cuDNN bf16 at 32,760 tokens in issue 46's measurement.
-- ``triton-fp8`` / ``int8-fp8``: our own Triton kernel (service.models.fp8_attention), 1.13x /
-  1.09x cuDNN at 32,760 tokens, mean relative error 0.05-0.10 / 0.04 (docs/benchmarks.md). Kept
-  behind the choice until the H200 measures it against cuDNN's FP8 (issue 46: delete it unless
-  a case where it wins is measured).
+  inside the compiled block. Measured on an H200 (2026-12-05, loadtest/results/
+  h200-attention-check-2026-12-05.json): the kernel 1.44x cuDNN bf16 at 32,760 tokens, a 40-layer
+  CFG step 4.78 s against 5.25 s exact. (Our own Triton FP8 kernel, measured beside it at 0.95-1.05x
+  cuDNN bf16, was deleted.)
+
+The kernels other than SDPA take half-precision inputs only: a model computing in float32 (the
+trained demo model on the CPU's defaults, ``--dtype float32``) is refused them by name rather
+than served SDPA under another kernel's name.
 """
 
 from __future__ import annotations
@@ -34,23 +37,19 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.config.errors import FlagError
 
-from . import cudnn_fp8_attention, fa4_attention, fp8_attention
+from . import cudnn_fp8_attention, fa4_attention
 from .attention_routes import ORDER, Routes, available, measured_routes
 
 WHY = ("exact kernels, fastest first as measured on an H200 at 40 heads x 128 bf16: cuDNN 39.4 ms, "
        "flash 61.8 ms, memory-efficient 122.8 ms (self + cross attention of one block, 32,760 tokens)")
 
 # --attention -> (the approximate self-attention kernel, the kernel availability names)
-APPROXIMATE = {"fp8": "cudnn_fp8", "triton-fp8": "triton_fp8", "int8-fp8": "triton_int8_fp8"}
-NEEDS = {"fa4": "fa4", "fp8": "cudnn_fp8", "triton-fp8": "triton", "int8-fp8": "triton"}
-HEAD_DIMS = {"fp8": cudnn_fp8_attention.HEAD_DIMS, "triton-fp8": fp8_attention.HEAD_DIMS,
-             "int8-fp8": fp8_attention.HEAD_DIMS}
-ERROR = {"fp8": "not yet measured on an H200 (issue 46 measured 0.06 relative error at scale_s 448, random "
-                "inputs); per-tensor e4m3 q, k, v, P and O",
-         "triton-fp8": "mean relative error 0.053 (random q, k, v) to 0.10 (sharper attention, q x 4) "
-                       "against the exact fp32 output; cuDNN bf16: 0.002",
-         "int8-fp8": "mean relative error 0.036-0.039 (random q, k, v; sharper attention, q x 2 and x 4) "
-                     "against the exact fp32 output; cuDNN bf16: 0.002"}
+APPROXIMATE = {"fp8": "cudnn_fp8"}
+NEEDS = {"fa4": "fa4", "fp8": "cudnn_fp8"}
+HEAD_DIMS = {"fp8": cudnn_fp8_attention.HEAD_DIMS}
+HALF = (torch.bfloat16, torch.float16)  # what fa4 and cuDNN's FP8 take (the router passes the rest to SDPA)
+ERROR = {"fp8": "per-tensor e4m3 q, k, v, P and O: 0.060 relative error per call (random inputs, 32,760 "
+                "tokens), a 40-layer forward 0.011 (53.2 dB) from exact, random weights (H200, 2026-12-05)"}
 MAIN = (32760, 512)  # the shape a report names: Wan 480p x 81 frames, and its text tokens
 
 _measured = Routes()  # the exact routes of the model this process loaded (report() sets them)
@@ -86,12 +85,6 @@ def chosen(backend: str = "exact") -> Iterator[None]:
             wan.dispatch_attention_fn = original
 
 
-def _approximate(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if kernel == "cudnn_fp8":
-        return cudnn_fp8_attention.attend(q, k, v)
-    return fp8_attention.attend(q, k, v, kernel == "triton_int8_fp8")
-
-
 @cache
 def _router(original: Any, approx: str | None, routes: Routes) -> Any:
     """diffusers' ``dispatch_attention_fn`` with unmasked CUDA calls routed: self-attention to
@@ -106,7 +99,7 @@ def _router(original: Any, approx: str | None, routes: Routes) -> Any:
                 and query.dtype in (torch.bfloat16, torch.float16)):
             own = query.shape == key.shape == value.shape
             if own and approx is not None:
-                return _approximate(approx, query, key, value)
+                return cudnn_fp8_attention.attend(query, key, value)
             kernel = routes.kernel("self" if own else "cross", query.shape[1], key.shape[1], query.shape[2],
                                    query.shape[3])
             if kernel == "fa4" and fa4_attention.fits(query, key, value):
@@ -121,16 +114,21 @@ def _is_wan(transformer: torch.nn.Module) -> bool:
     return type(transformer).__module__.endswith("transformer_wan")
 
 
-def check(backend: str, transformer: torch.nn.Module, device: torch.device) -> None:
+def check(backend: str, transformer: torch.nn.Module, device: torch.device,
+          dtype: torch.dtype | None = None) -> None:
     """FlagError naming ``--attention`` where ``backend`` cannot serve this model on ``device``
-    (CPU, not sm90, the gpu extra missing, not Wan, a head dim the kernel does not take);
-    exact and sdpa always can."""
+    (CPU, not sm90, the gpu extra missing, not Wan, a head dim the kernel does not take, a
+    ``dtype`` it does not take); exact and sdpa always can."""
     if backend in ("exact", "sdpa"):
         return
     flag = f"--attention {backend}"
     if not _is_wan(transformer):
         raise FlagError(f"{flag}: serves Wan models only (this transformer is {type(transformer).__name__}); "
                         "use --attention exact")
+    if dtype is not None and dtype not in HALF:
+        raise FlagError(f"{flag}: the kernel takes bfloat16 or float16, this model computes in "
+                        f"{str(dtype).removeprefix('torch.')} (--dtype bfloat16 serves it in half "
+                        "precision); use --attention exact")
     why = available(NEEDS[backend], device)
     if why is not None:
         raise FlagError(f"{flag}: {why}; use --attention exact")
@@ -170,7 +168,6 @@ def report(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtyp
     shape), the exact routes and why, and with an approximate ``backend`` its kernel and error.
     ``backend`` / ``cross_attention``: the kernels of Wan's self- and cross-attention at 32,760
     tokens (SDPA's name where SDPA runs)."""
-    check(backend, transformer, device)
     config = getattr(transformer, "config", {}) or {}
     heads = int(config.get("num_attention_heads", 1))
     head_dim = int(config.get("attention_head_dim", 64))
@@ -180,6 +177,7 @@ def report(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtyp
             if t.is_floating_point() and t.element_size() > 1:
                 counts[t.dtype] += t.numel()
         dtype = counts.most_common(1)[0][0] if counts else torch.float32
+    check(backend, transformer, device, dtype)
     q = torch.empty(1, heads, 1024, head_dim, device=device, dtype=dtype)
     with sdpa_kernel(list(ORDER), set_priority=True):
         picked = SDPBackend(torch._fused_sdp_choice(q, q, q)).name.lower()

@@ -58,8 +58,7 @@ class Kernel:
 
 KERNELS = {"fa4": Kernel("flash-attn-4", "flash-attn-4", "flash_attn.cute"),
            "cudnn_fp8": Kernel("cuDNN's FP8 attention (nvidia-cudnn-frontend)", "nvidia-cudnn-frontend",
-                               "cudnn"),
-           "triton": Kernel("our Triton 8-bit kernel", None, "triton")}
+                               "cudnn")}
 
 
 def why_not(kernel: str, device_type: str, capability: tuple[int, int] | None,
@@ -159,8 +158,12 @@ class Routes:
             return self.default
         if len({k for _, k in same}) == 1:
             return same[0][1]
-        return min(same, key=lambda e: abs(math.log(e[0].q_tokens / q_tokens))
-                   + abs(math.log(e[0].kv_tokens / kv_tokens)))[1]
+        best, best_d = self.default, math.inf  # a loop, not min(key=): dynamo traces this in a block
+        for s, k in same:
+            d = abs(math.log(s.q_tokens / q_tokens)) + abs(math.log(s.kv_tokens / kv_tokens))
+            if d < best_d:
+                best, best_d = k, d
+        return best
 
     def kernels(self) -> set[str]:
         return {k for _, k in self.entries} | {self.default}

@@ -127,7 +127,7 @@ class PipelineRunner:
         dtype = dtype_of(config)
         adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
-        attention.check(config.model.attention, expert_of(module)[0], dev)  # before any weights move
+        attention.check(config.model.attention, expert_of(module)[0], dev, dtype)  # before any weights move
         ckpt = adapter.transformer_checkpoint()
         config = with_checkpoint_quantization(config, ckpt)
         marks["build"] = time.perf_counter()
