@@ -73,3 +73,18 @@ def test_the_measured_shapes_are_wans_with_cfg() -> None:
         ("self", 4096, 4096, 2), ("cross", 4096, 512, 2), ("self", 32760, 32760, 2),
         ("cross", 32760, 512, 2), ("self", 75600, 75600, 2), ("cross", 75600, 512, 2)]
     assert hash(Routes(tuple((x, "sdpa") for x in got))) == hash(Routes(tuple((x, "sdpa") for x in got)))
+
+
+def test_a_mixed_table_is_read_inside_a_compiled_block() -> None:
+    """Where the table's shapes chose different kernels the route is read per call inside the
+    compiled block: dynamo must trace it (a min(key=...) there failed on the H200, 2026-12-05,
+    'invalid call to builtin op handler', and the exact step did not run)."""
+    table = ar.Routes(entries=((ar.Shape("self", 4096, 4096, 2, 8), "sdpa"),
+                               (ar.Shape("self", 32760, 32760, 2, 8), "fa4")))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return x + (1 if table.kernel("self", x.shape[1], x.shape[1], 2, 8) == "fa4" else 0)
+
+    assert block(torch.zeros(1, 30000)).sum().item() == 30000
+    assert block(torch.zeros(1, 5000)).sum().item() == 0
