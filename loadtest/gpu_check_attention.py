@@ -1,4 +1,4 @@
-"""Issue 46's GPU paths, checked on the H200 (none of them has run yet: they were built on a CPU).
+"""Issue 46's GPU paths, checked on the H200 (first run 2026-12-05: loadtest/results/h200-attention-check-*).
 
 1. Which kernels run here and why not (service.models.attention_routes.available), and the
    wheels' versions (``pip install -e '.[gpu]'``, requirements-gpu.lock).

@@ -13,7 +13,7 @@ by the GPU, torch, cuDNN and flash-attn-4 versions and the heads (``source: cach
 probe cache keeps auto mode's timings; delete the folder to measure again.
 
 ``choose``, ``Routes`` and ``why_not`` are plain Python (tested on the CPU); the measuring
-needs a GPU and has not run yet (loadtest/gpu_check_attention.py is its check).
+needs a GPU (loadtest/gpu_check_attention.py is its check; first run on an H200 2026-12-05).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ How, and the pitfalls that measurement found:
 
 The cuDNN graph is built once per shape and strides (``_plan``) and runs as one custom op,
 opaque to torch.compile. Everything but ``_plan`` and the op's body runs on the CPU too
-(tests); the GPU path is checked by loadtest/gpu_check_attention.py (not yet run on an H200).
+(tests); the GPU path is checked by loadtest/gpu_check_attention.py (run on an H200 2026-12-05:
+loadtest/results/h200-attention-check-2026-12-05-*.json).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ cuDNN SDPA's 38.7 at 32,760 tokens (665 TFLOP/s, 1.17x), 1.18x at 75,600, error 
 
 Its layout is Wan's [B, S, H, D] (diffusers' dispatch hands q, k, v over so): no transposes.
 The op is opaque to torch.compile (its fake gives the output's shape), so a compiled block
-traces without running the DSL. GPU only; not yet run here (loadtest/gpu_check_attention.py).
+traces without running the DSL. GPU only; checked on an H200 by loadtest/gpu_check_attention.py
+(2026-12-05: 0.0031 relative to cuDNN, 1.17-1.19x at 32,760 and 75,600 tokens).
 """
 
 from __future__ import annotations
