@@ -15,12 +15,12 @@ sequence-parallel calls stay exact (SP refuses them: engine config):
 
 - ``fp8``: cuDNN's FP8 SDPA (service.models.cudnn_fp8_attention), q, k, v quantized per tensor
   inside the compiled block. Measured on an H200 (2026-12-05, loadtest/results/
-  h200-attention-check-2026-12-05.json): the kernel 1.44x cuDNN bf16 at 32,760 tokens, a 40-layer
-  CFG step 4.78 s against 5.25 s exact. (Our own Triton FP8 kernel, measured beside it at 0.95-1.05x
-  cuDNN bf16, was deleted.)
+  h200-attention-check-2026-12-05-*.json): the kernel 1.44x cuDNN bf16 at 32,760 tokens, a
+  40-layer CFG step 4.78 s against 5.25 s exact. (Our own Triton FP8 kernel, measured beside it
+  at 0.95-1.05x cuDNN bf16, was deleted.)
 
 The kernels other than SDPA take half-precision inputs only: a model computing in float32 (the
-trained demo model on the CPU's defaults, ``--dtype float32``) is refused them by name rather
+trained demo model's float32 checkpoint, or ``--dtype float32``) is refused them by name rather
 than served SDPA under another kernel's name.
 """
 
