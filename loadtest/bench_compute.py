@@ -12,9 +12,9 @@ Parts (``--parts``, comma-separated):
 - ``attention`` (issue 46): the attention kernels alone at Wan's shapes, batch 1 and 2 (CFG):
   self-attention at ``--attn-tokens`` (32,760 and 75,600) and cross-attention from the first to
   512 text tokens. SDPA (cuDNN first), flash-attn-4, cuDNN's FP8 SDPA with its per-tensor
-  quantization (eager: not fused as in the compiled block) and without it (the kernel alone), our
-  Triton 8-bit kernel; each with ms, TFLOP/s and its relative error to SDPA. A kernel that cannot
-  run says why (service.models.attention_routes.available).
+  quantization (eager: not fused as in the compiled block) and without it (the kernel alone);
+  each with ms, TFLOP/s and its relative error to SDPA. A kernel that cannot run says why
+  (service.models.attention_routes.available).
 - ``model40``: the whole 40-layer transformer resident at 832x480x81: one CFG step as two
   batch-1 forwards and as one batch-2 forward, eager, compiled and compiled FP8 (FP8 weights),
   once per ``--attention`` setting (comma-separated: ``sdpa,exact,fp8`` gives the exact step with
