@@ -30,15 +30,10 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.reporting import RESULTS, Timer, header, machine_kind, write_report  # noqa: E402
+from loadtest.reporting import RESULTS, Timer, frame_psnr, header, machine_kind, write_report  # noqa: E402
 
 PROMPTS = ("a red circle moving right", "a blue square moving down", "a green triangle moving left",
            "a yellow circle moving up")
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(((a.astype(np.float64) - b.astype(np.float64)) ** 2).mean())
-    return 99.0 if mse == 0 else round(10 * np.log10(255.0**2 / mse), 2)
 
 
 def run_round(model_dir: str, device: str, cap: int | str, reqs: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                  num_inference_steps=max(1, a.steps - i % 3)) for i in range(n)}
         off = run_round(model_dir, a.device, 1, reqs)
         on = run_round(model_dir, a.device, cap, reqs)
-        quality = {j: psnr(on["frames"][j], off["frames"][j]) for j in sorted(reqs)}
+        quality = {j: round(frame_psnr(on["frames"][j], off["frames"][j]), 2) for j in sorted(reqs)}
         row = {"requests": n, "request": {"size": f"{base.width}x{base.height}", "frames": base.num_frames,
                                           "steps": sorted({r.num_inference_steps for r in reqs.values()}),
                                           "cfg": base.cfg},

@@ -40,16 +40,11 @@ from typing import Any
 
 import numpy as np
 from clips import clip, frames_sha256
-from reporting import header, write_report
+from reporting import frame_psnr, header, write_report
 
 from service.models import video
 
 FPS = 16
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
-    return 99.0 if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
 
 
 def demo_clips(model_dir: str, count: int) -> np.ndarray:
@@ -73,7 +68,7 @@ def encode_one(frames: np.ndarray, fps: int, preset: str, crf: int, threads: int
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     return {"preset": preset, "crf": crf, "threads": threads, "cpu_s": round(cpu, 3),
             "wall_s": round(wall, 3), "bytes": len(data),
-            "psnr_db": round(psnr(video.decode_mp4(data), frames), 3),
+            "psnr_db": round(frame_psnr(video.decode_mp4(data), frames), 3),
             "sha256": hashlib.sha256(data).hexdigest()[:16]}
 
 

@@ -160,6 +160,15 @@ def check_tokens(p: argparse.ArgumentParser, tokens: list[int], shapes: dict[int
             p.error(f"--tokens: {t} is not one of {sorted(shapes)}")
 
 
+def frame_psnr(a: Any, b: Any) -> float:
+    """PSNR in dB of uint8 frames ``a`` against ``b`` (peak 255); 99.0 where they are identical
+    (a finite figure, so the JSON stays strict)."""
+    import numpy as np
+
+    mse = float(np.mean((np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)) ** 2))
+    return 99.0 if mse == 0 else float(10 * np.log10(255.0 ** 2 / mse))
+
+
 def machine_kind(report: dict[str, Any], device: str) -> str:
     """``h200`` on an H200, else the device (the prefix of a result's file name)."""
     return "h200" if "H200" in report["machine"].get("gpu", "") else device
