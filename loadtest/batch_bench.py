@@ -49,12 +49,21 @@ def run_round(model_dir: str, device: str, cap: int | str, reqs: dict[str, Any])
                           scheduler=SchedulerConfig(max_batch_size=cap))
     runner = PipelineRunner.load(model_dir, device, config=config)
     worker = RankWorker(runner, encoder=Encoder(1), head_wait_s=60.0)
-    made: list[tuple[Any, np.ndarray]] = []  # what the runner returned (each request is distinct)
+    made: list[tuple[Any, np.ndarray]] = []  # each request's frames (each request is distinct)
     run = runner.frames
 
-    def keep(req: Any, *args: Any, **kw: Any) -> np.ndarray:
-        out = run(req, *args, **kw)
-        made.append((req, out.copy()))
+    def keep(req: Any, on_step: Any = None, on_latents: Any = None, on_frames: Any = None,
+             **kw: Any) -> np.ndarray | None:
+        """The rank streams the frames chunk by chunk to ``on_frames`` (runner.frames returns
+        None then): a copy of each chunk is kept on the way."""
+        chunks: list[np.ndarray] = []
+
+        def tee(chunk: np.ndarray) -> None:
+            chunks.append(np.array(chunk))
+            on_frames(chunk)
+
+        out = run(req, on_step, on_latents, tee if on_frames is not None else None, **kw)
+        made.append((req, out.copy() if out is not None else np.concatenate(chunks)))
         return out
 
     runner.frames = keep  # type: ignore[method-assign]

@@ -70,6 +70,18 @@ def test_encode_bench_cpu_smoke(tmp_path: Path) -> None:
     assert d["bytes_equal"] and d["chunks"] == 3  # 9 frames: 1 + 4 + 4
 
 
+def test_batch_bench_cpu_smoke(tmp_path: Path) -> None:
+    """Two requests of one key (4 and 3 steps, CFG: two forwards a step on the CPU) alone and
+    batched through a real rank: fewer forwards batched, each request's frames close to its run
+    alone, no errors (the frames are taken from the rank's streamed chunks: reading only the
+    whole clip runner.frames returns, the benchmark found none since the streamed decode)."""
+    report = _run("batch_bench.py", ["--requests", "2", "--steps", "4", "--cap", "2"], tmp_path, timeout=600)
+    row = report["results"][0]
+    assert row["off"]["forwards"] == 2 * (4 + 3) and row["on"]["forwards"] < row["off"]["forwards"]
+    assert not row["off"]["errors"] and not row["on"]["errors"]
+    assert row["on"]["batch_size"] == {"r0": 2, "r1": 2} and row["psnr_min_db"] >= 45
+
+
 def test_lora_bench_cpu_smoke(tmp_path: Path) -> None:
     """A LoRA on every Linear, resident and DLO: it changes the output, the same in both, and
     the output without it is the base model's again afterwards."""
