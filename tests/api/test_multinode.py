@@ -284,7 +284,8 @@ def test_a_lost_nodes_jobs_run_again_on_the_other_replica(served: str, cluster: 
     done_before = {v["id"] for v in recs if v["status"] == "completed"}
     cluster["cluster"].remove_node(cluster["worker"], allow_graceful=False)
     final = wait_all_final(url, ids, timeout=600)
-    assert all(v["status"] == "completed" for v in final.values()), final
+    assert all(v["status"] == "completed" for v in final.values()), \
+        {vid: (v["status"], v.get("error")) for vid, v in final.items() if v["status"] != "completed"}
     on = nodes(s3_server, ids)
     moved = [v for vid, v in final.items() if vid not in done_before and on[vid] == cluster["head_id"]
              and any(vid == r["id"] and r["dp_group"] in lost for r in recs)]

@@ -248,6 +248,48 @@ def test_a_lost_replicas_jobs_run_again_on_another_and_its_late_answer_changes_n
         store.close()
 
 
+class SlowTakeOver:
+    """The store as one replica sees it when taking jobs over is slow (their states and records
+    read and rewritten on a slow bucket): ``adopt`` returns ``delay_s`` after it handed them over."""
+
+    def __init__(self, store: JobStore, delay_s: float) -> None:
+        self.store, self.delay_s = store, delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def adopt(self, *args: Any, **kwargs: Any) -> list:
+        taken = self.store.adopt(*args, **kwargs)
+        if taken:
+            time.sleep(self.delay_s)
+        return taken
+
+
+def test_a_slow_take_over_does_not_make_the_taking_group_look_lost(demo_model: str, tmp_path: Path) -> None:
+    """The group that takes a lost group's jobs over keeps beating while it does: taking them
+    for longer than the store's timeout fails none of them (make multinode, 2026-12-05: its
+    beat waited behind a 2.7 s take-over and the jobs failed as lost a second time)."""
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 2.5)  # a group silent 2.5 s is lost
+    cfg = ServiceConfig(model=demo_model, results_url=str(tmp_path))
+    ex_a, ex_b = FakeExecutor((1,)), FakeExecutor((1,))
+    a = VideoService(cfg, executor=ex_a, store=store, node_id="node-a", dp_group="ga")
+    b = VideoService(cfg, executor=ex_b, store=SlowTakeOver(store, 5.0), node_id="node-b",  # type: ignore[arg-type]
+                     dp_group="gb")
+    try:
+        job = a.create(dict(BODY))
+        ex_a.wait_assigned(job.id)
+        a.heartbeat.stop()
+        until(lambda: ex_b.on(job.id) if job.id in ex_b._where else False, timeout=30)
+        ex_b.run(job.id)
+        until(lambda: store.get(job.id).final)
+        assert status(b, job.id) is JobStatus.COMPLETED, store.get(job.id).error
+        assert [g["dp_group"] for g in store.status()["groups_lost"]] == ["ga"]
+    finally:
+        b.close()
+        a.close()
+        store.close()
+
+
 def test_readyz_says_how_the_ranks_were_sized(service) -> None:  # noqa: ANN001
     svc, _ = service
     assert svc.readiness()["cpus_per_rank"] == {"value": 1.0, "why": "set"}
