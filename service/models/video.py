@@ -28,7 +28,10 @@ file. Three things stood in the way:
   same PSNR). Where
   the library cannot be asked, the tree is turned off instead, which is also exact.
 - ``+faststart`` rewrites the file after the fact and needs a seekable real file, so we
-  encode to a temporary file and read it back rather than writing into BytesIO.
+  encode to a temporary file and read it back rather than writing into BytesIO. The file
+  is unlinked as soon as it is made and written through ``/proc/self/fd`` (Linux): a rank
+  killed mid-encode (SIGKILL, OOM) leaves nothing in the temp folder; a named one was left
+  per kill, as large as the encode had got.
 
 The bytes are the same run to run and process to process on one machine; across CPUs
 with different instruction sets x264's SIMD variants may round differently.
@@ -149,8 +152,11 @@ class Mp4Writer:
         self.size = (height, width)
         self.frames = 0  # frames given to x264
         self.finished = 0  # frames x264 has given back encoded (it holds its lookahead)
-        fd, self._path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
-        os.close(fd)
+        self._fd, path = tempfile.mkstemp(suffix=".mp4", prefix="dloserve-")
+        self._path = path
+        if os.path.isdir("/proc/self/fd"):  # nameless from here on: nothing outlives the process
+            os.unlink(path)
+            self._path = f"/proc/self/fd/{self._fd}"
         try:
             self._out = av.open(self._path, mode="w", format="mp4", options={"movflags": "+faststart"})
             self._stream = self._out.add_stream("libx264", rate=Fraction(int(fps), 1), options=options)
@@ -159,7 +165,7 @@ class Mp4Writer:
             self._stream.codec_context.thread_count = threads
             self._stream.codec_context.thread_type = "FRAME"
         except BaseException:
-            os.unlink(self._path)
+            self._release()
             raise
 
     def add(self, frames: np.ndarray) -> None:
@@ -196,7 +202,13 @@ class Mp4Writer:
             self._out.close()
         except Exception:  # noqa: BLE001 - already closed, or failed mid-write: nothing to keep
             pass
-        if os.path.exists(self._path):
+        self._release()
+
+    def _release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if not self._path.startswith("/proc/") and os.path.exists(self._path):
             os.unlink(self._path)
 
 

@@ -189,6 +189,20 @@ def test_writer_refuses_other_sizes_and_leaves_no_file(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_process_killed_mid_encode_leaves_no_file(tmp_path: Path) -> None:
+    """A rank SIGKILLed while it encodes (the chaos tests do it; an OOM kill does) cannot clean
+    up: its temp file must have no name to leave behind."""
+    code = ("import os, signal, numpy as np\n"
+            "from service.models.video import Mp4Writer\n"
+            "w = Mp4Writer(96, 64, 8)\n"
+            "w.add(np.full((9, 64, 96, 3), 100, np.uint8))\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_x264_never_runs_its_avx512_code() -> None:
     """The encoder is told which instruction sets to use, and AVX-512 is not among them."""
     params = dict(kv.split("=", 1) for kv in x264_options()["x264-params"].split(":"))
