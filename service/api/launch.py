@@ -67,7 +67,8 @@ def _force_exit(code: int) -> None:
     os._exit(code)
 
 
-_own_cluster = {"started": False, "ray": False}  # a cluster we started; a ray.init we made
+# a cluster we started; a ray.init we made; our app deployed (its store started); Serve started by us
+_own_cluster = {"started": False, "ray": False, "deployed": False, "serve": False}
 
 
 def _install_handlers() -> None:
@@ -100,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _signals["count"] = 0
-        _own_cluster["started"] = _own_cluster["ray"] = False
+        for k in _own_cluster:
+            _own_cluster[k] = False
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -141,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     else:
         _start_local_cluster(dashboard=args.ray_dashboard)
-    problem = model_checked()
+    problem = model_checked(imports=True)
     if problem:  # the cluster we started goes with the launcher (run's finally)
         print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
@@ -153,7 +155,12 @@ def _run(args: argparse.Namespace) -> int:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     _size_ranks(args, _own_cluster["started"])
     cfg = config_from_args(args, gpus, args.engine_config)
+    problem = _joined_serve() if args.address else None
+    if problem:
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
     marks["ray_up"] = time.time()
+    _own_cluster["deployed"] = True  # from here on, the app and its job store are ours to stop
     threading.Thread(target=_start_store, args=(cfg,), name="start-job-store", daemon=True).start()
     from service.api.app import deploy
 
@@ -166,7 +173,8 @@ def _run(args: argparse.Namespace) -> int:
     deploy(cfg, args.host, args.port, launched=Launched(marks))
     url = f"http://{args.host}:{args.port}"
     try:
-        _wait_ready(url, cfg.instance or "", args.ready_timeout_s)
+        _wait_ready(url, cfg.instance or "", args.ready_timeout_s,
+                    serve_before=bool(args.address) and not _own_cluster["serve"])
     except (TimeoutError, PortTaken) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortTaken) else 1
@@ -177,15 +185,17 @@ def _run(args: argparse.Namespace) -> int:
         time.sleep(3600)
 
 
-def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[[], str | None]:
+def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[..., str | None]:
     """Check the model (``check_start``; without MODEL it writes the demo one), then import the
     Serve app's module, on a thread: their seconds (mostly torch's, FastAPI's and Serve's
     imports) overlap the launcher's checks and Ray's start, which mostly waits for its daemons.
     The returned call waits for the check, sets ``args.engine_config`` and ``args.model``, and
-    returns the error that ends the start (exit code 2), or None. ``marks["model_checked"]``:
-    when the check was done (/readyz's ``startup.parallel``)."""
+    returns the error that ends the start (exit code 2), or None; with ``imports=True`` it waits
+    for the imports too: no Ray call may run beside them (a Ray call's first serialization
+    imports pydantic.v1, and that import beside FastAPI's failed with KeyError 'pydantic.v1').
+    ``marks["model_checked"]``: when the check was done (/readyz's ``startup.parallel``)."""
     out: dict[str, object] = {}
-    checked = threading.Event()
+    checked, imported = threading.Event(), threading.Event()
 
     def check() -> None:
         try:
@@ -206,11 +216,14 @@ def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[[
             import service.api.app  # noqa: F401
         except BaseException:  # noqa: BLE001 - the main thread's import reports it
             pass
+        imported.set()
 
     threading.Thread(target=check, name="beside-ray", daemon=True).start()
 
-    def result() -> str | None:
+    def result(imports: bool = False) -> str | None:
         checked.wait()
+        if imports:
+            imported.wait()
         if "error" in out:
             raise out["error"]  # type: ignore[misc]
         return out.get("problem")  # type: ignore[return-value]
@@ -379,10 +392,16 @@ def _join(address: str, timeout_s: float) -> str | None:
     t = threading.Thread(target=connect, name="ray-join", daemon=True)
     t.start()
     t.join(timeout_s)
+    # Ray sends its token only where RAY_AUTH_MODE=token says so (or to address "auto"); a
+    # cluster `ray start` made with ~/.ray/auth_token present refuses any other caller.
+    token = "" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else (
+        "; if the cluster uses Ray's token authentication (`ray start` turns it on where "
+        "~/.ray/auth_token exists), set RAY_AUTH_MODE=token (the token is read from ~/.ray/auth_token "
+        "or RAY_AUTH_TOKEN), or pass --address auto for a cluster on this machine")
     if t.is_alive():
-        return f"could not join the Ray cluster at {address} within {timeout_s:.0f} s"
+        return f"could not join the Ray cluster at {address} within {timeout_s:.0f} s{token}"
     if result.get("error") is not None:
-        return f"could not join the Ray cluster at {address}: {result['error']}"
+        return f"could not join the Ray cluster at {address}: {result['error']}{token}"
     return None
 
 
@@ -400,7 +419,7 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
     try:
         import ray
 
-        if _own_cluster["ray"] and ray.is_initialized():
+        if _own_cluster["ray"] and ray.is_initialized() and _own_cluster["deployed"]:
             from ray import serve
 
             try:
@@ -411,9 +430,12 @@ def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> No
                         from service.api.jobs import stop_store
 
                         stop_store(_store_url["url"])
+                    if _own_cluster["serve"] and not serve.status().applications:
+                        serve.shutdown()  # Serve came with us: its proxies (and the port) go too
                 # else reads answer until the cluster's processes (HTTP proxy among them) stop
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
                 pass
+        if _own_cluster["ray"] and ray.is_initialized():
             ray.shutdown()
     except (_Stop, SystemExit):
         pass
@@ -443,12 +465,30 @@ def _drain(timeout_s: float) -> None:
 
 
 class PortTaken(RuntimeError):
-    """Another service answers on our port (it listens with SO_REUSEPORT, as Serve does)."""
+    """Another service answers on our port (it listens with SO_REUSEPORT, as Serve does), or
+    Serve answers on another port than ours (it ran on the joined cluster before us)."""
 
 
-def _wait_ready(url: str, instance: str, timeout_s: float) -> None:
+def _joined_serve() -> str | None:
+    """On a joined cluster: the problem if a dloserve app runs there already (a second one would
+    replace it); else note whether Serve runs (it keeps the HTTP port it was started with, and
+    stays when we stop) or we start it (it goes with us)."""
+    from ray import serve
+
+    status = serve.status()
+    if "dloserve" in status.applications:
+        return ("an application named dloserve already runs on this cluster (another `dloserve serve`?); "
+                "stop it first")
+    _own_cluster["serve"] = not status.proxies
+    return None
+
+
+def _wait_ready(url: str, instance: str, timeout_s: float, serve_before: bool = False) -> None:
+    """Until ``url``/readyz answers 200 for ``instance``. ``serve_before``: Serve ran on the joined
+    cluster before us, so its proxies listen on the port it was started with, whatever --port
+    says: the app running with nothing on our port is that case, said at once (PortTaken)."""
     end = time.monotonic() + timeout_s
-    last = "no answer"
+    last, asked = "no answer", 0.0
     while time.monotonic() < end:
         try:
             r = httpx.get(f"{url}/readyz", timeout=5)
@@ -460,6 +500,17 @@ def _wait_ready(url: str, instance: str, timeout_s: float) -> None:
             if r.status_code == 200 and other == instance:
                 return
             last = r.text[:300]
+        except httpx.ConnectError as e:
+            last = str(e)
+            if serve_before and time.monotonic() - asked > 1.0:
+                from ray import serve
+
+                asked = time.monotonic()
+                app = serve.status().applications.get("dloserve")
+                if app is not None and app.status == "RUNNING":
+                    raise PortTaken(f"nothing answers on {url}, yet the app runs: Serve was running on this "
+                                    "cluster before, and its proxies keep the HTTP port it was started with; "
+                                    "pass that port as --port, or stop Serve first (`serve shutdown`)") from e
         except httpx.HTTPError as e:
             last = str(e)
         time.sleep(0.1)  # ready is printed within 0.1 s of it

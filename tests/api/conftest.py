@@ -121,7 +121,7 @@ def wait_ready(url: str, timeout: float, headers: dict | None = None) -> dict:
             last = r.json()
             if r.status_code == 200 and last.get("state", "ready") == "ready":  # no key: no state
                 return last
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ValueError) as e:  # ValueError: Serve's own text before the app routes
             last = e
         time.sleep(0.25)
     raise AssertionError(f"not ready after {timeout}s: {last}")

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from service.api.hostproc import descendants, matching
-from tests.api.conftest import Serve
+from tests.api.conftest import Serve, wait_ready
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.e2e  # each test starts `dloserve serve` (its own Ray cluster) in a subprocess
@@ -61,6 +61,67 @@ def test_dead_address_fails_fast_naming_it(ray_tmp: Path) -> None:
     assert s.proc.wait(120) == 2, s.output[-2000:]
     assert time.monotonic() - t0 < 60
     assert f"cannot reach the Ray cluster at {dead}" in s.output
+
+
+def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray_tmp: Path,
+                                                                          tmp_path: Path) -> None:
+    """`ray start --head` once (Ray's token authentication on: ~/.ray/auth_token exists), then
+    `dloserve serve --address` as a user redeploys: without RAY_AUTH_MODE=token the join fails
+    (Ray sends its token to an explicit address only then) and the error says what to set; with
+    it the service serves; a second one while it runs is refused (it would replace the app); the
+    first one stopped takes the Serve it started along, so the next one serves on its own port;
+    and where Serve ran before on another port, the start says so instead of waiting."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+
+    home, gcs = tmp_path / "home", free_port()
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")},
+           "HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+    bin_dir = Path(sys.executable).parent
+    address = f"127.0.0.1:{gcs}"
+
+    def cli(*argv: str) -> subprocess.CompletedProcess:  # as a user's shell has it: RAY_AUTH_MODE unset
+        return subprocess.run([str(bin_dir / argv[0]), *argv[1:]], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    def serve(n: int, port: int, auth: str = "token") -> Serve:
+        return Serve(ray_tmp / str(n), "--address", address, "--port", str(port), "--gpus-per-rank", "0",
+                     "--cpus-per-rank", "0.5", env={"HOME": str(home), "RAY_AUTH_MODE": auth})
+
+    started = cli("ray", "start", "--head", f"--port={gcs}", "--num-cpus=2", f"--temp-dir={ray_tmp / 'ray'}",
+                  "--include-dashboard=false")
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    try:
+        plain = serve(1, free_port(), auth="")
+        assert plain.proc.wait(180) == 2, plain.output[-2000:]
+        assert "could not join the Ray cluster" in plain.output and "RAY_AUTH_MODE=token" in plain.output
+        first_port = free_port()
+        first = serve(2, first_port)
+        wait_ready(f"http://127.0.0.1:{first_port}", 240)
+        second = serve(3, free_port())
+        assert second.proc.wait(120) == 2, second.output[-2000:]
+        assert "an application named dloserve already runs on this cluster" in second.output
+        assert httpx.get(f"http://127.0.0.1:{first_port}/readyz", timeout=10).status_code == 200
+        first.proc.send_signal(signal.SIGINT)
+        assert first.proc.wait(120) == 0, first.output[-2000:]
+        again_port = free_port()  # the redeploy: on a port of its own, Serve having gone with the first
+        again = serve(4, again_port)
+        wait_ready(f"http://127.0.0.1:{again_port}", 240)
+        again.proc.send_signal(signal.SIGINT)
+        assert again.proc.wait(120) == 0, again.output[-2000:]
+        other = subprocess.run([str(bin_dir / "serve"), "start", "--address", address, "--http-port",
+                                str(free_port())], env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
+                               text=True, timeout=120)
+        assert other.returncode == 0, other.stdout[-2000:] + other.stderr[-2000:]
+        late = serve(5, free_port())
+        assert late.proc.wait(240) == 2, late.output[-2000:]
+        assert "its proxies keep the HTTP port it was started with" in late.output, late.output[-2000:]
+    finally:
+        cli("ray", "stop", "--force")
 
 
 @pytest.mark.parametrize(
