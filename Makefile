@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup setup-system test test-random e2e soak multinode deploy-check ui-check image image-test lint serve generate bench bench-dp bench-tick loadtest batch quality clean
+.PHONY: setup setup-system test test-random e2e soak multinode deploy-check ui-check image image-test lint serve generate bench bench-dp loadtest batch quality clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -97,9 +97,6 @@ bench:
 
 bench-dp:
 	$(BIN)/python loadtest/bench_dp.py
-
-bench-tick:
-	mkdir -p out && $(BIN)/python loadtest/bench_tick.py --out out/tick.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache out

@@ -8,7 +8,8 @@ Parts (``--parts``, comma-separated):
   inductor, static shapes), compiled FP8 (service.offload.quant's ``Fp8Linear``, scaled_mm),
   each batch 1 and batch 2 (CFG in one forward), beside the kernel floor timed in the same run:
   the block's attention alone (SDPA as torch picks it, and each exact backend forced) plus its
-  GEMMs alone (bf16 and FP8), ``kernel_floor_ms``, and the ratios.
+  GEMMs alone (bf16 and FP8), ``kernel_floor_ms``, and the ratios; ``qkv_ms`` against
+  ``qkv_fused_ms``: self-attention's q, k, v as three GEMMs and as one (what fusing them buys).
 - ``attention`` (issue 46): the attention kernels alone at Wan's shapes, batch 1 and 2 (CFG):
   self-attention at ``--attn-tokens`` (32,760 and 75,600) and cross-attention from the first to
   512 text tokens. SDPA (cuDNN first), flash-attn-4, cuDNN's FP8 SDPA with its per-tensor
@@ -153,6 +154,10 @@ def floors(tokens: int, batch: int, cfg: dict[str, Any], device: torch.device, r
         flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[0] for a, b in gemms)
         out["gemm_ms"] = bench(lambda: [a @ b.t() for a, b in gemms], device, reps)
         out["gemm_tflops"] = round(flops / out["gemm_ms"] / 1e9, 1)
+        # self-attention's q, k, v as three GEMMs (today) and as one of 3x the width (fused)
+        wqkv = torch.cat([w, w, w])
+        out["qkv_ms"] = bench(lambda: [x @ w.t() for _ in range(3)], device, reps)
+        out["qkv_fused_ms"] = bench(lambda: x @ wqkv.t(), device, reps)
         if device.type == "cuda":
             q8 = {id(b): (quantize_weight(b, weight_scales(b.float())), weight_scales(b.float()))
                   for _, b in gemms}

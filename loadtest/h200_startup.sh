@@ -2,11 +2,12 @@
 # Issue 34's one-GPU figures, as run on a lent nvidia-h200 (after the wheels from
 # ../shared/tools/gpu-wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
 # Wan-14B layers, bf16 and FP8, each a first start and a restart; 40 layers the same), a rank
-# SIGKILLed at half of a request against a standby that has loaded, and short clips sent at
-# once under default flags against the resident ideal. Each step has its own limit; each
+# SIGKILLed at half of a request against a standby that has loaded, short clips sent at
+# once under default flags against the resident ideal, and a redeploy on a running cluster
+# (`ray start` once, `dloserve serve --address` twice). Each step has its own limit; each
 # writes JSON under $OUT. A device call is 10 minutes at most: pass the parts per call.
 #
-#   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; then: ready40
+#   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; then: ready40,redeploy
 #   OUT=/tmp/o SMOKE=1 bash loadtest/h200_startup.sh ready12     # CPU, the tiny demo model: the plumbing only
 set -u
 OUT=${OUT:?set OUT}
@@ -23,7 +24,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
 else
   DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short
-  if has ready12 || has kill || has fp8 || has short; then
+  if has ready12 || has kill || has fp8 || has short || has redeploy; then
     [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
   fi
   if has ready40; then
@@ -38,6 +39,17 @@ has fp8 && step 240 $B --model "$M12" --label 12-fp8 "--serve-args=--quantizatio
   --out "$OUT/$KIND-startup-$DAY-12-fp8.json"
 # shellcheck disable=SC2086
 has ready40 && step 240 $B --model "$M40" --label 40-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40.json"
+# A redeploy on a running cluster: Ray started once, `dloserve serve --address` joins it twice.
+if has redeploy; then
+  [ "${SMOKE:-0}" = 1 ] && G=0 || G=1
+  ray get-auth-token --generate > /dev/null  # Ray's token authentication on, as `ray start` has it by default
+  export RAY_AUTH_MODE=token
+  step 60 ray start --head --port=6390 --num-gpus=$G --disable-usage-stats
+  # shellcheck disable=SC2086
+  step 240 $B --model "$M12" --label 12-bf16-redeploy "--serve-args=--address 127.0.0.1:6390" --starts ready,ready \
+    --out "$OUT/$KIND-startup-$DAY-12-redeploy.json"
+  step 60 ray stop --force
+fi
 # An Euler view of the model, so the killed request goes on from its step.
 # shellcheck disable=SC2086
 has kill && step 240 $B --model "$M12" --label 12-bf16-kill --euler --starts kill --size $SIZE --steps 10 \
