@@ -48,7 +48,7 @@ if has redeploy; then
   # shellcheck disable=SC2086
   step 240 $B --model "$M12" --label 12-bf16-redeploy "--serve-args=--address 127.0.0.1:6390" --starts ready,ready \
     --out "$OUT/$KIND-startup-$DAY-12-redeploy.json"
-  step 60 ray stop --force
+  step 60 ray stop --force  # every Ray cluster on the machine: run it where nothing else uses Ray
 fi
 # An Euler view of the model, so the killed request goes on from its step.
 # shellcheck disable=SC2086

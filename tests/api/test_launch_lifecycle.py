@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.api.hostproc import descendants, matching
+from service.api.hostproc import descendants, kill_tree, matching
 from tests.api.conftest import Serve, wait_ready
 from tests.conftest import free_port
 
@@ -75,6 +75,7 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
     import secrets
     import subprocess
     import sys
+    import threading
 
     home, gcs = tmp_path / "home", free_port()
     (home / ".ray").mkdir(parents=True)
@@ -84,18 +85,28 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
     bin_dir = Path(sys.executable).parent
     address = f"127.0.0.1:{gcs}"
 
-    def cli(*argv: str) -> subprocess.CompletedProcess:  # as a user's shell has it: RAY_AUTH_MODE unset
-        return subprocess.run([str(bin_dir / argv[0]), *argv[1:]], env=env, capture_output=True, text=True,
-                              timeout=120)
-
     def serve(n: int, port: int, auth: str = "token") -> Serve:
         return Serve(ray_tmp / str(n), "--address", address, "--port", str(port), "--gpus-per-rank", "0",
                      "--cpus-per-rank", "0.5", env={"HOME": str(home), "RAY_AUTH_MODE": auth})
 
-    started = cli("ray", "start", "--head", f"--port={gcs}", "--num-cpus=2", f"--temp-dir={ray_tmp / 'ray'}",
-                  "--include-dashboard=false")
-    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    # --block: the cluster's processes stay below this one, so the test stops this cluster alone
+    # (`ray stop` stops every cluster on the machine, the test session's too). RAY_AUTH_MODE unset,
+    # as in a user's shell.
+    cmd = [str(bin_dir / "ray"), "start", "--head", "--block", f"--port={gcs}", "--num-cpus=2",
+           f"--temp-dir={ray_tmp / 'ray'}", "--include-dashboard=false"]
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    up = threading.Event()
+
+    def read() -> None:  # until Ray says its processes run, then on (a full pipe would block it)
+        assert head.stdout is not None
+        for line in head.stdout:
+            if "Ray runtime started" in line:
+                up.set()
+
+    threading.Thread(target=read, daemon=True).start()
     try:
+        assert up.wait(120) and head.poll() is None, "ray start --head --block did not start"
         plain = serve(1, free_port(), auth="")
         assert plain.proc.wait(180) == 2, plain.output[-2000:]
         assert "could not join the Ray cluster" in plain.output and "RAY_AUTH_MODE=token" in plain.output
@@ -121,7 +132,7 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
         assert late.proc.wait(240) == 2, late.output[-2000:]
         assert "its proxies keep the HTTP port it was started with" in late.output, late.output[-2000:]
     finally:
-        cli("ray", "stop", "--force")
+        kill_tree([head.pid, *descendants(head.pid)], grace_s=10.0)
 
 
 @pytest.mark.parametrize(
