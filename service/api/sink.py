@@ -2,10 +2,13 @@
 results storage.
 
 Called from the dispatcher thread, which must get back to scheduling at once: progress and
-previews are buffered and sent by the heartbeat (``flush``); storing a video (an upload, with
-S3) and its final record run on a small pool of their own. A storage that refuses a write
-fails that job with a reason and marks the replica not ready (storage_health.py); it never
-crashes the dispatcher thread (every held job would fail).
+previews are buffered and sent by the heartbeat (``flush``); a status change (started, queued
+again, not resumable) is written by one thread of its own, in order; storing a video (an
+upload, with S3) and its final record run on a small pool of their own, each after its job's
+status changes. The dispatcher calls these holding its lock, which admission takes too: four
+starts whose record writes took 1 s each held a POST for 3.8 s while they were written there.
+A storage that refuses a write fails that job with a reason and marks the replica not ready
+(storage_health.py); it never crashes the dispatcher thread (every held job would fail).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from service.api.durable import StateKeeper
@@ -41,6 +44,8 @@ class JobSink:
         self._previews: dict[str, tuple[int, bytes]] = {}
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(2, thread_name_prefix="dloserve-finish")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="dloserve-records")  # one: in order
+        self._written: dict[str, Future] = {}  # job -> its last status change handed to the writer
 
     def flush(self) -> None:
         """Send the buffered progress and previews to the store (the heartbeat's call)."""
@@ -53,7 +58,8 @@ class JobSink:
             self.store.put_previews(previews)
 
     def close(self) -> None:
-        """Every outcome handed over so far is stored when this returns."""
+        """Every status change and outcome handed over so far is stored when this returns."""
+        self._writer.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
 
     # -- Sink: called from the dispatcher thread ---------------------------------------
@@ -95,13 +101,31 @@ class JobSink:
             self._finish(ticket, outcome)
 
     def _update(self, job_id: str, **fields: Any) -> None:
-        """A status change from the dispatcher thread; a storage that refuses the write must
-        not crash that thread (every held job would fail): the store keeps it in memory."""
+        """A status change from the dispatcher thread, written by the writer thread."""
+        try:
+            fut = self._writer.submit(self._write, job_id, fields)
+        except RuntimeError:  # shut down (after a drain): write it here
+            self._write(job_id, fields)
+            return
+        with self._lock:
+            self._written[job_id] = fut
+        fut.add_done_callback(lambda f, j=job_id: self._written_done(j, f))
+
+    def _written_done(self, job_id: str, fut: Future) -> None:
+        with self._lock:
+            if self._written.get(job_id) is fut:
+                del self._written[job_id]
+
+    def _write(self, job_id: str, fields: dict[str, Any]) -> None:
+        """A storage that refuses the write must not end the job: the store keeps it in memory;
+        the store away: logged (the heartbeat's next beat finds out the same)."""
         try:
             self.store.update(job_id, **fields)
         except StorageError as e:
             log.warning("could not write the record of %s: %s", job_id, e)
             self.storage_health.failed(e, 4096)
+        except Exception:  # noqa: BLE001 - the store unreachable: this change is lost, the job goes on
+            log.exception("could not send the status change of %s to the job store", job_id)
 
     def _finish(self, ticket: Ticket, outcome: Outcome) -> None:
         try:
@@ -117,6 +141,10 @@ class JobSink:
                 log.exception("could not fail %s", ticket.id)
 
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
+        with self._lock:
+            written = self._written.get(ticket.id)
+        if written is not None:  # its status changes land before its end
+            written.result()
         self.states.forget(ticket.id)  # no state of it is written after its end (the store drops them)
         with self._lock:
             self._progress.pop(ticket.id, None)

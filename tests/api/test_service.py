@@ -290,6 +290,51 @@ def test_a_slow_take_over_does_not_make_the_taking_group_look_lost(demo_model: s
         store.close()
 
 
+class HeldWrites:
+    """The store as a replica sees it when record writes hang (a slow bucket): ``update`` waits
+    for ``release`` once ``hold`` is set."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store, self.hold, self.release, self.waiting = store, threading.Event(), threading.Event(), 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        if self.hold.is_set():
+            self.waiting += 1
+            self.release.wait(60)
+        return self.store.update(*args, **kwargs)
+
+
+def test_a_hanging_status_write_holds_neither_admission_nor_the_job(demo_model: str, tmp_path: Path) -> None:
+    """The dispatcher writes a job's start holding the lock that admission takes: while that
+    write hangs, a POST is still answered, and once it lands the job ends completed."""
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 30.0)
+    held = HeldWrites(store)
+    ex = FakeExecutor((1,))
+    svc = VideoService(ServiceConfig(model=demo_model, results_url=str(tmp_path)), executor=ex,
+                       store=held, node_id="node-1")  # type: ignore[arg-type]
+    try:
+        held.hold.set()
+        first = svc.create(dict(BODY))
+        ex.wait_assigned(first.id)
+        until(lambda: held.waiting > 0)  # its start's write hangs
+        answered: list[Any] = []
+        t = threading.Thread(target=lambda: answered.append(svc.create({**BODY, "seed": 2})), daemon=True)
+        t.start()
+        t.join(30)  # a bound on a hang, not a measurement
+        assert answered, "a POST waited for another job's status write"
+        held.release.set()
+        ex.run(first.id)
+        until(lambda: status(svc, first.id) is JobStatus.COMPLETED)
+        assert store.get(first.id).status is JobStatus.COMPLETED
+    finally:
+        held.release.set()
+        svc.close()
+        store.close()
+
+
 def test_readyz_says_how_the_ranks_were_sized(service) -> None:  # noqa: ANN001
     svc, _ = service
     assert svc.readiness()["cpus_per_rank"] == {"value": 1.0, "why": "set"}
