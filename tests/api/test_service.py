@@ -269,11 +269,11 @@ def test_a_slow_take_over_does_not_make_the_taking_group_look_lost(demo_model: s
     """The group that takes a lost group's jobs over keeps beating while it does: taking them
     for longer than the store's timeout fails none of them (make multinode, 2026-12-05: its
     beat waited behind a 2.7 s take-over and the jobs failed as lost a second time)."""
-    store = JobStore(str(tmp_path), {}, 3600.0, 100, 2.5)  # a group silent 2.5 s is lost
+    store = JobStore(str(tmp_path), {}, 3600.0, 100, 4.0)  # a group silent 4 s is lost (the beat: 1 s)
     cfg = ServiceConfig(model=demo_model, results_url=str(tmp_path))
     ex_a, ex_b = FakeExecutor((1,)), FakeExecutor((1,))
     a = VideoService(cfg, executor=ex_a, store=store, node_id="node-a", dp_group="ga")
-    b = VideoService(cfg, executor=ex_b, store=SlowTakeOver(store, 5.0), node_id="node-b",  # type: ignore[arg-type]
+    b = VideoService(cfg, executor=ex_b, store=SlowTakeOver(store, 7.0), node_id="node-b",  # type: ignore[arg-type]
                      dp_group="gb")
     try:
         job = a.create(dict(BODY))
