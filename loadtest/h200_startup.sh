@@ -40,7 +40,7 @@ has fp8 && step 240 $B --model "$M12" --label 12-fp8 "--serve-args=--quantizatio
 # shellcheck disable=SC2086
 has ready40 && step 240 $B --model "$M40" --label 40-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40.json"
 # A redeploy on a running cluster: Ray started once, `dloserve serve --address` joins it twice.
-if has redeploy; then
+if has redeploy; then (  # a subshell: RAY_AUTH_MODE stays in it
   [ "${SMOKE:-0}" = 1 ] && G=0 || G=1
   ray get-auth-token --generate > /dev/null  # Ray's token authentication on, as `ray start` has it by default
   export RAY_AUTH_MODE=token
@@ -49,7 +49,7 @@ if has redeploy; then
   step 240 $B --model "$M12" --label 12-bf16-redeploy "--serve-args=--address 127.0.0.1:6390" --starts ready,ready \
     --out "$OUT/$KIND-startup-$DAY-12-redeploy.json"
   step 60 ray stop --force  # every Ray cluster on the machine: run it where nothing else uses Ray
-fi
+) fi
 # An Euler view of the model, so the killed request goes on from its step.
 # shellcheck disable=SC2086
 has kill && step 240 $B --model "$M12" --label 12-bf16-kill --euler --starts kill --size $SIZE --steps 10 \

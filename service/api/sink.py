@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from service.api.durable import StateKeeper
@@ -45,7 +45,6 @@ class JobSink:
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(2, thread_name_prefix="dloserve-finish")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="dloserve-records")  # one: in order
-        self._written: dict[str, Future] = {}  # job -> its last status change handed to the writer
 
     def flush(self) -> None:
         """Send the buffered progress and previews to the store (the heartbeat's call)."""
@@ -103,18 +102,9 @@ class JobSink:
     def _update(self, job_id: str, **fields: Any) -> None:
         """A status change from the dispatcher thread, written by the writer thread."""
         try:
-            fut = self._writer.submit(self._write, job_id, fields)
+            self._writer.submit(self._write, job_id, fields)
         except RuntimeError:  # shut down (after a drain): write it here
             self._write(job_id, fields)
-            return
-        with self._lock:
-            self._written[job_id] = fut
-        fut.add_done_callback(lambda f, j=job_id: self._written_done(j, f))
-
-    def _written_done(self, job_id: str, fut: Future) -> None:
-        with self._lock:
-            if self._written.get(job_id) is fut:
-                del self._written[job_id]
 
     def _write(self, job_id: str, fields: dict[str, Any]) -> None:
         """A storage that refuses the write must not end the job: the store keeps it in memory;
@@ -141,10 +131,10 @@ class JobSink:
                 log.exception("could not fail %s", ticket.id)
 
     def _store_outcome(self, ticket: Ticket, outcome: Outcome) -> None:
-        with self._lock:
-            written = self._written.get(ticket.id)
-        if written is not None:  # its status changes land before its end
-            written.result()
+        try:  # the status changes handed over before it land before its end (one writer, in order)
+            self._writer.submit(lambda: None).result()
+        except RuntimeError:  # shut down: they are written already
+            pass
         self.states.forget(ticket.id)  # no state of it is written after its end (the store drops them)
         with self._lock:
             self._progress.pop(ticket.id, None)

@@ -248,15 +248,23 @@ def test_a_lost_replicas_jobs_run_again_on_another_and_its_late_answer_changes_n
         store.close()
 
 
-class SlowTakeOver:
+class StoreView:
+    """A replica's view of the store, every call passed through; subclasses slow one down."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+class SlowTakeOver(StoreView):
     """The store as one replica sees it when taking jobs over is slow (their states and records
     read and rewritten on a slow bucket): ``adopt`` returns ``delay_s`` after it handed them over."""
 
     def __init__(self, store: JobStore, delay_s: float) -> None:
-        self.store, self.delay_s = store, delay_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
+        super().__init__(store)
+        self.delay_s = delay_s
 
     def adopt(self, *args: Any, **kwargs: Any) -> list:
         taken = self.store.adopt(*args, **kwargs)
@@ -290,15 +298,13 @@ def test_a_slow_take_over_does_not_make_the_taking_group_look_lost(demo_model: s
         store.close()
 
 
-class HeldWrites:
+class HeldWrites(StoreView):
     """The store as a replica sees it when record writes hang (a slow bucket): ``update`` waits
     for ``release`` once ``hold`` is set."""
 
     def __init__(self, store: JobStore) -> None:
-        self.store, self.hold, self.release, self.waiting = store, threading.Event(), threading.Event(), 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
+        super().__init__(store)
+        self.hold, self.release, self.waiting = threading.Event(), threading.Event(), 0
 
     def update(self, *args: Any, **kwargs: Any) -> Any:
         if self.hold.is_set():
