@@ -8,8 +8,10 @@
    fault shows as a gap between the two, the FP8 recipe's own error as their agreement.
 3. The exact routes the service would load (measured now, or from the cache).
 4. One 40-layer forward (832x480x81, batch 2, compiled) under ``sdpa`` (the reference),
-   ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8``: relative error and PSNR of the
-   output against the reference's, and seconds per forward.
+   ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8`` (q, k, v as one GEMM, as the
+   service runs them), and with q, k, v as three GEMMs (``*_unfused``) or inductor's GEMM
+   autotuning (``exact_autotune``):
+   relative error and PSNR of the output against the reference's, and seconds per forward.
 
 Exit 1 where a check fails: exact kernels within ``EXACT_ERR`` of SDPA; cuDNN FP8 within
 ``FP8_ERR`` of SDPA and ``RECIPE_GAP`` of its recipe; the exact step's PSNR >= ``EXACT_PSNR``.
@@ -98,8 +100,12 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
     return out
 
 
-STEP_SETTINGS = {"exact_sdpa": ("sdpa", False), "exact_routes": ("exact", False),
-                 "attn_fp8": ("fp8", False), "fp8_weights_attn_fp8": ("fp8", True)}
+# name -> (--attention, FP8 weights, what else changes: "unfused" = q, k, v as diffusers' three GEMMs
+# (the service fuses them: service.models.fused_qkv), "autotune" = inductor's max-autotune GEMM search)
+STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", False, ""),
+                 "exact_unfused": ("exact", False, "unfused"), "exact_autotune": ("exact", False, "autotune"),
+                 "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
+                 "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused")}
 
 
 def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int, names: list[str],
@@ -115,12 +121,13 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
     out: dict[str, Any] = {}
     ref = torch.load(ref_path, map_location=dev) if ref_path and ref_path.is_file() else None
     for name in names:
-        setting, fp8_weights = STEP_SETTINGS[name]
+        setting, fp8_weights, also = STEP_SETTINGS[name]
         m = fp8 if fp8_weights else model
         if m is None:
             out[name] = "FP8 weights need CUDA (scaled_mm)"
             continue
         try:
+            torch._inductor.config.max_autotune_gemm = also == "autotune"
             attention.check(setting, m, dev)
             routes = attention.load_routes(setting, m, dev, heads, hd, torch.bfloat16)
             torch._dynamo.reset()
@@ -129,7 +136,7 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False)
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)
-            with attention.chosen(setting), torch.no_grad():
+            with attention.chosen(setting, fused_qkv=also != "unfused"), torch.no_grad():
                 t0 = time.perf_counter()
                 got = m(**inp, return_dict=False)[0]
                 first = time.perf_counter() - t0
@@ -148,6 +155,8 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             if setting != "fp8" or dev.type == "cuda":
                 fails.append(f"{name}: {out[name]}")
+        finally:
+            torch._inductor.config.max_autotune_gemm = False
         print(json.dumps({name: out[name]}), flush=True)
     return out
 

@@ -157,7 +157,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute is Fp8Compute.SCALED_MM and self.gemm_ok and x.dtype == torch.bfloat16:
-            return _scaled_linear(x, self.weight, self.weight_scale, self.bias)
+            return scaled_linear(x, self.weight, self.weight_scale, self.bias)
         return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
 
     def extra_repr(self) -> str:
@@ -165,7 +165,7 @@ class Fp8Linear(nn.Module):
                 f"bias={self.bias is not None}, compute={self.compute.value}")
 
 
-def _scaled_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+def scaled_linear(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """x @ (q * s).T + bias as one FP8 GEMM: x quantized per token, q.T is column-major."""
     lead = x.shape[:-1]

@@ -1,0 +1,95 @@
+"""Wan's q, k, v projections as one GEMM while compiling (service.models.fused_qkv), on CPU.
+
+The graph a compiled Wan block traces has two Linear calls fewer with the fusion (self-attention's
+q, k, v as one), the same output, and diffusers' three GEMMs wherever the fusion would not be the
+same arithmetic (hooks: LoRA's side branches; FP8 weights off their FP8 GEMM; eager forwards).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+from torch import nn
+
+from service.models import attention
+from service.models.fused_qkv import one_gemm
+from service.offload.quant import Fp8Compute, Fp8Linear, quantize_weight, weight_scales
+
+DIM, HEADS, TOKENS, TEXT = 64, 4, 24, 8
+
+
+def _block() -> WanTransformerBlock:
+    torch.manual_seed(0)
+    return WanTransformerBlock(DIM, 128, HEADS, qk_norm="rms_norm_across_heads", cross_attn_norm=True,
+                               eps=1e-6).eval()
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(1)
+    cos = torch.randn(1, TOKENS, 1, DIM // HEADS)
+    return (torch.randn(2, TOKENS, DIM), torch.randn(2, TEXT, DIM), torch.randn(2, 6, DIM),
+            (cos, torch.randn_like(cos)))
+
+
+def _compiled_linears(block: WanTransformerBlock, fused: bool) -> tuple[int, torch.Tensor]:
+    """(Linear calls in the graph dynamo traced for the block's forward, its output)."""
+    counts: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: object) -> object:
+        counts.append(sum(n.op == "call_function" and n.target is F.linear for n in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    fn = torch.compile(type(block).forward, backend=backend, fullgraph=True)
+    with attention.chosen("exact", fused_qkv=fused), torch.no_grad():
+        out = fn(block, *_inputs())
+    assert len(counts) == 1
+    return counts[0], out
+
+
+def test_a_compiled_block_runs_q_k_v_as_one_gemm_with_the_same_output() -> None:
+    block = _block()
+    fused, out = _compiled_linears(block, fused=True)
+    three, ref = _compiled_linears(block, fused=False)
+    # self-attention q, k, v, out; cross-attention q, k, v, out; the FFN's two: 10 unfused
+    assert (three, fused) == (10, 8)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # eager forwards keep diffusers' three GEMMs: the same output again
+        torch.testing.assert_close(block(*_inputs()), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_hooked_linears_are_not_fused() -> None:
+    """LoRA's side branches are forward hooks on the Linears: one GEMM would skip them."""
+    block = _block()
+    block.attn1.to_k.register_forward_hook(lambda _m, _i, o: o * 2)
+    fused, _ = _compiled_linears(block, fused=True)
+    assert fused == 10
+
+
+def test_one_gemm_is_the_three_linears_or_none() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(5, DIM)
+    layers = tuple(nn.Linear(DIM, DIM) for _ in range(3))
+    got = one_gemm(x, layers)
+    assert got is not None
+    torch.testing.assert_close(got, torch.cat([m(x) for m in layers], dim=-1))
+    no_bias = nn.Linear(DIM, DIM, bias=False)
+    assert one_gemm(x, (layers[0], no_bias, layers[2])) is None  # a bias on some only
+    assert one_gemm(x, (no_bias, nn.Linear(DIM, DIM, bias=False))) is not None
+
+
+@pytest.mark.parametrize("compute", [Fp8Compute.UPCAST, Fp8Compute.SCALED_MM])
+def test_fp8_weights_fuse_only_on_their_fp8_gemm(compute: Fp8Compute) -> None:
+    """Off CUDA (and for non-bf16 inputs) Fp8Linear computes by upcasting: left to diffusers.
+    Its FP8 GEMM (scales concatenate with the rows) is checked on the H200
+    (loadtest/gpu_check_attention.py ``fp8_weights_attn_fp8`` against ``..._unfused``)."""
+    layers = []
+    for _ in range(3):
+        lin = nn.Linear(DIM, DIM)
+        fp8 = Fp8Linear.like(lin, compute)
+        fp8.weight = nn.Parameter(quantize_weight(lin.weight.data), requires_grad=False)
+        fp8.weight_scale = weight_scales(lin.weight.data)
+        layers.append(fp8)
+    assert one_gemm(torch.randn(5, DIM), tuple(layers)) is None  # float32 input: not the FP8 GEMM
