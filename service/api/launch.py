@@ -5,7 +5,7 @@
 With no MODEL the demo model is served. RAY_ADDRESS (or --address) joins a running cluster
 (within --join-timeout-s); without one a new local cluster is started, never the last one
 this machine ran, and with a loopback --host every Ray listener of it is on the loopback
-address too (``_start_local_cluster``). Either way the same public calls follow:
+address too (``service.api.cluster.start_local``). Either way the same public calls follow:
 ``serve.start``, ``serve.run`` (service.api.app.deploy), and the replica places its ranks in
 its own placement group (engine.ray_executor). A busy port ends it with exit code 2 before
 anything starts. SIGINT or SIGTERM at any moment stops the service and every process of a
@@ -25,6 +25,17 @@ from pathlib import Path
 
 import httpx
 
+from service.api.cluster import (
+    LOOPBACK,
+    OWNED,
+    Stop,
+    force_exit,
+    join,
+    joined_serve,
+    report_listeners,
+    shutdown,
+    start_local,
+)
 from service.api.serve_flags import (
     add_arguments,
     admin_key_hashes,
@@ -35,17 +46,7 @@ from service.api.serve_flags import (
 )
 from service.api.startup import Launched, process_started_at
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
-
 __all__ = ["add_arguments", "config_from_args", "run"]
-
-
-class _Stop(BaseException):
-    """SIGINT or SIGTERM arrived: unwind, then clean up. A BaseException, as KeyboardInterrupt
-    is: an ``except Exception`` on the way (a Ray hook's fallback, Ray's or Serve's own start-up)
-    must not take a stop for a failure and carry on starting."""
-
 
 _signals = {"count": 0}
 
@@ -54,21 +55,9 @@ def _on_signal(signum: int, _frame: object) -> None:
     """First signal: unwind from wherever start-up is. A second one: stop at once."""
     _signals["count"] += 1
     if _signals["count"] == 1:
-        raise _Stop(signal.Signals(signum).name)
+        raise Stop(signal.Signals(signum).name)
     print(f"dloserve serve: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
-    _force_exit(130)
-
-
-def _force_exit(code: int) -> None:
-    from service.api.hostproc import descendants, kill_tree
-
-    if _own_cluster["started"]:
-        kill_tree(descendants(os.getpid()), grace_s=2.0)
-    os._exit(code)
-
-
-# a cluster we started; a ray.init we made; our app deployed (its store started); Serve started by us
-_own_cluster = {"started": False, "ray": False, "deployed": False, "serve": False}
+    force_exit(130)
 
 
 def _install_handlers() -> None:
@@ -93,16 +82,15 @@ def run(args: argparse.Namespace) -> int:
     _install_handlers()
     try:
         return _run(args)
-    except (_Stop, SystemExit) as e:  # SystemExit: ray.init's own SIGTERM handler, while it runs
+    except (Stop, SystemExit) as e:  # SystemExit: ray.init's own SIGTERM handler, while it runs
         print(f"dloserve serve: {e or 'SIGTERM'} received, stopping ...", file=sys.stderr, flush=True)
         return 0  # a requested stop is not an error
     finally:
-        _shutdown(bool(args.address), drain_s=args.drain_timeout_s)
+        shutdown(bool(args.address), drain_s=args.drain_timeout_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _signals["count"] = 0
-        for k in _own_cluster:
-            _own_cluster[k] = False
+        OWNED.reset()
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,12 +125,13 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     marks["checked"] = time.time()
     if args.address:
-        err = _join(args.address, args.join_timeout_s)
+        err = join(args.address, args.join_timeout_s)
         if err:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        _start_local_cluster(dashboard=args.ray_dashboard)
+        start_local(dashboard=args.ray_dashboard)
+        _install_handlers()  # ours again: ray.init replaced SIGTERM's
     problem = model_checked(imports=True)
     if problem:  # the cluster we started goes with the launcher (run's finally)
         print(f"dloserve serve: {problem}", file=sys.stderr)
@@ -153,18 +142,18 @@ def _run(args: argparse.Namespace) -> int:
     gpus = args.gpus_per_rank
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    _size_ranks(args, _own_cluster["started"])
+    _size_ranks(args, OWNED.cluster)
     cfg = config_from_args(args, gpus, args.engine_config)
-    problem = _joined_serve() if args.address else None
+    problem = joined_serve() if args.address else None
     if problem:
         print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
     marks["ray_up"] = time.time()
-    _own_cluster["deployed"] = True  # from here on, the app and its job store are ours to stop
+    OWNED.deployed = True  # from here on, the app and its job store are ours to stop
     threading.Thread(target=_start_store, args=(cfg,), name="start-job-store", daemon=True).start()
     from service.api.app import deploy
 
-    _store_url["url"] = cfg.results_url
+    OWNED.store_url = cfg.results_url
     mode = cfg.offload["mode"]
     sp = cfg.sequence_parallel_size
     print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
@@ -174,11 +163,11 @@ def _run(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     try:
         _wait_ready(url, cfg.instance or "", args.ready_timeout_s,
-                    serve_before=bool(args.address) and not _own_cluster["serve"])
+                    serve_before=bool(args.address) and not OWNED.serve)
     except (TimeoutError, PortTaken) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, PortTaken) else 1
-    _report_listeners(args.host)
+    report_listeners(args.host)
     print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
     while True:
@@ -310,177 +299,9 @@ def _size_ranks(args: argparse.Namespace, own_cluster: bool) -> None:
     print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
-def _start_local_cluster(dashboard: bool = False) -> None:
-    """A cluster of our own, always: never the one /tmp/ray/ray_current_cluster names.
-
-    Ray's token authentication stays on (ray.init handles the token for this process and
-    the workers it starts). Ray's dashboard only with ``--ray-dashboard`` (it binds
-    127.0.0.1): ``ray.init`` waits for it and its module processes before it starts the
-    raylet; without it Ray runs a minimal one. No runtime_env: the workers inherit this
-    process's environment through the raylet, so Serve's controller, its proxy and the job
-    store start as plain workers, not through the runtime-env agent. A watchdog
-    (service/api/watchdog.py) stops the cluster's processes should this one be killed.
-    """
-    import ray
-
-    _own_cluster["started"] = True  # from here on, our descendants are ours to stop
-    _own_cluster["ray"] = True
-    from service.api.watchdog import start_watchdog
-
-    start_watchdog()  # a SIGKILL of this process leaves none of the cluster's behind
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    # Serve's controller gives a new proxy 3 checks of this long to answer before it kills it and
-    # serve.start fails (ActorDiedError): 5 s by default, missed once on this 2-core CPU machine
-    # under other work, with the job store and the rank processes starting beside it.
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
-    # Ray prestarts one idle worker per CPU when the first driver connects: on a 16-core H200
-    # host 16 processes importing Ray at the end of ray.init, which they slowed by 1.7-2.5 s
-    # (loadtest/results/h200-ray-start-2026-12-02.json); Serve's few actors start their own.
-    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    ctx = ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1")
-    if not dashboard:  # Prometheus's list of endpoints, which the dashboard would write
-        from service.api.metrics_discovery import write_service_discovery
-
-        write_service_discovery(ctx.address_info["session_dir"])
-    _install_handlers()
-
-
-def _report_listeners(host: str) -> None:
-    """Name our processes that listen beyond loopback. With a loopback --host only Serve's
-    replica gRPC server should (Ray 2.60 binds it to [::]; Ray's token authentication refuses
-    callers without the cluster's token); otherwise Ray's metrics export port answers anyone."""
-    if not _own_cluster["started"]:
-        return  # a joined cluster's listeners are its operator's
-    from service.api.hostproc import descendants, listeners
-
-    found = [x for x in listeners([os.getpid(), *descendants(os.getpid())]) if not x["loopback"]
-             and not (host in LOOPBACK and str(x["process"]).startswith(SERVE_REPLICA))]
-    names = ", ".join(f"{x['process']} {x['address']}:{x['port']}" for x in found)
-    if found and host in LOOPBACK:
-        print(f"dloserve serve: WARNING: with --host {host} these still listen beyond loopback: {names}",
-              file=sys.stderr, flush=True)
-    elif found:
-        print(f"dloserve serve: WARNING: Ray listens on {len(found)} ports beyond loopback ({names}); its "
-              "token authentication guards the control ports, but its metrics export port answers anyone: "
-              "firewall it (docs/operate.md, 'Ray's ports')", file=sys.stderr, flush=True)
-
-
-def _join(address: str, timeout_s: float) -> str | None:
-    """Join ``address`` within ``timeout_s``; an error naming it if that cannot be done."""
-
-    import ray
-
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if host and port.isdigit():
-        import socket
-
-        try:
-            socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)).close()
-        except OSError as e:
-            return f"cannot reach the Ray cluster at {address}: {e} (check --address / RAY_ADDRESS)"
-    result: dict[str, BaseException | None] = {}
-
-    def connect() -> None:
-        try:
-            _own_cluster["ray"] = True
-            ray.init(address=address, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-            result["error"] = None
-        except BaseException as e:  # noqa: BLE001 - reported below
-            result["error"] = e
-
-    t = threading.Thread(target=connect, name="ray-join", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    # Ray sends its token only where RAY_AUTH_MODE=token says so (or to address "auto"); a
-    # cluster `ray start` made with ~/.ray/auth_token present refuses any other caller.
-    token = "" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else (
-        "; if the cluster uses Ray's token authentication (`ray start` turns it on where "
-        "~/.ray/auth_token exists), set RAY_AUTH_MODE=token (the token is read from ~/.ray/auth_token "
-        "or RAY_AUTH_TOKEN), or pass --address auto for a cluster on this machine")
-    if t.is_alive():
-        return f"could not join the Ray cluster at {address} within {timeout_s:.0f} s{token}"
-    if result.get("error") is not None:
-        return f"could not join the Ray cluster at {address}: {result['error']}{token}"
-    return None
-
-
-def _shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> None:
-    """Drain, then stop what we started, within ``drain_s + timeout_s`` whatever hangs; a
-    second signal forces it at once."""
-    from service.api.hostproc import descendants, kill_tree
-
-    watchdog = threading.Timer(drain_s + timeout_s, _force_exit, args=(1,))
-    watchdog.daemon = True
-    watchdog.start()
-    # Who is ours, before anything stops: Ray workers outlive their raylet for a while and
-    # are then no longer our descendants.
-    ours = descendants(os.getpid()) if _own_cluster["started"] else []
-    try:
-        import ray
-
-        if _own_cluster["ray"] and ray.is_initialized() and _own_cluster["deployed"]:
-            from ray import serve
-
-            try:
-                _drain(drain_s)
-                if joined:  # the cluster lives on: our app and its job store (records stay) go
-                    serve.delete("dloserve")
-                    if "url" in _store_url:
-                        from service.api.jobs import stop_store
-
-                        stop_store(_store_url["url"])
-                    if _own_cluster["serve"] and not serve.status().applications:
-                        serve.shutdown()  # Serve came with us: its proxies (and the port) go too
-                # else reads answer until the cluster's processes (HTTP proxy among them) stop
-            except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
-                pass
-        if _own_cluster["ray"] and ray.is_initialized():
-            ray.shutdown()
-    except (_Stop, SystemExit):
-        pass
-    finally:
-        if _own_cluster["started"]:
-            kill_tree(sorted(set(ours) | set(descendants(os.getpid()))), grace_s=5.0)
-        watchdog.cancel()
-
-
-_store_url: dict[str, str] = {}
-
-
-def _drain(timeout_s: float) -> None:
-    """New jobs get 503, queued ones fail now, running ones get ``timeout_s`` to finish."""
-    from ray import serve
-
-    try:
-        handle = serve.get_app_handle("dloserve")
-    except Exception:  # noqa: BLE001 - never deployed: nothing to drain
-        return
-    print(f"draining (running jobs get up to {timeout_s:.0f} s) ...", file=sys.stderr, flush=True)
-    try:
-        done = handle.drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
-        print(f"drained: {done}", file=sys.stderr, flush=True)
-    except Exception as e:  # noqa: BLE001 - the app is deleted next anyway
-        print(f"drain did not finish: {e}", file=sys.stderr, flush=True)
-
-
 class PortTaken(RuntimeError):
     """Another service answers on our port (it listens with SO_REUSEPORT, as Serve does), or
     Serve answers on another port than ours (it ran on the joined cluster before us)."""
-
-
-def _joined_serve() -> str | None:
-    """On a joined cluster: the problem if a dloserve app runs there already (a second one would
-    replace it); else note whether Serve runs (it keeps the HTTP port it was started with, and
-    stays when we stop) or we start it (it goes with us)."""
-    from ray import serve
-
-    status = serve.status()
-    if "dloserve" in status.applications:
-        return ("an application named dloserve already runs on this cluster (another `dloserve serve`?); "
-                "stop it first")
-    _own_cluster["serve"] = not status.proxies
-    return None
 
 
 def _wait_ready(url: str, instance: str, timeout_s: float, serve_before: bool = False) -> None:

@@ -142,7 +142,7 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
         (signal.SIGTERM, "while Ray starts"),
         (signal.SIGTERM, "while the model loads"),
     ],  # while serving: test_exposure.py (SIGINT) and the drain tests below (SIGTERM): once
-    # serving, SIGINT and SIGTERM take one path (launch._on_signal, then _shutdown)
+    # serving, SIGINT and SIGTERM take one path (launch._on_signal, then cluster.shutdown)
 )
 def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment: str) -> None:
     s = Serve(ray_tmp, "--port", str(free_port()))
