@@ -28,18 +28,18 @@ class Launched:
 
 
 def process_started_at(pid: int | None = None) -> float | None:
-    """When the process (this one by default) started, wall-clock, from its ``starttime`` in
-    /proc (10 ms resolution): the breakdown starts where a user's stopwatch does, before the
-    interpreter's start and the CLI's imports. None where /proc cannot tell."""
-    from service.api.watchdog import start_time
+    """When the process (this one by default) started, wall-clock (the kernel's 10 ms ticks):
+    the breakdown starts where a user's stopwatch does, before the interpreter's start and the
+    CLI's imports. None where that cannot be told. (psutil's own start time counts from the
+    boot time in whole seconds: the seconds since boot are taken from it, the boot from the
+    clock.)"""
+    import psutil
 
-    ticks = start_time(os.getpid() if pid is None else pid)
     try:
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+        since_boot = psutil.Process(os.getpid() if pid is None else pid).create_time() - psutil.boot_time()
+    except psutil.Error:
         return None
-    return None if ticks is None else time.time() - (uptime - int(ticks) / os.sysconf("SC_CLK_TCK"))
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME) + since_boot
 
 
 def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[str, Any],

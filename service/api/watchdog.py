@@ -15,34 +15,24 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from service.api.hostproc import descendants, kill_tree
-
-
-def start_time(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), None when it is gone or a zombie."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
+from service.api.hostproc import descendants, kill_tree, started_at
 
 
 def watch(pid: int, every_s: float = 1.0, grace_s: float = 2.0) -> list[int]:
     """Until ``pid`` dies; then stop what was below it. Returns the pids it stopped."""
-    born = start_time(pid)
-    ours: dict[int, str] = {}
+    born = started_at(pid)
+    ours: dict[int, float] = {}
     first = True
-    while born is not None and start_time(pid) == born:
+    while born is not None and started_at(pid) == born:
         for p in descendants(pid):
-            if p != os.getpid() and p not in ours and (t := start_time(p)) is not None:
+            if p != os.getpid() and p not in ours and (t := started_at(p)) is not None:
                 ours[p] = t
         if first:
             print(f"dloserve watchdog: watching pid {pid}", file=sys.stderr, flush=True)
             first = False
         time.sleep(every_s)
-    left = [p for p, t in ours.items() if start_time(p) == t]
+    left = [p for p, t in ours.items() if started_at(p) == t]
     kill_tree(left, grace_s)
     return left
 

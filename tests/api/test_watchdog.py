@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from service.api.watchdog import start_time
+from service.api.hostproc import started_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,13 +36,13 @@ def test_a_sigkilled_parents_processes_are_stopped_by_its_watchdog() -> None:
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         end = time.monotonic() + 60  # a bound on the wait, not a measurement
-        while start_time(agent) is not None:
+        while started_at(agent) is not None:
             assert time.monotonic() < end, "the agent outlived its parent's SIGKILL"
             time.sleep(0.1)
     finally:
         if parent.poll() is None:
             parent.kill()
-        if agent and start_time(agent) is not None:
+        if agent and started_at(agent) is not None:
             os.kill(agent, signal.SIGKILL)
 
 
