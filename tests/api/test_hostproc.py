@@ -40,7 +40,7 @@ def test_a_tree_is_found_and_stopped_even_where_sigterm_is_ignored() -> None:
     child = subprocess.Popen([sys.executable, "-c", code])
     try:
         end = time.monotonic() + 10
-        while len(descendants(os.getpid())) < 2 and time.monotonic() < end:
+        while not descendants(child.pid) and time.monotonic() < end:  # the grandchild started
             time.sleep(0.05)
         below = descendants(child.pid)
         assert len(below) == 1 and matching(os.getpid(), "# grandchild") == below
