@@ -1,9 +1,10 @@
 """Wan's self-attention q, k, v projections as one GEMM inside the compiled block.
 
 diffusers runs them as three GEMMs of [tokens, 5120] x [5120, 5120] (Wan-14B); one GEMM three
-times as wide keeps the tensor cores busier (loadtest/bench_compute.py ``qkv_ms`` against
-``qkv_fused_ms``). diffusers' own ``fuse_projections`` would keep a second, concatenated copy
-of every block's weights, which the offload's slots, LoRA and the FP8 weights do not know;
+times as wide is a little faster: a 40-layer CFG step 0.5% (exact) and 0.2% (FP8 weights + fp8
+attention) on an H100, 2026-12-05 (loadtest/results/h100-attention-check-2026-12-05-fused-qkv.json).
+diffusers' own ``fuse_projections`` would keep a second, concatenated copy of every block's
+weights, which the offload's slots, LoRA and the FP8 weights do not know;
 here the three weights are concatenated inside the compiled graph instead, one small copy
 kernel per block (157 MB bf16 at 5120, about 0.07 ms on an H200), from whatever tensors the
 block holds at that moment (a slot's, a resident block's).
