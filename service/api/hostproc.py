@@ -32,7 +32,11 @@ def port_free(host: str, port: int) -> bool:
 
 
 def _listening() -> list[Any]:
-    return [c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    """Every listening TCP socket psutil can see (none where it may not look)."""
+    try:
+        return [c for c in psutil.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    except psutil.Error:
+        return []
 
 
 def _cmdline(pid: int) -> str:
