@@ -97,11 +97,17 @@ def build_app(args: dict[str, Any], launched: Launched | None = None) -> Any:
 
 
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
-           proxy_location: str = "EveryNode", launched: Launched | None = None) -> DeploymentHandle:
-    """Start Serve on host:port and run the app (used by the CLI and tests)."""
+           proxy_location: str = "EveryNode", launched: Launched | None = None,
+           wait: bool = True) -> DeploymentHandle:
+    """Start Serve on host:port and run the app (used by the CLI and tests); ``wait=False``
+    returns once Serve has it, before its replicas are up (the launcher waits on /readyz)."""
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
     if launched and launched.marks:  # /readyz's startup: Serve's controller is up
         launched = replace(launched, marks={**launched.marks, "serve_up": time.time()})
-    return serve.run(build_app(cfg.model_dump(), launched), name=name, route_prefix="/")
+    app = build_app(cfg.model_dump(), launched)
+    if wait:
+        return serve.run(app, name=name, route_prefix="/")
+    return serve.run_many([serve.RunTarget(app, name=name, route_prefix="/")],
+                          wait_for_applications_running=False)[0]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import dataclass, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SERVE_REPLICA = "ray::ServeReplica"  # the process title of a Serve replica
@@ -28,12 +29,23 @@ class Owned:
     cluster: bool = False  # a local cluster: its processes are our descendants
     ray: bool = False  # a ray.init we made
     deployed: bool = False  # our app and its job store
+    ready: bool = False  # our app answered ready (so it may run jobs, which a stop drains)
     serve: bool = False  # Serve, started by us on a joined cluster (it goes with us)
     store_url: str = ""  # our job store's results URL
+    # Threads of ours that call Ray (the join, the job store's start): ray.shutdown() waits for
+    # them, as Ray's core worker ends the whole process (code 1) when a call reaches it after.
+    threads: list[threading.Thread] = field(default_factory=list)
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, f.default)
+            setattr(self, f.name, f.default_factory() if f.default_factory is not MISSING else f.default)
+
+    def start_thread(self, target: Callable[..., None], name: str, *args: object) -> threading.Thread:
+        """Run ``target`` on a daemon thread that ``shutdown`` waits for before ``ray.shutdown()``."""
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self.threads.append(t)
+        t.start()
+        return t
 
 
 OWNED = Owned()
@@ -126,8 +138,7 @@ def join(address: str, timeout_s: float) -> str | None:
         except BaseException as e:  # noqa: BLE001 - reported below
             result["error"] = e
 
-    t = threading.Thread(target=connect, name="ray-join", daemon=True)
-    t.start()
+    t = OWNED.start_thread(connect, "ray-join")
     t.join(timeout_s)
     # Ray sends its token only where RAY_AUTH_MODE=token says so (or to address "auto"); a
     # cluster `ray start` made with ~/.ray/auth_token present refuses any other caller.
@@ -174,7 +185,8 @@ def shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> Non
             from ray import serve
 
             try:
-                _drain(drain_s)
+                if OWNED.ready:  # else no job ever ran: a drain would wait for the replica's start
+                    _drain(drain_s)
                 if joined:  # the cluster lives on: our app and its job store (records stay) go
                     serve.delete("dloserve")
                     if OWNED.store_url:
@@ -186,8 +198,10 @@ def shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> Non
                 # else reads answer until the cluster's processes (HTTP proxy among them) stop
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
                 pass
-        if OWNED.ray and ray.is_initialized():
-            ray.shutdown()
+        for t in OWNED.threads:
+            t.join(timeout_s / 2)
+        if OWNED.ray and ray.is_initialized() and not any(t.is_alive() for t in OWNED.threads):
+            ray.shutdown()  # else the process's exit disconnects it (and a cluster of ours is killed below)
     except (Stop, SystemExit):
         pass
     finally:

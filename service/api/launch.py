@@ -6,7 +6,7 @@ With no MODEL the demo model is served. RAY_ADDRESS (or --address) joins a runni
 (within --join-timeout-s); without one a new local cluster is started, never the last one
 this machine ran, and with a loopback --host every Ray listener of it is on the loopback
 address too (``service.api.cluster.start_local``). Either way the same public calls follow:
-``serve.start``, ``serve.run`` (service.api.app.deploy), and the replica places its ranks in
+``serve.start``, ``serve.run_many`` (service.api.app.deploy), and the replica places its ranks in
 its own placement group (engine.ray_executor). A busy port ends it with exit code 2 before
 anything starts. SIGINT or SIGTERM at any moment stops the service and every process of a
 cluster it started; reads of jobs answer until the HTTP proxy stops.
@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -48,16 +49,33 @@ from service.api.startup import Launched, process_started_at
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
-_signals = {"count": 0}
+_signals: dict[str, int | str | bool] = {"count": 0, "in_ray": False, "pending": ""}
 
 
 def _on_signal(signum: int, _frame: object) -> None:
-    """First signal: unwind from wherever start-up is. A second one: stop at once."""
-    _signals["count"] += 1
+    """First signal: unwind from wherever start-up is, but not from inside a Ray call: raised
+    there it can land in Ray's C code (a SystemError instead of the stop) or leave a call half
+    made, so it waits for the call to return (``_ray_call``). A second one: stop at once."""
+    _signals["count"] = int(_signals["count"]) + 1
     if _signals["count"] == 1:
+        if _signals["in_ray"]:
+            _signals["pending"] = signal.Signals(signum).name
+            return
         raise Stop(signal.Signals(signum).name)
     print(f"dloserve serve: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
     force_exit(130)
+
+
+@contextmanager
+def _ray_call() -> Iterator[None]:
+    """A region of Ray calls on the main thread: a first signal inside it stops at its end."""
+    _signals["in_ray"] = True
+    try:
+        yield
+    finally:
+        _signals["in_ray"] = False
+    if _signals["pending"]:
+        raise Stop(str(_signals["pending"]))
 
 
 def _install_handlers() -> None:
@@ -89,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown(bool(args.address), drain_s=args.drain_timeout_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _signals["count"] = 0
+        _signals.update(count=0, in_ray=False, pending="")
         OWNED.reset()
 
 
@@ -125,13 +143,15 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     marks["checked"] = time.time()
     if args.address:
-        err = join(args.address, args.join_timeout_s)
+        with _ray_call():
+            err = join(args.address, args.join_timeout_s)
         if err:
             print(f"dloserve serve: {err}", file=sys.stderr)
             return 2
     else:
-        start_local(dashboard=args.ray_dashboard)
-        _install_handlers()  # ours again: ray.init replaced SIGTERM's
+        with _ray_call():  # (ray.init's own SIGTERM handler raises SystemExit while it runs)
+            start_local(dashboard=args.ray_dashboard)
+            _install_handlers()  # ours again: ray.init replaced SIGTERM's
     problem = model_checked(imports=True)
     if problem:  # the cluster we started goes with the launcher (run's finally)
         print(f"dloserve serve: {problem}", file=sys.stderr)
@@ -139,18 +159,19 @@ def _run(args: argparse.Namespace) -> int:
 
     import ray
 
-    gpus = args.gpus_per_rank
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    _size_ranks(args, OWNED.cluster)
-    cfg = config_from_args(args, gpus, args.engine_config)
-    problem = joined_serve() if args.address else None
+    with _ray_call():
+        gpus = args.gpus_per_rank
+        if gpus is None:
+            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+        _size_ranks(args, OWNED.cluster)
+        cfg = config_from_args(args, gpus, args.engine_config)
+        problem = joined_serve() if args.address else None
     if problem:
         print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
     marks["ray_up"] = time.time()
     OWNED.deployed = True  # from here on, the app and its job store are ours to stop
-    threading.Thread(target=_start_store, args=(cfg,), name="start-job-store", daemon=True).start()
+    OWNED.start_thread(_start_store, "start-job-store", cfg)
     from service.api.app import deploy
 
     OWNED.store_url = cfg.results_url
@@ -159,14 +180,16 @@ def _run(args: argparse.Namespace) -> int:
     print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
           f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
           f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
-    deploy(cfg, args.host, args.port, launched=Launched(marks))
+    with _ray_call():  # Serve's start; the app's deploy is waited for below, where a signal stops it
+        deploy(cfg, args.host, args.port, launched=Launched(marks), wait=False)
     url = f"http://{args.host}:{args.port}"
     try:
         _wait_ready(url, cfg.instance or "", args.ready_timeout_s,
                     serve_before=bool(args.address) and not OWNED.serve)
-    except (TimeoutError, PortTaken) as e:
+    except (TimeoutError, NotServing) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
-        return 2 if isinstance(e, PortTaken) else 1
+        return 2 if isinstance(e, NotServing) else 1
+    OWNED.ready = True
     report_listeners(args.host)
     print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
@@ -299,40 +322,57 @@ def _size_ranks(args: argparse.Namespace, own_cluster: bool) -> None:
     print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
 
 
-class PortTaken(RuntimeError):
-    """Another service answers on our port (it listens with SO_REUSEPORT, as Serve does), or
-    Serve answers on another port than ours (it ran on the joined cluster before us)."""
+class NotServing(RuntimeError):
+    """The app will not serve on our port: its deploy failed, another service answers there (it
+    listens with SO_REUSEPORT, as Serve does), or Serve answers on another port than ours (it ran
+    on the joined cluster before us)."""
 
 
 def _wait_ready(url: str, instance: str, timeout_s: float, serve_before: bool = False) -> None:
-    """Until ``url``/readyz answers 200 for ``instance``. ``serve_before``: Serve ran on the joined
-    cluster before us, so its proxies listen on the port it was started with, whatever --port
-    says: the app running with nothing on our port is that case, said at once (PortTaken)."""
+    """Until ``url``/readyz answers 200 for ``instance``; the app's state is asked once a second
+    (``_app_problem``)."""
     end = time.monotonic() + timeout_s
     last, asked = "no answer", 0.0
     while time.monotonic() < end:
+        refused = False
         try:
             r = httpx.get(f"{url}/readyz", timeout=5)
             body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
             other = body.get("instance")
             if other and other != instance:
-                raise PortTaken(f"{url} is answered by another dloserve instance ({other}): "
-                                f"its port is shared; choose another with --port")
+                raise NotServing(f"{url} is answered by another dloserve instance ({other}): "
+                                 f"its port is shared; choose another with --port")
             if r.status_code == 200 and other == instance:
                 return
             last = r.text[:300]
         except httpx.ConnectError as e:
-            last = str(e)
-            if serve_before and time.monotonic() - asked > 1.0:
-                from ray import serve
-
-                asked = time.monotonic()
-                app = serve.status().applications.get("dloserve")
-                if app is not None and app.status == "RUNNING":
-                    raise PortTaken(f"nothing answers on {url}, yet the app runs: Serve was running on this "
-                                    "cluster before, and its proxies keep the HTTP port it was started with; "
-                                    "pass that port as --port, or stop Serve first (`serve shutdown`)") from e
+            last, refused = str(e), True
         except httpx.HTTPError as e:
             last = str(e)
+        if time.monotonic() - asked > 1.0:
+            asked = time.monotonic()
+            problem = _app_problem(url, unanswered=refused and serve_before)
+            if problem:
+                raise NotServing(problem)
         time.sleep(0.1)  # ready is printed within 0.1 s of it
     raise TimeoutError(f"not ready after {timeout_s:.0f} s: {last}")
+
+
+def _app_problem(url: str, unanswered: bool) -> str | None:
+    """Why the app will not serve on ``url``, as Serve tells it: its deploy failed, or it runs
+    while nothing answers on our port (``unanswered``, where Serve ran on the joined cluster
+    before us: its proxies keep the port it was started with, whatever --port says)."""
+    from ray import serve
+
+    with _ray_call():
+        app = serve.status().applications.get("dloserve")
+    if app is None:
+        return None
+    if app.status == "DEPLOY_FAILED":  # each deployment's message ends with its error's own line
+        causes = [d.message.strip().splitlines()[-1] for d in app.deployments.values() if d.message.strip()]
+        return f"the app failed to deploy: {'; '.join(causes) or app.message}"
+    if unanswered and app.status == "RUNNING":
+        return (f"nothing answers on {url}, yet the app runs: Serve was running on this cluster before, "
+                "and its proxies keep the HTTP port it was started with; pass that port as --port, or "
+                "stop Serve first (`serve shutdown`)")
+    return None

@@ -249,3 +249,35 @@ def test_cpus_per_rank_comes_from_the_flag_then_the_host_then_the_default(ray_cl
     joined = p.parse_args(["/m"])
     size_ranks(joined, own_cluster=False)
     assert joined.cpus_per_rank == CPUS_PER_RANK and "joined cluster" in joined.cpus_per_rank_why
+
+
+def test_a_signal_inside_a_ray_call_stops_the_start_once_the_call_returns() -> None:
+    """Raised inside Ray's code, the stop could land in its C code (a SystemError, exit 1): inside
+    ``_ray_call`` the first signal waits for the region's end; outside, it stops at once."""
+    import os
+    import signal
+    import time
+
+    from service.api import launch
+    from service.api.cluster import Stop
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    launch._install_handlers()
+    finished = False
+    try:
+        with pytest.raises(Stop, match="SIGTERM"):
+            with launch._ray_call():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler runs here, between bytecodes
+                finished = True
+        assert finished, "the region was cut short"
+        launch._signals.update(count=0, pending="")
+        with pytest.raises(Stop, match="SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            finished = False
+        assert finished, "outside a Ray call the signal did not stop at once"
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        launch._signals.update(count=0, in_ray=False, pending="")

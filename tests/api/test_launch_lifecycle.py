@@ -5,6 +5,7 @@
 - A stale ``ray_current_cluster`` (a dead cluster's address) is not joined: the service
   starts a cluster of its own (with SIGINT while serving: test_exposure.py, whose start it
   shares). An explicit dead ``--address`` fails fast, naming it.
+- An app whose replica cannot start ends the start with exit code 2 and the replica's error.
 - SIGINT and SIGTERM at several moments of start-up and while serving stop the service,
   and every process it started (raylet, GCS, ``ray::`` workers) is gone afterwards.
 Each run gets its own Ray temp folder, so nothing here touches the test session's cluster.
@@ -52,6 +53,25 @@ def test_a_folder_that_is_no_model_ends_the_start_with_exit_2_and_its_cluster(ra
     gone = Serve(ray_tmp / "x", str(tmp_path / "nothing"), "--port", str(free_port()))
     assert gone.proc.wait(120) == 2, gone.output[-2000:]
     assert "does not exist" in gone.output and not list((ray_tmp / "x").glob("ray/session_*"))
+
+
+def test_an_app_that_cannot_deploy_ends_the_start_with_exit_2_naming_its_error(ray_tmp: Path,
+                                                                             tmp_path: Path) -> None:
+    """A replica whose start raises (here: a --lora that names a folder, read by the replica)
+    fails the deploy: the launcher says the replica's own error and exits 2 at once, without
+    a drain (no job ever ran) and with its cluster gone."""
+    (tmp_path / "adapter").mkdir()
+    s = Serve(ray_tmp, "--port", str(free_port()), "--lora", f"bad={tmp_path / 'adapter'}")
+    end = time.monotonic() + 300  # a bound on the wait, not a measurement
+    while s.proc.poll() is None and time.monotonic() < end:
+        s.seen |= set(descendants(s.proc.pid))
+        time.sleep(0.05)
+    assert s.proc.wait(10) == 2, s.output[-3000:]
+    said = "the app failed to deploy: service.models.lora.LoraError: adapter 'bad'"
+    assert said in s.output, s.output[-3000:]
+    assert "draining" not in s.output
+    time.sleep(0.5)
+    assert not s.survivors(), s.survivors()
 
 
 def test_dead_address_fails_fast_naming_it(ray_tmp: Path) -> None:
