@@ -89,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
     that cannot load or a cluster that cannot be joined."""
     from service.config import FlagError
     from service.config.args import EngineArgs
+    from service.models.lora_ref import lora_flags
 
     try:  # every flag checked, in one order, before anything starts
         args.engine_config = EngineArgs.from_namespace(args).to_config()
+        lora_flags(args)  # the adapters' paths (their contents: the replica's start)
     except FlagError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2

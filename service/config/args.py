@@ -138,10 +138,12 @@ class EngineArgs:
         "their weight transfers (docs/caches.md)", "--cache", "--cache-default", metavar="SPEC")
     lora: list[str] = flag(
         [], LORA,
-        "NAME=PATH_OR_URL registers an adapter file (diffusers/PEFT or the original Wan 'lightx2v' layout; "
-        "repeatable), checked before anything starts. generate also takes NAME[:SCALE] to apply a "
-        "registered one (default: every registered one, scale 1); the service and the batch job name "
-        "adapters per request", action="append", metavar="NAME=PATH_OR_URL | NAME[:SCALE]")
+        "NAME=PATH registers an adapter file (diffusers/PEFT or the original Wan 'lightx2v' layout; "
+        "repeatable); a path that is no file is refused before anything starts, the file's contents "
+        "where it is registered (generate: before the model loads; serve: the replica's start fails "
+        "naming it). generate also takes NAME[:SCALE] to apply a registered one (default: every "
+        "registered one, scale 1); the service and the batch job name "
+        "adapters per request", action="append", metavar="NAME=PATH | NAME[:SCALE]")
     lora_cache_gb: float = flag(
         LoraConfig.cache_gb, LORA,
         f"device memory for adapter weights, an LRU of whole adapters (default {LoraConfig.cache_gb:g}; 0: "

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from service.config.errors import FlagError
 
@@ -87,7 +89,7 @@ def parse_lora_flag(value: str) -> tuple[str, str, float | None]:
     if "=" in value:
         name, source = value.split("=", 1)
         if not source.strip():
-            raise FlagError(f"--lora {value!r}: give NAME=PATH_OR_URL")
+            raise FlagError(f"--lora {value!r}: give NAME=PATH")
         scale = None
     else:
         name, _, raw = value.partition(":")
@@ -104,6 +106,19 @@ def parse_lora_flag(value: str) -> tuple[str, str, float | None]:
     return name, source.strip(), scale
 
 
+def source_problem(source: str) -> str | None:
+    """Why ``source`` cannot be a registered adapter, from the path alone (the file's contents are
+    checked where it is registered): said before anything starts, not by the replica."""
+    if "://" in source:
+        return "adapters are local files (URL sources are not supported yet)"
+    path = Path(os.path.expanduser(source))
+    if not path.exists():
+        return "no such file"
+    if not path.is_file():
+        return "not a file: give the adapter's .safetensors file"
+    return None
+
+
 def lora_flags(args: argparse.Namespace, uses_allowed: bool = False
                ) -> tuple[list[tuple[str, str]], list[LoraRef]]:
     """(registrations as (name, source), uses) of the ``--lora`` flags; FlagError naming one."""
@@ -114,9 +129,12 @@ def lora_flags(args: argparse.Namespace, uses_allowed: bool = False
         if scale is None:
             if any(n == name for n, _ in regs):
                 raise FlagError(f"--lora {name}=...: the name is registered twice")
+            problem = source_problem(source)
+            if problem:
+                raise FlagError(f"--lora {value!r}: {problem}")
             regs.append((name, source))
         elif not uses_allowed:
-            raise FlagError(f"--lora {value!r}: register adapters here as NAME=PATH_OR_URL; requests name "
+            raise FlagError(f"--lora {value!r}: register adapters here as NAME=PATH; requests name "
                             "the adapters they use (\"loras\": [{\"name\": ..., \"scale\": ...}])")
         else:
             uses.append(LoraRef(name, scale))

@@ -77,6 +77,8 @@ def test_the_serve_config_offload_mapping_keeps_working() -> None:
         (["--enable-distributed-layerwise-offload", "--dlo-probe-size", "832x480"], "--dlo-probe-size"),
         (["--enable-distributed-layerwise-offload", "--dlo-no-use-allgather", "--dlo-mode", "allgather"],
          "contradicts"),
+        (["--lora", "style=/no/such.safetensors"], "--lora 'style=/no/such.safetensors': no such file"),
+        (["--lora", "style=https://example.com/s.safetensors"], "URL sources are not supported"),
     ],
 )
 def test_bad_flags_exit_2_without_starting_ray(argv: list[str], message: str, capsys,

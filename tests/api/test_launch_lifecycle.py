@@ -57,11 +57,11 @@ def test_a_folder_that_is_no_model_ends_the_start_with_exit_2_and_its_cluster(ra
 
 def test_an_app_that_cannot_deploy_ends_the_start_with_exit_2_naming_its_error(ray_tmp: Path,
                                                                              tmp_path: Path) -> None:
-    """A replica whose start raises (here: a --lora that names a folder, read by the replica)
-    fails the deploy: the launcher says the replica's own error and exits 2 at once, without
-    a drain (no job ever ran) and with its cluster gone."""
-    (tmp_path / "adapter").mkdir()
-    s = Serve(ray_tmp, "--port", str(free_port()), "--lora", f"bad={tmp_path / 'adapter'}")
+    """A replica whose start raises (here: a --lora file that is no safetensors file, read by the
+    replica) fails the deploy: the launcher says the replica's own error and exits 2 at once,
+    without a drain (no job ever ran) and with its cluster gone."""
+    (tmp_path / "adapter.safetensors").write_bytes(b"not a safetensors file")
+    s = Serve(ray_tmp, "--port", str(free_port()), "--lora", f"bad={tmp_path / 'adapter.safetensors'}")
     end = time.monotonic() + 300  # a bound on the wait, not a measurement
     while s.proc.poll() is None and time.monotonic() < end:
         s.seen |= set(descendants(s.proc.pid))
