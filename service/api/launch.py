@@ -366,8 +366,11 @@ def _app_problem(url: str, unanswered: bool) -> str | None:
     before us: its proxies keep the port it was started with, whatever --port says)."""
     from ray import serve
 
-    with _ray_call():
-        app = serve.status().applications.get("dloserve")
+    try:
+        with _ray_call():
+            app = serve.status().applications.get("dloserve")
+    except Exception:  # noqa: BLE001 - Serve's controller restarting: asked again in a second
+        return None
     if app is None:
         return None
     if app.status == "DEPLOY_FAILED":  # each deployment's message ends with its error's own line
