@@ -29,7 +29,6 @@ class Owned:
     cluster: bool = False  # a local cluster: its processes are our descendants
     ray: bool = False  # a ray.init we made
     deployed: bool = False  # our app and its job store
-    ready: bool = False  # our app answered ready (so it may run jobs, which a stop drains)
     serve: bool = False  # Serve, started by us on a joined cluster (it goes with us)
     store_url: str = ""  # our job store's results URL
     # Threads of ours that call Ray (the join, the job store's start): ray.shutdown() waits for
@@ -185,8 +184,7 @@ def shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> Non
             from ray import serve
 
             try:
-                if OWNED.ready:  # else no job ever ran: a drain would wait for the replica's start
-                    _drain(drain_s)
+                _drain(drain_s)
                 if joined:  # the cluster lives on: our app and its job store (records stay) go
                     serve.delete("dloserve")
                     if OWNED.store_url:
@@ -215,6 +213,9 @@ def _drain(timeout_s: float) -> None:
     from ray import serve
 
     try:
+        app = serve.status().applications.get("dloserve")
+        if app is None or app.status not in ("RUNNING", "UNHEALTHY"):
+            return  # no replica took requests (a drain would wait for one to start, or fail)
         handle = serve.get_app_handle("dloserve")
     except Exception:  # noqa: BLE001 - never deployed: nothing to drain
         return

@@ -191,7 +191,6 @@ def _run(args: argparse.Namespace) -> int:
     except (TimeoutError, NotServing) as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2 if isinstance(e, NotServing) else 1
-    OWNED.ready = True
     report_listeners(args.host)
     print(f"dloserve ready at {url} in {time.time() - marks['process']:.1f} s "
           f"(POST {url}/v1/videos, the playground {url}/ui); Ctrl-C to stop", flush=True)
