@@ -161,6 +161,7 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
         (signal.SIGINT, "while Python starts"),
         (signal.SIGTERM, "while Ray starts"),
         (signal.SIGTERM, "while the model loads"),
+        (signal.SIGINT, "while the ranks load"),  # the app runs, not yet ready: a drain of nothing
     ],  # while serving: test_exposure.py (SIGINT) and the drain tests below (SIGTERM): once
     # serving, SIGINT and SIGTERM take one path (launch._on_signal, then cluster.shutdown)
 )
@@ -172,8 +173,10 @@ def test_a_signal_at_any_moment_stops_everything(ray_tmp: Path, sig: int, moment
         s.watch_until(lambda: catches(s.proc.pid, signal.SIGTERM), timeout=60)
     elif moment == "while Ray starts":
         s.watch_until(lambda: bool(matching(s.proc.pid, "gcs_server")), timeout=120)
-    else:  # while the model loads
+    elif moment == "while the model loads":
         s.watch_until(lambda: "deploying" in s.output, timeout=180)
+    else:
+        s.watch_until(lambda: bool(matching(s.proc.pid, "RankActor")), timeout=180)
     assert s.stop(sig) == 0, s.output[-2000:]
     assert not s.survivors(), s.survivors()
 
