@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 
@@ -196,8 +197,9 @@ def shutdown(joined: bool, drain_s: float = 0.0, timeout_s: float = 60.0) -> Non
                 # else reads answer until the cluster's processes (HTTP proxy among them) stop
             except Exception:  # noqa: BLE001 - half-started Serve: the process kill below ends it
                 pass
+        joined_by = time.monotonic() + timeout_s / 2  # one bound for all of them
         for t in OWNED.threads:
-            t.join(timeout_s / 2)
+            t.join(max(0.0, joined_by - time.monotonic()))
         if OWNED.ray and ray.is_initialized() and not any(t.is_alive() for t in OWNED.threads):
             ray.shutdown()  # else the process's exit disconnects it (and a cluster of ours is killed below)
     except (Stop, SystemExit):

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -49,17 +50,31 @@ from service.api.startup import Launched, process_started_at
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
-_signals: dict[str, int | str | bool] = {"count": 0, "in_ray": False, "pending": ""}
+
+@dataclass
+class _Signals:
+    """The stop signals seen: how many, whether the main thread is inside a Ray call, and the
+    one that arrived there (acted on when the call returns)."""
+
+    count: int = 0
+    in_ray: bool = False
+    pending: str = ""
+
+    def reset(self) -> None:
+        self.count, self.in_ray, self.pending = 0, False, ""
+
+
+_signals = _Signals()
 
 
 def _on_signal(signum: int, _frame: object) -> None:
     """First signal: unwind from wherever start-up is, but not from inside a Ray call: raised
     there it can land in Ray's C code (a SystemError instead of the stop) or leave a call half
     made, so it waits for the call to return (``_ray_call``). A second one: stop at once."""
-    _signals["count"] = int(_signals["count"]) + 1
-    if _signals["count"] == 1:
-        if _signals["in_ray"]:
-            _signals["pending"] = signal.Signals(signum).name
+    _signals.count += 1
+    if _signals.count == 1:
+        if _signals.in_ray:
+            _signals.pending = signal.Signals(signum).name
             return
         raise Stop(signal.Signals(signum).name)
     print(f"dloserve serve: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
@@ -69,13 +84,13 @@ def _on_signal(signum: int, _frame: object) -> None:
 @contextmanager
 def _ray_call() -> Iterator[None]:
     """A region of Ray calls on the main thread: a first signal inside it stops at its end."""
-    _signals["in_ray"] = True
+    _signals.in_ray = True
     try:
         yield
     finally:
-        _signals["in_ray"] = False
-    if _signals["pending"]:
-        raise Stop(str(_signals["pending"]))
+        _signals.in_ray = False
+    if _signals.pending:
+        raise Stop(_signals.pending)
 
 
 def _install_handlers() -> None:
@@ -93,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # every flag checked, in one order, before anything starts
         args.engine_config = EngineArgs.from_namespace(args).to_config()
-        lora_flags(args)  # the adapters' paths (their contents: the replica's start)
+        lora_flags(args)  # serve's form of --lora and the adapters' paths (their contents: the replica's)
     except FlagError as e:
         print(f"dloserve serve: {e}", file=sys.stderr)
         return 2
@@ -109,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown(bool(args.address), drain_s=args.drain_timeout_s)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _signals.update(count=0, in_ray=False, pending="")
+        _signals.reset()
         OWNED.reset()
 
 

@@ -273,7 +273,7 @@ def test_a_signal_inside_a_ray_call_stops_the_start_once_the_call_returns() -> N
                 time.sleep(0.2)  # the handler runs here, between bytecodes
                 finished = True
         assert finished, "the region was cut short"
-        launch._signals.update(count=0, pending="")
+        launch._signals.count, launch._signals.pending = 0, ""
         with pytest.raises(Stop, match="SIGINT"):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.2)
@@ -282,4 +282,4 @@ def test_a_signal_inside_a_ray_call_stops_the_start_once_the_call_returns() -> N
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        launch._signals.update(count=0, in_ray=False, pending="")
+        launch._signals.reset()
