@@ -9,9 +9,12 @@
 3. The exact routes the service would load (measured now, or from the cache).
 4. One 40-layer forward (832x480x81, batch 2, compiled) under ``sdpa`` (the reference),
    ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8`` (q, k, v as one GEMM, as the
-   service runs them), and with q, k, v as three GEMMs (``*_unfused``) or inductor's GEMM
-   autotuning (``exact_autotune``):
-   relative error and PSNR of the output against the reference's, and seconds per forward.
+   service runs them: q, k, v as one GEMM, the FFN's GELU in its GEMM's epilogue), and without
+   those fusions (``*_unfused``, ``exact_nogelu``), with inductor's GEMM autotuning
+   (``exact_autotune``) or its coordinate-descent tuning of the generated kernels (``*_cdt``):
+   relative error and PSNR of the output against the reference's, and seconds per forward;
+   ``--profile``: each setting's GPU time per forward by kernel (the top ones) and by kind
+   (GEMM, attention, inductor's generated kernels, the rest).
 
 Exit 1 where a check fails: exact kernels within ``EXACT_ERR`` of SDPA; cuDNN FP8 within
 ``FP8_ERR`` of SDPA and ``RECIPE_GAP`` of its recipe; the exact step's PSNR >= ``EXACT_PSNR``.
@@ -100,16 +103,40 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
     return out
 
 
-# name -> (--attention, FP8 weights, what else changes: "unfused" = q, k, v as diffusers' three GEMMs
-# (the service fuses them: service.models.fused_qkv), "autotune" = inductor's max-autotune GEMM search)
+# name -> (--attention, FP8 weights, what else changes: "unfused" = no GEMM fusion (q, k, v as diffusers'
+# three GEMMs, the GELU apart: service.models.fused_gemms), "nogelu" = the q, k, v fusion only,
+# "autotune" = inductor's max-autotune GEMM search, "cdt" = inductor's coordinate-descent kernel tuning)
 STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", False, ""),
-                 "exact_unfused": ("exact", False, "unfused"), "exact_autotune": ("exact", False, "autotune"),
+                 "exact_unfused": ("exact", False, "unfused"), "exact_nogelu": ("exact", False, "nogelu"),
+                 "exact_autotune": ("exact", False, "autotune"), "exact_cdt": ("exact", False, "cdt"),
                  "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
-                 "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused")}
+                 "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused"),
+                 "fp8_weights_attn_fp8_cdt": ("fp8", True, "cdt")}
+FUSIONS = {"unfused": frozenset(), "nogelu": frozenset({"qkv"})}
+KINDS = (("attention", ("attention", "flash", "fmha", "sdpa")),
+         ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("generated", ("triton",)))
+
+
+def kernel_table(run: Any, top: int = 12) -> dict[str, Any]:
+    """GPU ms of one ``run()`` by kernel (the ``top`` longest) and by kind (a name's first match
+    in ``KINDS``; fa4's CuTe kernel names attention before cutlass)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), key=lambda r: -r[1])
+    kinds: dict[str, float] = {}
+    for name, ms, _ in rows:
+        kind = next((k for k, marks in KINDS if any(m in name.lower() for m in marks)), "other")
+        kinds[kind] = round(kinds.get(kind, 0.0) + ms, 1)
+    return {"total_ms": round(sum(r[1] for r in rows), 1), "by_kind_ms": kinds,
+            "top": [{"kernel": n[:120], "ms": round(ms, 1), "calls": c} for n, ms, c in rows[:top]]}
 
 
 def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int, names: list[str],
-               ref_path: Path | None, fails: list[str]) -> dict[str, Any]:
+               ref_path: Path | None, fails: list[str], profile: bool = False) -> dict[str, Any]:
     """One compiled 40-layer CFG forward per setting, against the sdpa one (``ref_path``: where
     the sdpa output is kept, so a later call can compare its settings without recomputing it;
     the weights come from one seed, so the same model is built again)."""
@@ -128,6 +155,7 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             continue
         try:
             torch._inductor.config.max_autotune_gemm = also == "autotune"
+            torch._inductor.config.coordinate_descent_tuning = also == "cdt"
             attention.check(setting, m, dev)
             routes = attention.load_routes(setting, m, dev, heads, hd, torch.bfloat16)
             torch._dynamo.reset()
@@ -136,11 +164,13 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False)
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)
-            with attention.chosen(setting, fused_qkv=also != "unfused"), torch.no_grad():
+            with attention.chosen(setting, FUSIONS.get(also, attention.FUSIONS)), torch.no_grad():
                 t0 = time.perf_counter()
                 got = m(**inp, return_dict=False)[0]
                 first = time.perf_counter() - t0
                 ms = bench(lambda: m(**inp, return_dict=False), dev, 2, warmup=0)
+                on_gpu = profile and dev.type == "cuda"
+                kernels_ms = kernel_table(lambda: m(**inp, return_dict=False)) if on_gpu else None
             if ref is None:
                 ref = got
                 if ref_path:
@@ -148,6 +178,8 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             db = round(psnr(got, ref), 2) if got is not ref else "reference"
             r = {"forward_s": round(ms / 1e3, 3), "first_s": round(first, 1),
                  "rel_err": round(_rel(got, ref), 5), "psnr_db": db, "routes": routes.as_dict()}
+            if kernels_ms:
+                r["kernels"] = kernels_ms
             if setting == "exact" and isinstance(db, float) and db < EXACT_PSNR:
                 fails.append(f"{name}: PSNR {r['psnr_db']} dB < {EXACT_PSNR}")
             out[name] = r
@@ -157,6 +189,7 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
                 fails.append(f"{name}: {out[name]}")
         finally:
             torch._inductor.config.max_autotune_gemm = False
+            torch._inductor.config.coordinate_descent_tuning = False
         print(json.dumps({name: out[name]}), flush=True)
     return out
 
@@ -173,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default=",".join(STEP_SETTINGS), help=f"step: of {list(STEP_SETTINGS)}; "
                    "the first is the reference unless --ref holds one")
     p.add_argument("--ref", type=Path, default=None, help="step: the reference output's file (kept, reused)")
+    p.add_argument("--profile", action="store_true", help="step: each setting's GPU time by kernel")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     dev = torch.device(a.device)
@@ -190,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         report["routes"] = attention_routes.measured_routes(heads, hd, torch.bfloat16, dev).as_dict()
         print(json.dumps({"routes": report["routes"]}), flush=True)
     if "step" in parts:
-        report["step"] = check_step(cfg, dev, a.layers, a.step_tokens, a.settings.split(","), a.ref, fails)
+        report["step"] = check_step(cfg, dev, a.layers, a.step_tokens, a.settings.split(","), a.ref, fails,
+                                    a.profile)
     report["fails"] = fails
     print("wrote", write_report(report, a.out))
     for f in fails:

@@ -1,8 +1,11 @@
-"""Wan's q, k, v projections as one GEMM while compiling (service.models.fused_qkv), on CPU.
+"""Wan's GEMMs fused with their neighbours while compiling (service.models.fused_gemms), on CPU.
 
-The graph a compiled Wan block traces has two Linear calls fewer with the fusion (self-attention's
-q, k, v as one), the same output, and diffusers' three GEMMs wherever the fusion would not be the
-same arithmetic (hooks: LoRA's side branches; FP8 weights off their FP8 GEMM; eager forwards).
+The graph a compiled Wan block traces has two Linear calls fewer with the q, k, v fusion
+(self-attention's q, k, v as one), the same output, and diffusers' three GEMMs wherever the fusion
+would not be the same arithmetic (hooks: LoRA's side branches; FP8 weights off their FP8 GEMM;
+eager forwards). The GELU epilogue is CUDA only (torch's CPU kernel computes erf, not tanh): here
+its refusals, and that a CPU graph keeps diffusers' GELU; its numbers are checked on the GPU
+(loadtest/gpu_check_attention.py ``exact_routes`` against ``exact_nogelu``).
 """
 
 from __future__ import annotations
@@ -10,11 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers.models import activations
 from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch import nn
 
-from service.models import attention
-from service.models.fused_qkv import one_gemm
+from service.models import attention, fused_gemms
+from service.models.fused_gemms import gelu_gemm, one_gemm
 from service.offload.quant import Fp8Compute, Fp8Linear, quantize_weight, weight_scales
 
 DIM, HEADS, TOKENS, TEXT = 64, 4, 24, 8
@@ -39,11 +43,12 @@ def _compiled_linears(block: WanTransformerBlock, fused: bool) -> tuple[int, tor
 
     def backend(gm: torch.fx.GraphModule, _inputs: object) -> object:
         counts.append(sum(n.op == "call_function" and n.target is F.linear for n in gm.graph.nodes))
+        assert not any(n.target is torch._addmm_activation for n in gm.graph.nodes)  # CPU: no GELU epilogue
         return gm.forward
 
     torch._dynamo.reset()
     fn = torch.compile(type(block).forward, backend=backend, fullgraph=True)
-    with attention.chosen("exact", fused_qkv=fused), torch.no_grad():
+    with attention.chosen("exact", fused_gemms.FUSIONS if fused else frozenset()), torch.no_grad():
         out = fn(block, *_inputs())
     assert len(counts) == 1
     return counts[0], out
@@ -93,3 +98,30 @@ def test_fp8_weights_fuse_only_on_their_fp8_gemm(compute: Fp8Compute) -> None:
         fp8.weight_scale = weight_scales(lin.weight.data)
         layers.append(fp8)
     assert one_gemm(torch.randn(5, DIM), tuple(layers)) is None  # float32 input: not the FP8 GEMM
+
+
+def test_the_gelu_epilogue_is_refused_where_it_is_not_the_same_arithmetic() -> None:
+    torch.manual_seed(3)
+    proj = nn.Linear(DIM, 2 * DIM)
+    x = torch.randn(5, DIM)
+    assert gelu_gemm(x, proj, "tanh") is None  # CPU: torch's kernel would compute erf
+    assert gelu_gemm(x.bfloat16(), proj.bfloat16(), "tanh") is None  # CPU in half precision too
+    assert gelu_gemm(x, proj, "none") is None  # diffusers' erf GELU has no cuBLASLt epilogue
+    proj.register_forward_hook(lambda _m, _i, o: o)
+    assert gelu_gemm(x, proj, "tanh") is None
+
+
+def test_the_fusions_are_patched_for_the_duration_only() -> None:
+    from diffusers.models.transformers import transformer_wan as wan
+
+    gelu, qkv = activations.GELU.forward, wan._get_qkv_projections
+    with fused_gemms.fused(frozenset({"gelu"})):
+        assert activations.GELU.forward is not gelu and wan._get_qkv_projections is qkv
+        with fused_gemms.fused():  # nested: the outer patch stays, nothing is wrapped twice
+            assert getattr(activations.GELU.forward, "fused", False)
+            assert wan._get_qkv_projections is not qkv
+        assert wan._get_qkv_projections is qkv
+    assert activations.GELU.forward is gelu
+    with pytest.raises(ValueError, match="unknown fusions"):
+        with fused_gemms.fused(frozenset({"qkv", "rope"})):
+            pass
