@@ -10,8 +10,9 @@
 4. One 40-layer forward (832x480x81, batch 2, compiled) under ``sdpa`` (the reference),
    ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8`` (q, k, v as one GEMM, as the
    service runs them: q, k, v as one GEMM, the FFN's GELU in its GEMM's epilogue), and without
-   those fusions (``*_unfused``, ``exact_nogelu``), with inductor's GEMM autotuning
-   (``exact_autotune``) or its coordinate-descent tuning of the generated kernels (``*_cdt``):
+   those fusions (``*_unfused``, ``exact_nogelu``), without inductor's coordinate-descent tuning
+   of its generated kernels (``*_nocdt``; the service compiles with it) or with its GEMM
+   autotuning (``exact_autotune``):
    relative error and PSNR of the output against the reference's, and seconds per forward;
    ``--profile``: each setting's GPU time per forward by kernel (the top ones) and by kind
    (GEMM, attention, inductor's generated kernels, the rest).
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compute import SMALL, WAN14B, bench, build, kernels, latents, to_fp8, versions  # noqa: E402
 from reporting import TEXT_TOKENS, header, write_report  # noqa: E402
 
-from service.models import attention, attention_routes, cudnn_fp8_attention  # noqa: E402
+from service.models import attention, attention_routes, compiled, cudnn_fp8_attention  # noqa: E402
 
 EXACT_ERR = 0.01  # fa4 measured 0.0023 relative to cuDNN (issue 46)
 FP8_ERR = 0.1  # cuDNN FP8 at scale_s 448 measured 0.06 (random inputs)
@@ -103,15 +104,16 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
     return out
 
 
-# name -> (--attention, FP8 weights, what else changes: "unfused" = no GEMM fusion (q, k, v as diffusers'
-# three GEMMs, the GELU apart: service.models.fused_gemms), "nogelu" = the q, k, v fusion only,
-# "autotune" = inductor's max-autotune GEMM search, "cdt" = inductor's coordinate-descent kernel tuning)
+# name -> (--attention, FP8 weights, what else changes from the service's compile: "unfused" = no GEMM
+# fusion (q, k, v as diffusers' three GEMMs, the GELU apart: service.models.fused_gemms), "nogelu" = the
+# q, k, v fusion only, "nocdt" = without inductor's coordinate-descent kernel tuning
+# (service.models.compiled.INDUCTOR_OPTIONS), "autotune" = with inductor's max-autotune GEMM search)
 STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", False, ""),
                  "exact_unfused": ("exact", False, "unfused"), "exact_nogelu": ("exact", False, "nogelu"),
-                 "exact_autotune": ("exact", False, "autotune"), "exact_cdt": ("exact", False, "cdt"),
+                 "exact_nocdt": ("exact", False, "nocdt"), "exact_autotune": ("exact", False, "autotune"),
                  "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
                  "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused"),
-                 "fp8_weights_attn_fp8_cdt": ("fp8", True, "cdt")}
+                 "fp8_weights_attn_fp8_nocdt": ("fp8", True, "nocdt")}
 FUSIONS = {"unfused": frozenset(), "nogelu": frozenset({"qkv"})}
 KINDS = (("attention", ("attention", "flash", "fmha", "sdpa")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("generated", ("triton",)))
@@ -154,14 +156,14 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             out[name] = "FP8 weights need CUDA (scaled_mm)"
             continue
         try:
-            torch._inductor.config.max_autotune_gemm = also == "autotune"
-            torch._inductor.config.coordinate_descent_tuning = also == "cdt"
             attention.check(setting, m, dev)
             routes = attention.load_routes(setting, m, dev, heads, hd, torch.bfloat16)
             torch._dynamo.reset()
             for blk in m.blocks:
                 blk.__dict__.pop("forward", None)
-            fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False)
+            change = {"nocdt": {"coordinate_descent_tuning": False}, "autotune": {"max_autotune_gemm": True}}
+            options = {**compiled.INDUCTOR_OPTIONS, **change.get(also, {})}
+            fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False, options=options)
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)
             with attention.chosen(setting, FUSIONS.get(also, attention.FUSIONS)), torch.no_grad():
@@ -187,9 +189,6 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             out[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             if setting != "fp8" or dev.type == "cuda":
                 fails.append(f"{name}: {out[name]}")
-        finally:
-            torch._inductor.config.max_autotune_gemm = False
-            torch._inductor.config.coordinate_descent_tuning = False
         print(json.dumps({name: out[name]}), flush=True)
     return out
 

@@ -19,6 +19,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
+from service.models import compiled
 from service.models.demo.lora import write_demo_lora
 from service.models.lora_ref import LoraRef
 from service.models.pipeline import PipelineRunner
@@ -202,3 +203,12 @@ def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     cache = eager.describe()["cache"]
     assert cache["dir"] is None and cache["fxgraph_cache_hit"] == 0 and cache["fxgraph_cache_miss"] == 0
     eager.close()
+
+
+def test_inductor_compiles_with_its_measured_options_and_other_backends_with_none() -> None:
+    opts = compiled.options_for("inductor")
+    assert opts == {"coordinate_descent_tuning": True}
+    opts["coordinate_descent_tuning"] = False  # a copy: the module's own stays as measured
+    assert compiled.INDUCTOR_OPTIONS["coordinate_descent_tuning"] is True
+    assert compiled.options_for("aot_eager") is None
+    assert compiled.options_for(lambda gm, _inputs: gm.forward) is None
