@@ -18,7 +18,7 @@ where it is the same arithmetic:
   activation is written once instead of written, read and written again (3.6 GB a block call at
   32,760 tokens with CFG): a 40-layer CFG step 0.74-0.81% faster on two H100s, 2026-12-05
   (loadtest/results/h100-attention-check-2026-12-05-fusions-a.json, -baselines.json). Any
-  diffusers ``GELU`` module a compiled block calls takes it (Flux's FFN too). CUDA only: torch's
+  diffusers ``GELU`` module a compiled block calls takes it (Flux's double-stream FFN too). CUDA only: torch's
   CPU kernel of the same op computes the erf GELU, not tanh. Plain ``nn.Linear`` with a bias,
   half precision.
 
