@@ -8,8 +8,8 @@
    fault shows as a gap between the two, the FP8 recipe's own error as their agreement.
 3. The exact routes the service would load (measured now, or from the cache).
 4. One 40-layer forward (832x480x81, batch 2, compiled) under ``sdpa`` (the reference),
-   ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8`` (q, k, v as one GEMM, as the
-   service runs them: q, k, v as one GEMM, the FFN's GELU in its GEMM's epilogue), and without
+   ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8``, compiled as the service compiles
+   (q, k, v as one GEMM; the FFN's GELU in its GEMM's epilogue, not with FP8 weights), and without
    those fusions (``*_unfused``, ``exact_nogelu``), without inductor's coordinate-descent tuning
    of its generated kernels (``*_nocdt``; the service compiles with it) or with its GEMM
    autotuning (``exact_autotune``):
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compute import SMALL, WAN14B, bench, build, kernels, latents, to_fp8, versions  # noqa: E402
 from reporting import TEXT_TOKENS, header, write_report  # noqa: E402
 
-from service.models import attention, attention_routes, compiled, cudnn_fp8_attention  # noqa: E402
+from service.models import attention, attention_routes, compiled, cudnn_fp8_attention, fused_gemms  # noqa: E402
 
 EXACT_ERR = 0.01  # fa4 measured 0.0023 relative to cuDNN (issue 46)
 FP8_ERR = 0.1  # cuDNN FP8 at scale_s 448 measured 0.06 (random inputs)
@@ -114,7 +114,8 @@ STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", Fa
                  "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
                  "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused"),
                  "fp8_weights_attn_fp8_nocdt": ("fp8", True, "nocdt")}
-FUSIONS = {"unfused": frozenset(), "nogelu": frozenset({"qkv"})}
+STEP_FUSIONS = {"unfused": frozenset(), "nogelu": frozenset({"qkv"})}
+STEP_OPTIONS = {"nocdt": {"coordinate_descent_tuning": False}, "autotune": {"max_autotune_gemm": True}}
 KINDS = (("attention", ("attention", "flash", "fmha", "sdpa")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("generated", ("triton",)))
 
@@ -161,12 +162,11 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             torch._dynamo.reset()
             for blk in m.blocks:
                 blk.__dict__.pop("forward", None)
-            change = {"nocdt": {"coordinate_descent_tuning": False}, "autotune": {"max_autotune_gemm": True}}
-            options = {**compiled.INDUCTOR_OPTIONS, **change.get(also, {})}
+            options = {**compiled.INDUCTOR_OPTIONS, **STEP_OPTIONS.get(also, {})}
             fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False, options=options)
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)
-            with attention.chosen(setting, FUSIONS.get(also, attention.FUSIONS)), torch.no_grad():
+            with attention.chosen(setting, STEP_FUSIONS.get(also, fused_gemms.FUSIONS)), torch.no_grad():
                 t0 = time.perf_counter()
                 got = m(**inp, return_dict=False)[0]
                 first = time.perf_counter() - t0

@@ -37,10 +37,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from service.config.errors import FlagError
 
-from . import cudnn_fp8_attention, fa4_attention
+from . import cudnn_fp8_attention, fa4_attention, fused_gemms
 from .attention_routes import ORDER, Routes, available, measured_routes
-from .fused_gemms import FUSIONS
-from .fused_gemms import fused as fused_gemms
 
 WHY = ("exact kernels, fastest first as measured on an H200 at 40 heads x 128 bf16: cuDNN 39.4 ms, "
        "flash 61.8 ms, memory-efficient 122.8 ms (self + cross attention of one block, 32,760 tokens)")
@@ -67,14 +65,14 @@ def routes_for(backend: str) -> Routes:
 
 
 @contextmanager
-def chosen(backend: str = "exact", fusions: frozenset[str] = FUSIONS) -> Iterator[None]:
+def chosen(backend: str = "exact", fusions: frozenset[str] = fused_gemms.FUSIONS) -> Iterator[None]:
     """SDPA with the priority order above (torch falls through to the next kernel where one
     does not support the inputs, e.g. cuDNN on the CPU); where a route or ``backend`` sends
     Wan's attention elsewhere, Wan's dispatch is our router for the duration (the same router
-    object each time, so a compiled block traced under it is not recompiled). Wan's GEMMs are
+    object each time, so a compiled block traced under it is not recompiled). GEMMs are
     fused with their neighbours in compiled blocks (service.models.fused_gemms; ``fusions``
     fewer: the measurement's baselines)."""
-    with sdpa_kernel(list(ORDER), set_priority=True), fused_gemms(fusions):
+    with sdpa_kernel(list(ORDER), set_priority=True), fused_gemms.fused(fusions):
         routes, approx = routes_for(backend), APPROXIMATE.get(backend)
         if approx is None and routes.kernels() == {"sdpa"}:
             yield

@@ -63,9 +63,10 @@ def backend_for(device: torch.device) -> str:
 
 
 # inductor's options for the blocks: coordinate-descent tuning of its generated kernels (the norms,
-# RoPE, the residual adds, FP8's quantization) made a 40-layer CFG step 0.35% faster exact and 0.9%
-# with FP8 weights + fp8 attention on an H100 (2026-12-05, loadtest/results/h100-attention-check-
-# 2026-12-05-fusions-{a,b}.json); it costs 26-47 s more in a compile without inductor's caches, none with
+# RoPE, the residual adds, FP8's quantization) made a 40-layer CFG step 0.29-0.35% faster exact and
+# 0.93-0.99% with FP8 weights + fp8 attention on two H100s (2026-12-05, loadtest/results/
+# h100-attention-check-2026-12-05-{fusions-a,fusions-b,defaults,baselines}.json); it took 25.8 s of
+# the service's first warm-up without inductor's caches (h100-compute-dlo-2026-12-05.json), none with
 INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 

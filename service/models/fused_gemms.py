@@ -1,10 +1,10 @@
-"""Wan's GEMMs fused with their neighbours inside the compiled block.
+"""GEMMs fused with their neighbours inside compiled blocks: Wan's q, k, v; diffusers' GELU.
 
 Two fusions, each only while torch.compile traces (eager forwards keep diffusers' code) and only
-where it is the same arithmetic:
+where it is the same maths, rounding aside:
 
-- ``qkv``: self-attention's q, k, v projections as one GEMM three times as wide. diffusers runs
-  them as three GEMMs of [tokens, 5120] x [5120, 5120] (Wan-14B); one is a little faster: a
+- ``qkv``: Wan's self-attention q, k, v projections as one GEMM three times as wide. diffusers
+  runs them as three GEMMs of [tokens, 5120] x [5120, 5120] (Wan-14B); one is a little faster: a
   40-layer CFG step 0.5% (exact) and 0.2% (FP8 weights + fp8 attention) on an H100, 2026-12-05
   (loadtest/results/h100-attention-check-2026-12-05-fused-qkv.json). diffusers' own
   ``fuse_projections`` would keep a second, concatenated copy of every block's weights, which the
@@ -13,21 +13,23 @@ where it is the same arithmetic:
   on an H200), from whatever tensors the block holds at that moment (a slot's, a resident
   block's). Plain ``nn.Linear`` or ``Fp8Linear`` on its FP8 GEMM (per-output-channel scales
   concatenate with the rows).
-- ``gelu``: the FFN's up projection and its tanh GELU as one cuBLASLt GEMM with a GELU epilogue
+- ``gelu``: an FFN's up projection and its tanh GELU as one cuBLASLt GEMM with a GELU epilogue
   (``torch._addmm_activation``, which inductor keeps as one kernel): the [tokens, 13824]
   activation is written once instead of written, read and written again (3.6 GB a block call at
-  32,760 tokens with CFG): a 40-layer CFG step 0.74-0.81% faster on two H100s, 2026-12-05
-  (loadtest/results/h100-attention-check-2026-12-05-fusions-a.json, -baselines.json). Any
-  diffusers ``GELU`` module a compiled block calls takes it (Flux's double-stream FFN too). CUDA only: torch's
-  CPU kernel of the same op computes the erf GELU, not tanh. Plain ``nn.Linear`` with a bias,
-  half precision.
+  32,760 tokens with CFG): a 40-layer CFG step 0.81% and 0.74% faster on two H100s, 2026-12-05
+  (loadtest/results/h100-attention-check-2026-12-05-fusions-a.json and -baselines.json against
+  -defaults.json). Any diffusers ``GELU`` module a compiled block calls takes it (Wan's FFN,
+  Flux's double-stream FFN). CUDA only: torch's CPU kernel of the same op computes the erf GELU,
+  not tanh. Plain ``nn.Linear`` with a bias, half precision: FP8 weights keep the GELU apart.
 
-No hooks on the Linears in either (LoRA's side branches are hooks; a LoRA request runs eager anyway).
+No hooks on the Linears in either (LoRA's side branches are hooks; a LoRA request runs eager
+anyway). The patches are process-wide and counted: the last of overlapping users restores them.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from functools import cache
@@ -69,11 +71,18 @@ def one_gemm(x: torch.Tensor, layers: tuple[nn.Module, ...]) -> torch.Tensor | N
     return None
 
 
+def gelu_fusible(proj: nn.Module, approximate: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``gelu_gemm`` is the same maths as diffusers' GELU for an input on ``device_type``
+    of ``dtype``: a plain ``nn.Linear`` with a bias, the tanh GELU, half precision, CUDA."""
+    return (type(proj) is nn.Linear and _plain(proj) and proj.bias is not None and approximate == "tanh"
+            and device_type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and proj.weight.dtype == dtype)
+
+
 def gelu_gemm(x: torch.Tensor, proj: nn.Module, approximate: str) -> torch.Tensor | None:
-    """tanh-GELU(``proj``(``x``)) as one GEMM with a GELU epilogue; None where it would not be
-    the same arithmetic (see the module's docstring)."""
-    if not (type(proj) is nn.Linear and _plain(proj) and proj.bias is not None and approximate == "tanh"
-            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and proj.weight.dtype == x.dtype):
+    """tanh-GELU(``proj``(``x``)) as one GEMM with a GELU epilogue; None where ``gelu_fusible``
+    says no."""
+    if not gelu_fusible(proj, approximate, x.device.type, x.dtype):
         return None
     out = torch._addmm_activation(proj.bias, x.reshape(-1, x.shape[-1]), proj.weight.t(), use_gelu=True)
     return out.view(*x.shape[:-1], proj.out_features)
@@ -110,19 +119,32 @@ def _gelu_forward(original: Any) -> Any:
     return forward
 
 
+_lock = threading.Lock()
+_users: dict[tuple[int, str], tuple[int, Any]] = {}  # (id(owner), name) -> (users, the original)
+
+
 @contextmanager
 def _patched(owner: Any, name: str, make: Any) -> Iterator[None]:
-    """``owner.name`` replaced by ``make(original)`` for the duration (nothing where ``owner``
-    is None: that part of diffusers was not imported; nothing where already patched: nested)."""
-    original = getattr(owner, name, None) if owner is not None else None
-    if original is None or getattr(original, "fused", False):
+    """``owner.name`` replaced by ``make(original)`` while anyone is inside (nothing where
+    ``owner`` is None: that part of diffusers was not imported)."""
+    if owner is None or getattr(owner, name, None) is None:
         yield
         return
-    setattr(owner, name, make(original))
+    key = (id(owner), name)
+    with _lock:
+        users, original = _users.get(key, (0, getattr(owner, name)))
+        if users == 0:
+            setattr(owner, name, make(original))
+        _users[key] = (users + 1, original)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        with _lock:
+            users, original = _users.pop(key)
+            if users == 1:
+                setattr(owner, name, original)
+            else:
+                _users[key] = (users - 1, original)
 
 
 @contextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
@@ -205,10 +206,27 @@ def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     eager.close()
 
 
-def test_inductor_compiles_with_its_measured_options_and_other_backends_with_none() -> None:
+def test_inductor_compiles_with_its_measured_options_and_other_backends_with_none(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What ``CompiledBlocks`` hands torch.compile (inductor itself needs a GPU here: its
+    arguments are what is checked)."""
     opts = compiled.options_for("inductor")
     assert opts == {"coordinate_descent_tuning": True}
     opts["coordinate_descent_tuning"] = False  # a copy: the module's own stays as measured
     assert compiled.INDUCTOR_OPTIONS["coordinate_descent_tuning"] is True
     assert compiled.options_for("aot_eager") is None
-    assert compiled.options_for(lambda gm, _inputs: gm.forward) is None
+    seen: list[dict[str, object]] = []
+
+    def record(fn: object, **kwargs: object) -> object:
+        seen.append(kwargs)
+        return fn
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled.torch, "compile", record)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
+    for backend, options in (("inductor", compiled.INDUCTOR_OPTIONS), ("aot_eager", None)):
+        seen.clear()
+        blocks = compiled.CompiledBlocks(model, ["blocks"], backend)
+        assert seen == [{"backend": backend, "fullgraph": True, "options": options}]  # one class, once
+        blocks.close()

@@ -18,7 +18,7 @@ from diffusers.models.transformers.transformer_wan import WanTransformerBlock
 from torch import nn
 
 from service.models import attention, fused_gemms
-from service.models.fused_gemms import gelu_gemm, one_gemm
+from service.models.fused_gemms import gelu_fusible, gelu_gemm, one_gemm
 from service.offload.quant import Fp8Compute, Fp8Linear, quantize_weight, weight_scales
 
 DIM, HEADS, TOKENS, TEXT = 64, 4, 24, 8
@@ -100,15 +100,21 @@ def test_fp8_weights_fuse_only_on_their_fp8_gemm(compute: Fp8Compute) -> None:
     assert one_gemm(torch.randn(5, DIM), tuple(layers)) is None  # float32 input: not the FP8 GEMM
 
 
-def test_the_gelu_epilogue_is_refused_where_it_is_not_the_same_arithmetic() -> None:
+def test_the_gelu_epilogue_is_taken_only_where_it_is_the_same_maths() -> None:
     torch.manual_seed(3)
-    proj = nn.Linear(DIM, 2 * DIM)
-    x = torch.randn(5, DIM)
-    assert gelu_gemm(x, proj, "tanh") is None  # CPU: torch's kernel would compute erf
-    assert gelu_gemm(x.bfloat16(), proj.bfloat16(), "tanh") is None  # CPU in half precision too
-    assert gelu_gemm(x, proj, "none") is None  # diffusers' erf GELU has no cuBLASLt epilogue
+    proj = nn.Linear(DIM, 2 * DIM).bfloat16()
+    bf = torch.bfloat16
+    assert gelu_fusible(proj, "tanh", "cuda", bf)
+    assert gelu_fusible(proj.half(), "tanh", "cuda", torch.float16)
+    assert not gelu_fusible(proj.bfloat16(), "tanh", "cpu", bf)  # torch's CPU kernel computes erf
+    assert not gelu_fusible(proj, "tanh", "cuda", torch.float32)  # half precision only
+    assert not gelu_fusible(proj, "none", "cuda", bf)  # diffusers' erf GELU has no cuBLASLt epilogue
+    assert not gelu_fusible(nn.Linear(DIM, 2 * DIM, bias=False).bfloat16(), "tanh", "cuda", bf)
+    fp8 = Fp8Linear.like(nn.Linear(DIM, 2 * DIM), Fp8Compute.SCALED_MM)
+    assert not gelu_fusible(fp8, "tanh", "cuda", bf)  # FP8 weights keep the GELU apart
     proj.register_forward_hook(lambda _m, _i, o: o)
-    assert gelu_gemm(x, proj, "tanh") is None
+    assert not gelu_fusible(proj, "tanh", "cuda", bf)  # LoRA's side branches are hooks
+    assert gelu_gemm(torch.randn(5, DIM, dtype=bf), nn.Linear(DIM, 2 * DIM).bfloat16(), "tanh") is None  # CPU
 
 
 def test_the_fusions_are_patched_for_the_duration_only() -> None:
@@ -117,11 +123,38 @@ def test_the_fusions_are_patched_for_the_duration_only() -> None:
     gelu, qkv = activations.GELU.forward, wan._get_qkv_projections
     with fused_gemms.fused(frozenset({"gelu"})):
         assert activations.GELU.forward is not gelu and wan._get_qkv_projections is qkv
+        patched = activations.GELU.forward
         with fused_gemms.fused():  # nested: the outer patch stays, nothing is wrapped twice
-            assert getattr(activations.GELU.forward, "fused", False)
+            assert activations.GELU.forward is patched
             assert wan._get_qkv_projections is not qkv
-        assert wan._get_qkv_projections is qkv
+        assert wan._get_qkv_projections is qkv and activations.GELU.forward is patched
     assert activations.GELU.forward is gelu
     with pytest.raises(ValueError, match="unknown fusions"):
         with fused_gemms.fused(frozenset({"qkv", "rope"})):
             pass
+
+
+def test_overlapping_users_keep_the_patch_until_the_last_leaves() -> None:
+    """Two threads' forwards in one process: the first to leave must not unpatch the other's."""
+    import threading
+
+    gelu = activations.GELU.forward
+    inside, leave = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def other() -> None:
+        with fused_gemms.fused(frozenset({"gelu"})):
+            inside.set()
+            leave.wait(10)
+            seen.append(activations.GELU.forward)  # still patched while this one is inside
+
+    t = threading.Thread(target=other)
+    with fused_gemms.fused(frozenset({"gelu"})):
+        patched = activations.GELU.forward
+        t.start()
+        assert inside.wait(10)
+    assert activations.GELU.forward is patched is not gelu  # the first left; the other is inside
+    leave.set()
+    t.join(10)
+    assert seen == [patched]
+    assert activations.GELU.forward is gelu
