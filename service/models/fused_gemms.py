@@ -100,7 +100,6 @@ def _projections(original: Any) -> Any:
                 return out.chunk(3, dim=-1)
         return original(attn, hidden_states, encoder_hidden_states)
 
-    get.fused = True  # type: ignore[attr-defined]
     return get
 
 
@@ -115,7 +114,6 @@ def _gelu_forward(original: Any) -> Any:
                 return out
         return original(self, hidden_states)
 
-    forward.fused = True  # type: ignore[attr-defined]
     return forward
 
 

@@ -1,4 +1,4 @@
-"""Wan's GEMMs fused with their neighbours while compiling (service.models.fused_gemms), on CPU.
+"""GEMMs fused with their neighbours while compiling (service.models.fused_gemms), on CPU.
 
 The graph a compiled Wan block traces has two Linear calls fewer with the q, k, v fusion
 (self-attention's q, k, v as one), the same output, and diffusers' three GEMMs wherever the fusion
