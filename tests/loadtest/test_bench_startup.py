@@ -35,7 +35,10 @@ def test_startup_bench_cpu_kill(tmp_path: Path) -> None:
     assert start["startup"]["from"] == "process"  # the launcher's stamps reached /readyz
     steps = start["startup"]["steps"]
     assert {"process_start_s", "ray_start_s", "serve_start_s", "replica_start_s", "groups_s"} <= set(steps)
-    assert start["command_to_ready_s"] >= start["startup"]["ready_s"]  # from the process's start
+    # from the process's start, which the kernel keeps in 10 ms ticks (rounded down: up to 10 ms
+    # early), the bench's figure rounded to 0.01 s: the two agree within 15 ms (26.45 against
+    # 26.457 in one CI run)
+    assert start["command_to_ready_s"] >= start["startup"]["ready_s"] - 0.015
     killed = start["killed_request"]
     # killed once the service kept a step (the video's resumable_step), so it goes on from there
     assert start["kill_at_resumable_step"] >= 1, start
