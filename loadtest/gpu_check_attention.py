@@ -106,16 +106,18 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
 
 # name -> (--attention, FP8 weights, what else changes from the service's compile: "unfused" = no GEMM
 # fusion (q, k, v as diffusers' three GEMMs, the GELU apart: service.models.fused_gemms), "nogelu" = the
-# q, k, v fusion only, "nocdt" = without inductor's coordinate-descent kernel tuning
-# (service.models.compiled.INDUCTOR_OPTIONS), "autotune" = with inductor's max-autotune GEMM search)
+# q, k, v fusion only, "cdt" / "nocdt" = with / without inductor's coordinate-descent kernel tuning
+# (the service's: service.models.compiled.options_for, with FP8 weights only), "autotune" = with
+# inductor's max-autotune GEMM search)
 STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", False, ""),
                  "exact_unfused": ("exact", False, "unfused"), "exact_nogelu": ("exact", False, "nogelu"),
-                 "exact_nocdt": ("exact", False, "nocdt"), "exact_autotune": ("exact", False, "autotune"),
+                 "exact_cdt": ("exact", False, "cdt"), "exact_autotune": ("exact", False, "autotune"),
                  "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
                  "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused"),
                  "fp8_weights_attn_fp8_nocdt": ("fp8", True, "nocdt")}
 STEP_FUSIONS = {"unfused": frozenset(), "nogelu": frozenset({"qkv"})}
-STEP_OPTIONS = {"nocdt": {"coordinate_descent_tuning": False}, "autotune": {"max_autotune_gemm": True}}
+STEP_OPTIONS = {"cdt": {"coordinate_descent_tuning": True}, "nocdt": {"coordinate_descent_tuning": False},
+                "autotune": {"max_autotune_gemm": True}}
 KINDS = (("attention", ("attention", "flash", "fmha", "sdpa")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("generated", ("triton",)))
 
@@ -162,7 +164,8 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             torch._dynamo.reset()
             for blk in m.blocks:
                 blk.__dict__.pop("forward", None)
-            options = {**compiled.INDUCTOR_OPTIONS, **STEP_OPTIONS.get(also, {})}
+            quantization = "fp8" if fp8_weights else None
+            options = {**(compiled.options_for("inductor", quantization) or {}), **STEP_OPTIONS.get(also, {})}
             fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False, options=options)
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)

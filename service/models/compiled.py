@@ -62,17 +62,19 @@ def backend_for(device: torch.device) -> str:
     return "inductor" if device.type == "cuda" else "aot_eager"
 
 
-# inductor's options for the blocks: coordinate-descent tuning of its generated kernels (the norms,
-# RoPE, the residual adds, FP8's quantization) made a 40-layer CFG step 0.29-0.35% faster exact and
-# 0.93-0.99% with FP8 weights + fp8 attention on two H100s (2026-12-05, loadtest/results/
-# h100-attention-check-2026-12-05-{fusions-a,fusions-b,defaults,baselines}.json); it took 25.8 s of
-# the service's first warm-up without inductor's caches (h100-compute-dlo-2026-12-05.json), none with
-INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
+# inductor's coordinate-descent tuning of its generated kernels (the norms, RoPE, the residual adds,
+# FP8's quantization), only where the blocks run FP8 weights. There it made a 40-layer CFG step
+# 0.93-0.99% faster on two H100s (2026-12-05, loadtest/results/h100-attention-check-2026-12-05-*.json);
+# exact bf16 it gained 0.29-0.35% and cost the start: on an H200, 12 Wan-14B layers were ready in
+# 74.3 s against 69.1 s without it with inductor's caches warm, 105.9 s against 78.8 s cold
+# (h200-startup-2026-12-05-12.json, -12-nocdt.json): torch 2.11 tunes again on a cache hit.
+FP8_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 
-def options_for(backend: str | Callable[..., Any]) -> dict[str, Any] | None:
-    """torch.compile's ``options`` (inductor's only: other backends take none)."""
-    return dict(INDUCTOR_OPTIONS) if backend == "inductor" else None
+def options_for(backend: str | Callable[..., Any], quantization: str | None) -> dict[str, Any] | None:
+    """torch.compile's ``options``: inductor's coordinate-descent tuning for FP8 weights; none
+    otherwise (other backends take none)."""
+    return dict(FP8_INDUCTOR_OPTIONS) if backend == "inductor" and quantization == "fp8" else None
 
 
 def keep_inductor_cache() -> str:
@@ -151,11 +153,12 @@ def mark_token_dims(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 class CompiledBlocks:
     """The blocks of ``transformer``'s block lists, their ``forward`` compiled per class.
 
-    ``backend``: a torch.compile backend (a name or a callable, e.g. a counting one in tests).
+    ``backend``: a torch.compile backend (a name or a callable, e.g. a counting one in tests);
+    ``options``: its options (``options_for``).
     """
 
     def __init__(self, transformer: nn.Module, block_attrs: tuple[str, ...] | list[str],
-                 backend: str | Callable[..., Any]) -> None:
+                 backend: str | Callable[..., Any], options: dict[str, Any] | None = None) -> None:
         self.backend = backend
         self.cache_dir = keep_inductor_cache() if backend == "inductor" else None
         self.cache: dict[str, int] = {}
@@ -167,7 +170,7 @@ class CompiledBlocks:
                 cls = type(blk)
                 if cls not in self._compiled:
                     self._compiled[cls] = torch.compile(cls.forward, backend=backend, fullgraph=True,
-                                                        options=options_for(backend))
+                                                        options=options)
                 blk.forward = self._dispatch(blk, self._compiled[cls], blk.forward)
                 self._blocks.append(blk)
         self.classes = sorted(c.__name__ for c in self._compiled)

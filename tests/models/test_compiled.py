@@ -206,15 +206,16 @@ def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     eager.close()
 
 
-def test_inductor_compiles_with_its_measured_options_and_other_backends_with_none(
+def test_inductor_tunes_kernels_for_fp8_weights_only_and_other_backends_take_no_options(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What ``CompiledBlocks`` hands torch.compile (inductor itself needs a GPU here: its
     arguments are what is checked)."""
-    opts = compiled.options_for("inductor")
+    opts = compiled.options_for("inductor", "fp8")
     assert opts == {"coordinate_descent_tuning": True}
     opts["coordinate_descent_tuning"] = False  # a copy: the module's own stays as measured
-    assert compiled.INDUCTOR_OPTIONS["coordinate_descent_tuning"] is True
-    assert compiled.options_for("aot_eager") is None
+    assert compiled.FP8_INDUCTOR_OPTIONS["coordinate_descent_tuning"] is True
+    assert compiled.options_for("inductor", None) is None  # bf16: the tuning costs the start more
+    assert compiled.options_for("aot_eager", "fp8") is None
     seen: list[dict[str, object]] = []
 
     def record(fn: object, **kwargs: object) -> object:
@@ -225,8 +226,8 @@ def test_inductor_compiles_with_its_measured_options_and_other_backends_with_non
     monkeypatch.setattr(compiled.torch, "compile", record)
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
-    for backend, options in (("inductor", compiled.INDUCTOR_OPTIONS), ("aot_eager", None)):
+    for backend, options in (("inductor", compiled.FP8_INDUCTOR_OPTIONS), ("aot_eager", None)):
         seen.clear()
-        blocks = compiled.CompiledBlocks(model, ["blocks"], backend)
+        blocks = compiled.CompiledBlocks(model, ["blocks"], backend, options)
         assert seen == [{"backend": backend, "fullgraph": True, "options": options}]  # one class, once
         blocks.close()
