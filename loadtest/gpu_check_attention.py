@@ -10,9 +10,9 @@
 4. One 40-layer forward (832x480x81, batch 2, compiled) under ``sdpa`` (the reference),
    ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8``, compiled as the service compiles
    (q, k, v as one GEMM; the FFN's GELU in its GEMM's epilogue, not with FP8 weights), and without
-   those fusions (``*_unfused``, ``exact_nogelu``), without inductor's coordinate-descent tuning
-   of its generated kernels (``*_nocdt``; the service compiles with it) or with its GEMM
-   autotuning (``exact_autotune``):
+   those fusions (``*_unfused``, ``exact_nogelu``), with or without inductor's coordinate-descent
+   tuning of its generated kernels (``exact_cdt``, ``*_nocdt``; the service tunes FP8 weights
+   only) or with its GEMM autotuning (``exact_autotune``):
    relative error and PSNR of the output against the reference's, and seconds per forward;
    ``--profile``: each setting's GPU time per forward by kernel (the top ones) and by kind
    (GEMM, attention, inductor's generated kernels, the rest).
@@ -111,7 +111,8 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
 # inductor's max-autotune GEMM search)
 STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", False, ""),
                  "exact_unfused": ("exact", False, "unfused"), "exact_nogelu": ("exact", False, "nogelu"),
-                 "exact_cdt": ("exact", False, "cdt"), "exact_autotune": ("exact", False, "autotune"),
+                 "exact_cdt": ("exact", False, "cdt"), "exact_nocdt": ("exact", False, "nocdt"),
+                 "exact_autotune": ("exact", False, "autotune"),
                  "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
                  "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused"),
                  "fp8_weights_attn_fp8_nocdt": ("fp8", True, "nocdt")}

@@ -67,7 +67,7 @@ def backend_for(device: torch.device) -> str:
 # 0.93-0.99% faster on two H100s (2026-12-05, loadtest/results/h100-attention-check-2026-12-05-*.json);
 # exact bf16 it gained 0.29-0.35% and cost the start: on an H200, 12 Wan-14B layers were ready in
 # 74.3 s against 69.1 s without it with inductor's caches warm, 105.9 s against 78.8 s cold
-# (h200-startup-2026-12-05-12.json, -12-nocdt.json): torch 2.11 tunes again on a cache hit.
+# (h200-startup-2026-12-05-12-cdt.json, -12-nocdt.json): torch 2.11 tunes again on a cache hit.
 FP8_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 
@@ -154,12 +154,13 @@ class CompiledBlocks:
     """The blocks of ``transformer``'s block lists, their ``forward`` compiled per class.
 
     ``backend``: a torch.compile backend (a name or a callable, e.g. a counting one in tests);
-    ``options``: its options (``options_for``).
+    ``quantization``: the blocks' weights ("fp8" or None), which decides inductor's options.
     """
 
     def __init__(self, transformer: nn.Module, block_attrs: tuple[str, ...] | list[str],
-                 backend: str | Callable[..., Any], options: dict[str, Any] | None = None) -> None:
+                 backend: str | Callable[..., Any], *, quantization: str | None) -> None:
         self.backend = backend
+        self.quantization = quantization
         self.cache_dir = keep_inductor_cache() if backend == "inductor" else None
         self.cache: dict[str, int] = {}
         self._eager = 0
@@ -170,7 +171,7 @@ class CompiledBlocks:
                 cls = type(blk)
                 if cls not in self._compiled:
                     self._compiled[cls] = torch.compile(cls.forward, backend=backend, fullgraph=True,
-                                                        options=options)
+                                                        options=options_for(backend, quantization))
                 blk.forward = self._dispatch(blk, self._compiled[cls], blk.forward)
                 self._blocks.append(blk)
         self.classes = sorted(c.__name__ for c in self._compiled)

@@ -46,7 +46,7 @@ from .adapter import LatentsCallback, ModelAdapter
 from .automode import cfg_batch_on, decide_auto, device_budget, dtype_of, probe_transformer
 from .cache import StepCaches
 from .checks import check_request
-from .compiled import CompiledBlocks, backend_for, compile_on, options_for, warmup_shape
+from .compiled import CompiledBlocks, backend_for, compile_on, warmup_shape
 from .decode import FramesCallback
 from .experts import expert_of
 from .lora import RankAdapters
@@ -213,9 +213,8 @@ class PipelineRunner:
                          attn["cross_attention"], " > ".join(attn["order"]), attn["why"])
             compiled = None
             if compile_on(config.model, dev, adapter):
-                backend = backend_for(dev)
-                compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend,
-                                          options_for(backend, config.model.quantization))
+                compiled = CompiledBlocks(module, adapter.offload_block_attrs, backend_for(dev),
+                                          quantization=config.model.quantization)
                 if adapter.can_probe:  # the compile at start-up, at the probe size (or the smallest on CPU)
                     height, width, frames = off.probe_shape or warmup_shape(adapter, dev)
                     first = expert_of(module)[0]

@@ -58,6 +58,7 @@ def test_slot_swaps_do_not_recompile(demo_model: str, mode: OffloadMode) -> None
                                                      model=ModelConfig(compile="on")))
     try:
         assert runner.compiled is not None and "compile" in runner.load_stages  # warm-up at start-up
+        assert runner.compiled.quantization is None  # bf16 weights: inductor would not tune
         assert runner.describe()["compile"]["classes"] == ["WanTransformerBlock"]
         warm = graphs()
         # One graph for every block of the class (none when an earlier runner in this process
@@ -122,6 +123,7 @@ def test_composes_with_fp8_and_step_caches(demo_model: str) -> None:
     cached = replace(REQ, num_inference_steps=4, cache={"method": "first_block", "threshold": 0.05})
     runner = PipelineRunner.load(demo_model, "cpu", config=settings)
     try:
+        assert runner.compiled is not None and runner.compiled.quantization == "fp8"  # inductor would tune
         warm = graphs()
         fp8 = runner.frames(REQ)
         with_cache = runner.frames(cached)
@@ -187,7 +189,8 @@ def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     model = nn.Module()
     model.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
-    compiled = CompiledBlocks(model, ["blocks"], "inductor")  # compiles lazily: nothing runs yet
+    # compiles lazily: nothing runs yet
+    compiled = CompiledBlocks(model, ["blocks"], "inductor", quantization=None)
     assert compiled.cache_dir == str(tmp_path / "inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == compiled.cache_dir
     compiled.close()
@@ -196,10 +199,12 @@ def test_inductor_caches_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert cache_dir() == default_cache_dir()  # torch, asked first, writes its default in the variable
     # ... which is not a choice: ours again
-    assert CompiledBlocks(model, ["blocks"], "inductor").cache_dir == str(tmp_path / "inductor")
+    inductor = CompiledBlocks(model, ["blocks"], "inductor", quantization=None)
+    assert inductor.cache_dir == str(tmp_path / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
-    assert CompiledBlocks(model, ["blocks"], "inductor").cache_dir == str(tmp_path / "mine")  # given: kept
-    eager = CompiledBlocks(model, ["blocks"], "aot_eager")
+    given = CompiledBlocks(model, ["blocks"], "inductor", quantization=None)
+    assert given.cache_dir == str(tmp_path / "mine")  # given: kept
+    eager = CompiledBlocks(model, ["blocks"], "aot_eager", quantization=None)
     eager.warm_up(lambda: model.blocks[1](model.blocks[0](torch.ones(1, 4))))
     cache = eager.describe()["cache"]
     assert cache["dir"] is None and cache["fxgraph_cache_hit"] == 0 and cache["fxgraph_cache_miss"] == 0
@@ -226,8 +231,9 @@ def test_inductor_tunes_kernels_for_fp8_weights_only_and_other_backends_take_no_
     monkeypatch.setattr(compiled.torch, "compile", record)
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
-    for backend, options in (("inductor", compiled.FP8_INDUCTOR_OPTIONS), ("aot_eager", None)):
+    for backend, quantization, options in (("inductor", "fp8", compiled.FP8_INDUCTOR_OPTIONS),
+                                           ("inductor", None, None), ("aot_eager", "fp8", None)):
         seen.clear()
-        blocks = compiled.CompiledBlocks(model, ["blocks"], backend, options)
+        blocks = compiled.CompiledBlocks(model, ["blocks"], backend, quantization=quantization)
         assert seen == [{"backend": backend, "fullgraph": True, "options": options}]  # one class, once
         blocks.close()
