@@ -19,6 +19,21 @@ DAY=$(date -u +%F)
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 step() { local limit=$1; shift; echo "== $(date +%T) $*"; timeout "$limit" "$@"; echo "== rc=$?"; }
 
+# A production image holds its packages' compiled bytecode (pip compiles it; docker/Dockerfile).
+# The wheels carried to a lent machine go in with --no-compile, and a Python that keeps none
+# (PYTHONDONTWRITEBYTECODE, as on this CPU machine) would compile Ray, torch and diffusers from
+# source in every process a start makes. So the bytecode is compiled once, into a folder of our
+# own, and kept; each result's machine facts say what its processes found (reporting._bytecode).
+if [ "${SMOKE:-0}" != 1 ] && [ "${COMPILE_BYTECODE:-1}" = 1 ]; then
+  unset PYTHONDONTWRITEBYTECODE
+  export PYTHONPYCACHEPREFIX=/tmp/pycache
+  if [ ! -f /tmp/pycache/.done ]; then
+    # shellcheck disable=SC2046
+    step 300 $PY -m compileall -q -j 0 $($PY -c "import sys; print(' '.join(p for p in sys.path if p.endswith('-packages') or p == '/tmp/site'))") service
+    touch /tmp/pycache/.done  # (its rc is 1 where a package ships a file that is not Python 3)
+  fi
+fi
+
 if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5 MIX=tiny
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"

@@ -4,6 +4,7 @@ command, the date and the machine from it, and taking the machine's facts import
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -24,6 +25,12 @@ def test_the_header_names_command_date_and_machine_without_importing_torch() -> 
     assert h["command"].endswith("-c --flag") and h["date"].endswith("+00:00")
     assert h["machine"]["cpus"] and h["machine"]["device"] == "cpu" and h["machine"]["note"] == 1
     assert not h["torch_imported"] and "torch" not in h["machine"]
+    assert isinstance(h["machine"]["bytecode"]["torch_cached"], bool)  # found, not imported
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    for flags, writes in (([], True), (["-B"], False)):  # python -B: no bytecode kept
+        r = subprocess.run([sys.executable, *flags, "-c", code], cwd=LOADTEST, capture_output=True,
+                           text=True, timeout=120, check=True, env=env)
+        assert json.loads(r.stdout)["machine"]["bytecode"]["writes"] is writes
 
 
 def test_no_benchmark_writes_its_own_machine_facts_or_date() -> None:
