@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import os
 import platform
@@ -22,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from service.api.startup import bytecode_facts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,7 +49,7 @@ def machine(device: str | None = None, **extra: Any) -> dict[str, Any]:
         pass
     if device:
         out["device"] = device
-    out["bytecode"] = _bytecode()
+    out["bytecode"] = bytecode_facts()  # an import-bound start-up reads slower without it
     torch = sys.modules.get("torch")
     if torch is not None:
         out["torch"] = torch.__version__
@@ -63,19 +64,6 @@ def machine(device: str | None = None, **extra: Any) -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError, IndexError):
         pass
     return {**out, **extra}
-
-
-def _bytecode() -> dict[str, Any]:
-    """Whether this Python keeps compiled bytecode, and whether torch's is there (found, not
-    imported): without it every process compiles the modules it imports again, and an import
-    bound start-up (a rank's torch, torch._dynamo and diffusers) reads slower than a host
-    with its caches would run it."""
-    out: dict[str, Any] = {"writes": not sys.dont_write_bytecode, "prefix": sys.pycache_prefix}
-    spec = importlib.util.find_spec("torch")
-    if spec is not None and spec.origin:
-        out["torch_cached"] = Path(importlib.util.cache_from_source(spec.origin)).is_file()
-        out["torch_dir_writable"] = os.access(Path(spec.origin).parent, os.W_OK)
-    return out
 
 
 def _cpu_model() -> str:

@@ -46,7 +46,7 @@ from service.api.serve_flags import (
     results_url,
     webhook_settings,
 )
-from service.api.startup import Launched, process_started_at
+from service.api.startup import Launched, process_started_at, uncompiled_imports
 
 __all__ = ["add_arguments", "config_from_args", "run"]
 
@@ -153,6 +153,9 @@ def _run(args: argparse.Namespace) -> int:
     if problem:
         print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
+    slow_imports = uncompiled_imports()
+    if slow_imports:
+        print(f"dloserve serve: WARNING: {slow_imports}", file=sys.stderr, flush=True)
     if not port_free(args.host, args.port):
         holder = port_holder(args.port)
         print(f"dloserve serve: port {args.port} on {args.host} is already in use"

@@ -13,9 +13,12 @@ model (torch's import first), on a thread beside its other checks and Ray's star
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -84,3 +87,32 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
 
 def _between(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(b - a, 3)
+
+
+def bytecode_facts() -> dict[str, Any]:
+    """Whether this Python keeps compiled bytecode and whether torch's is there (found, not
+    imported): ``writes``, ``prefix`` (``PYTHONPYCACHEPREFIX``), ``torch_cached`` and
+    ``torch_writable`` (whether an import could write it where it is looked for)."""
+    out: dict[str, Any] = {"writes": not sys.dont_write_bytecode, "prefix": sys.pycache_prefix}
+    spec = importlib.util.find_spec("torch")
+    if spec is not None and spec.origin:
+        cached = Path(importlib.util.cache_from_source(spec.origin))
+        folder = next(p for p in cached.parents if p.exists() or p == p.parent)
+        out["torch_cached"] = cached.is_file()
+        out["torch_writable"] = os.access(folder, os.W_OK)
+    return out
+
+
+def uncompiled_imports() -> str | None:
+    """Why every process a start makes here (Serve's, the replica's, each rank's) would compile
+    its imports from source, or None: torch has no compiled bytecode beside it (installed with
+    ``pip --no-compile``, or by uv without ``UV_COMPILE_BYTECODE=1``) and none will be kept. On a
+    2-core CPU that made ``import torch, diffusers.utils`` 5.6 s against 1.8 s."""
+    facts = bytecode_facts()
+    if facts.get("torch_cached", True) or (facts["writes"] and facts["torch_writable"]):
+        return None
+    why = "PYTHONDONTWRITEBYTECODE is set" if not facts["writes"] else "its folder is read-only"
+    return (f"torch's modules have no compiled bytecode on this node and none will be kept ({why}): "
+            "every process this start makes (Serve's, the replica's, each rank's) compiles its imports "
+            "from source, about 3x their time; compile them once (`python -m compileall -q` over the "
+            "site-packages, or install with pip's default or UV_COMPILE_BYTECODE=1)")

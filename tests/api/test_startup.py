@@ -3,9 +3,13 @@ over when every mark is there, and say what is missing when one is not."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,3 +74,29 @@ def test_not_ready_until_every_group_was_and_a_serve_config_start_begins_at_the_
     assert bare["from"] == "replica" and bare["ready_s"] == 27.0
     assert bare["steps"] == {"replica_init_s": 1.0, "engine.placement_s": 0.5, "groups_s": 25.5}
     assert bare["unaccounted_s"] == 0.0
+
+
+def _bytecode_check(tmp_path: Path, *flags: str, keep: bool = True, prefix: Path | None = None) -> list[Any]:
+    code = ("import json; from service.api.startup import bytecode_facts, uncompiled_imports; "
+            "print(json.dumps([uncompiled_imports(), bytecode_facts()]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    if not keep:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if prefix is not None:
+        env["PYTHONPYCACHEPREFIX"] = str(prefix)
+    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=60,
+                       check=True, env=env, cwd=tmp_path)
+    return json.loads(r.stdout)
+
+
+def test_a_start_warns_where_every_process_would_compile_its_imports_from_source(tmp_path: Path) -> None:
+    """torch's bytecode is looked for where Python would (here: a folder of its own, empty);
+    missing, with none kept, each process of a start compiles it again: the launcher says so."""
+    empty = tmp_path / "pycache"
+    problem, facts = _bytecode_check(tmp_path, keep=False, prefix=empty)
+    assert facts["torch_cached"] is False and facts["writes"] is False
+    assert problem and "PYTHONDONTWRITEBYTECODE is set" in problem and "compileall" in problem
+    problem, facts = _bytecode_check(tmp_path, prefix=empty)  # kept: the first process writes it
+    assert problem is None and facts["writes"] is True and facts["torch_writable"] is True
+    problem, facts = _bytecode_check(tmp_path, keep=False)  # beside torch, as pip installed it
+    assert facts["torch_cached"] is True and problem is None
