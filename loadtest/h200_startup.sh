@@ -23,7 +23,7 @@ step() { local limit=$1; shift; echo "== $(date +%T) $*"; timeout "$limit" "$@";
 # The wheels carried to a lent machine go in with --no-compile, and a Python that keeps none
 # (PYTHONDONTWRITEBYTECODE, as on this CPU machine) would compile Ray, torch and diffusers from
 # source in every process a start makes. So the bytecode is compiled once, into a folder of our
-# own, and kept; each result's machine facts say what its processes found (reporting._bytecode).
+# own, and kept; each result's machine facts say what its processes found (machine.bytecode).
 if [ "${SMOKE:-0}" != 1 ] && [ "${COMPILE_BYTECODE:-1}" = 1 ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=/tmp/pycache

@@ -76,7 +76,8 @@ def test_not_ready_until_every_group_was_and_a_serve_config_start_begins_at_the_
     assert bare["unaccounted_s"] == 0.0
 
 
-def _bytecode_check(tmp_path: Path, *flags: str, keep: bool = True, prefix: Path | None = None) -> list[Any]:
+def _bytecode_check(tmp_path: Path, keep: bool = True, prefix: Path | None = None) -> list[Any]:
+    """The launcher's warning and the facts behind it, in a Python of these settings."""
     code = ("import json; from service.api.startup import bytecode_facts, uncompiled_imports; "
             "print(json.dumps([uncompiled_imports(), bytecode_facts()]))")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
@@ -84,7 +85,7 @@ def _bytecode_check(tmp_path: Path, *flags: str, keep: bool = True, prefix: Path
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     if prefix is not None:
         env["PYTHONPYCACHEPREFIX"] = str(prefix)
-    r = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        check=True, env=env, cwd=tmp_path)
     return json.loads(r.stdout)
 
