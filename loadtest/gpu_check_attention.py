@@ -10,10 +10,8 @@
 4. One 40-layer forward (832x480x81, batch 2, compiled) under ``sdpa`` (the reference),
    ``exact`` (the routes), ``fp8`` and FP8 weights + ``fp8``, compiled as the service compiles
    (q, k, v as one GEMM; the FFN's GELU in its GEMM's epilogue, not with FP8 weights), and without
-   those fusions (``*_unfused``, ``exact_nogelu``), with or without inductor's coordinate-descent
-   tuning of its generated kernels (``exact_cdt``, ``*_nocdt``; the service tunes FP8 weights
-   only) or with its GEMM autotuning (``exact_autotune``):
-   relative error and PSNR of the output against the reference's, and seconds per forward;
+   those fusions (``*_unfused``): relative error and PSNR of the output against the reference's,
+   and seconds per forward;
    ``--profile``: each setting's GPU time per forward by kernel (the top ones) and by kind
    (GEMM, attention, inductor's generated kernels, the rest).
 
@@ -104,21 +102,13 @@ def check_kernels(cfg: dict[str, Any], dev: torch.device, tokens: list[int], rep
     return out
 
 
-# name -> (--attention, FP8 weights, what else changes from the service's compile: "unfused" = no GEMM
-# fusion (q, k, v as diffusers' three GEMMs, the GELU apart: service.models.fused_gemms), "nogelu" = the
-# q, k, v fusion only, "cdt" / "nocdt" = with / without inductor's coordinate-descent kernel tuning
-# (the service's: service.models.compiled.options_for, with FP8 weights only), "autotune" = with
-# inductor's max-autotune GEMM search)
-STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, ""), "exact_routes": ("exact", False, ""),
-                 "exact_unfused": ("exact", False, "unfused"), "exact_nogelu": ("exact", False, "nogelu"),
-                 "exact_cdt": ("exact", False, "cdt"), "exact_nocdt": ("exact", False, "nocdt"),
-                 "exact_autotune": ("exact", False, "autotune"),
-                 "attn_fp8": ("fp8", False, ""), "fp8_weights_attn_fp8": ("fp8", True, ""),
-                 "fp8_weights_attn_fp8_unfused": ("fp8", True, "unfused"),
-                 "fp8_weights_attn_fp8_nocdt": ("fp8", True, "nocdt")}
-STEP_FUSIONS = {"unfused": frozenset(), "nogelu": frozenset({"qkv"})}
-STEP_OPTIONS = {"cdt": {"coordinate_descent_tuning": True}, "nocdt": {"coordinate_descent_tuning": False},
-                "autotune": {"max_autotune_gemm": True}}
+# name -> (--attention, FP8 weights, "unfused": q, k, v as diffusers' three GEMMs and the GELU apart
+# (service.models.fused_gemms) instead of the service's fusions). The tuning and fusion experiments
+# (exact_nogelu, *_cdt, *_nocdt, exact_autotune): git show 728f0a4 (docs/benchmarks.md, "Removed experiments")
+STEP_SETTINGS = {"exact_sdpa": ("sdpa", False, False), "exact_routes": ("exact", False, False),
+                 "exact_unfused": ("exact", False, True), "attn_fp8": ("fp8", False, False),
+                 "fp8_weights_attn_fp8": ("fp8", True, False),
+                 "fp8_weights_attn_fp8_unfused": ("fp8", True, True)}
 KINDS = (("attention", ("attention", "flash", "fmha", "sdpa")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas")), ("generated", ("triton",)))
 
@@ -154,7 +144,7 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
     out: dict[str, Any] = {}
     ref = torch.load(ref_path, map_location=dev) if ref_path and ref_path.is_file() else None
     for name in names:
-        setting, fp8_weights, also = STEP_SETTINGS[name]
+        setting, fp8_weights, unfused = STEP_SETTINGS[name]
         m = fp8 if fp8_weights else model
         if m is None:
             out[name] = "FP8 weights need CUDA (scaled_mm)"
@@ -166,11 +156,11 @@ def check_step(cfg: dict[str, Any], dev: torch.device, layers: int, tokens: int,
             for blk in m.blocks:
                 blk.__dict__.pop("forward", None)
             quantization = "fp8" if fp8_weights else None
-            options = {**(compiled.options_for("inductor", quantization) or {}), **STEP_OPTIONS.get(also, {})}
-            fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False, options=options)
+            fn = torch.compile(type(m.blocks[0]).forward, fullgraph=True, dynamic=False,
+                               options=compiled.options_for("inductor", quantization))
             for blk in m.blocks:
                 blk.forward = (lambda b: lambda *a: fn(b, *a))(blk)
-            with attention.chosen(setting, STEP_FUSIONS.get(also, fused_gemms.FUSIONS)), torch.no_grad():
+            with attention.chosen(setting, frozenset() if unfused else fused_gemms.FUSIONS), torch.no_grad():
                 t0 = time.perf_counter()
                 got = m(**inp, return_dict=False)[0]
                 first = time.perf_counter() - t0

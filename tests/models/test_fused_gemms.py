@@ -5,7 +5,8 @@ The graph a compiled Wan block traces has two Linear calls fewer with the q, k, 
 would not be the same arithmetic (hooks: LoRA's side branches; FP8 weights off their FP8 GEMM;
 eager forwards). The GELU epilogue is CUDA only (torch's CPU kernel computes erf, not tanh): here
 its refusals, and that a CPU graph keeps diffusers' GELU; its numbers are checked on the GPU
-(loadtest/gpu_check_attention.py ``exact_routes`` against ``exact_nogelu``).
+(loadtest/gpu_check_attention.py ``exact_routes`` against ``exact_unfused``; the epilogue alone was
+``exact_nogelu``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
