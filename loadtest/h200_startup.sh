@@ -3,11 +3,12 @@
 # ../shared/tools/gpu-wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
 # Wan-14B layers, bf16 and FP8, each a first start and a restart; 40 layers the same), a rank
 # SIGKILLed at half of a request against a standby that has loaded, short clips sent at
-# once under default flags against the resident ideal, and a redeploy on a running cluster
-# (`ray start` once, `dloserve serve --address` twice). Each step has its own limit; each
-# writes JSON under $OUT. A device call is 10 minutes at most: pass the parts per call.
+# once and issue 46's 480p mix, each under default flags against the resident ideal, and a
+# redeploy on a running cluster (`ray start` once, `dloserve serve --address` twice). Each
+# step has its own limit; each writes JSON under $OUT. A device call is 10 minutes at most:
+# pass the parts per call.
 #
-#   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; then: ready40,redeploy
+#   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; video; ready40,redeploy
 #   OUT=/tmp/o SMOKE=1 bash loadtest/h200_startup.sh ready12     # CPU, the tiny demo model: the plumbing only
 set -u
 OUT=${OUT:?set OUT}
@@ -35,11 +36,11 @@ if [ "${SMOKE:-0}" != 1 ] && [ "${COMPILE_BYTECODE:-1}" = 1 ]; then
 fi
 
 if [ "${SMOKE:-0}" = 1 ]; then
-  DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5 MIX=tiny
+  DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5 MIX=tiny VMIX=tiny
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
 else
-  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short
-  if has ready12 || has kill || has fp8 || has short || has redeploy; then
+  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short VMIX=video
+  if has ready12 || has kill || has fp8 || has short || has video || has redeploy; then
     [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
   fi
   if has ready40; then
@@ -75,6 +76,10 @@ for n in 8 24; do
   has short && step 280 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $MIX \
     --requests $n --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-short$n-$DAY.json" --logdir /tmp
 done
+# 480p, 33 and 81 frames, 4-6 steps (issue 46): the service under default flags against the ideal.
+# shellcheck disable=SC2086
+has video && step 420 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $VMIX \
+  --requests 8 --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-video8-$DAY.json" --logdir /tmp
 # When Ray's processes of the last start began (their log files' times): where ray.init's seconds go.
 ls -la --time-style=full-iso /tmp/ray/session_latest/logs 2>/dev/null | sort -k7 > "$OUT/raylog-$KIND-$(date +%H%M%S).txt"
 ls -la "$OUT"
