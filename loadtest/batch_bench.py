@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.reporting import Timer, frame_psnr, header, machine_kind, result_path, write_report  # noqa: E402
+from reporting import Timer, frame_psnr, header, machine_kind, result_path, write_report
 
 PROMPTS = ("a red circle moving right", "a blue square moving down", "a green triangle moving left",
            "a yellow circle moving up")
