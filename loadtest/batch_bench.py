@@ -19,18 +19,14 @@ at 8 and 24 at once, >= 2.5x requests/s for 1280x720x1 and 480x832x9 with CFG, >
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
-import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.reporting import RESULTS, Timer, frame_psnr, header, machine_kind, write_report  # noqa: E402
+from reporting import Timer, frame_psnr, header, machine_kind, result_path, write_report
 
 PROMPTS = ("a red circle moving right", "a blue square moving down", "a green triangle moving left",
            "a yellow circle moving up")
@@ -134,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
               "not_measured": "the H200 targets of issue 49 (short clips >= 0.95 of the resident ideal at 8 "
                               "and 24 at once; >= 2.5x req/s for 1280x720x1 and 480x832x9 CFG; 480p x 81 "
                               ">= 0.98x): no GPU was lent to this session"}
-    out = a.out or RESULTS / f"{machine_kind(report, a.device)}-batch-{dt.date.today().isoformat()}.json"
+    out = a.out or result_path(report, machine_kind(report, a.device), "batch")
     print("wrote", write_report(report, out))
     return 0
 

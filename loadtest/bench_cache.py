@@ -96,7 +96,6 @@ def request_of(args: argparse.Namespace) -> Any:
 
 
 def settings_of(args: argparse.Namespace) -> Any:
-
     return EngineConfig(offload=OffloadConfig(OffloadMode.ALLGATHER), model=ModelConfig(dtype=args.dtype))
 
 

@@ -46,7 +46,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
-from reporting import SHAPES, TEXT_TOKENS, Timer, header, write_report
+from reporting import SHAPES, TEXT_TOKENS, Timer, header, token_list, write_report
 from torch import nn
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
@@ -56,7 +56,6 @@ WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=1
               out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, cross_attn_norm=True,
               qk_norm="rms_norm_across_heads", eps=1e-6)
 SMALL = dict(WAN14B, num_attention_heads=2, attention_head_dim=32, text_dim=64, ffn_dim=128)
-TEXT = TEXT_TOKENS
 
 
 def bench(fn: Any, device: torch.device, reps: int, warmup: int = 2) -> float:
@@ -105,7 +104,7 @@ def latents(tokens: int, batch: int, cfg: dict[str, Any], device: torch.device) 
     g = torch.Generator().manual_seed(tokens)
     return {"hidden_states": torch.randn(batch, 16, f, h, w, generator=g).to(device, torch.bfloat16),
             "timestep": torch.tensor([500] * batch, device=device),
-            "encoder_hidden_states": torch.randn(batch, TEXT, cfg["text_dim"], generator=g).to(
+            "encoder_hidden_states": torch.randn(batch, TEXT_TOKENS, cfg["text_dim"], generator=g).to(
                 device, torch.bfloat16)}
 
 
@@ -129,7 +128,7 @@ def floors(tokens: int, batch: int, cfg: dict[str, Any], device: torch.device, r
     heads, hd, ffn = cfg["num_attention_heads"], cfg["attention_head_dim"], cfg["ffn_dim"]
     dim, bf = heads * hd, torch.bfloat16
     q, k, v = (torch.randn(batch, heads, tokens, hd, device=device, dtype=bf) for _ in range(3))
-    ck, cv = (torch.randn(batch, heads, TEXT, hd, device=device, dtype=bf) for _ in range(2))
+    ck, cv = (torch.randn(batch, heads, TEXT_TOKENS, hd, device=device, dtype=bf) for _ in range(2))
     out: dict[str, Any] = {}
     with torch.no_grad():
         out["attention_ms"] = bench(lambda: (sdpa(q, k, v), sdpa(q, ck, cv)), device, reps)
@@ -145,7 +144,7 @@ def floors(tokens: int, batch: int, cfg: dict[str, Any], device: torch.device, r
         rows = batch * tokens
         x = torch.randn(rows, dim, device=device, dtype=bf)
         xf = torch.randn(rows, ffn, device=device, dtype=bf)
-        xt = torch.randn(batch * TEXT, dim, device=device, dtype=bf)
+        xt = torch.randn(batch * TEXT_TOKENS, dim, device=device, dtype=bf)
         w = torch.randn(dim, dim, device=device, dtype=bf) / dim**0.5
         up = torch.randn(ffn, dim, device=device, dtype=bf) / dim**0.5
         down = torch.randn(dim, ffn, device=device, dtype=bf) / ffn**0.5
@@ -292,7 +291,7 @@ def kernels(dev: torch.device, self_attention: bool) -> dict[str, Any]:
 def part_attention(args: argparse.Namespace, cfg: dict[str, Any], dev: torch.device) -> dict[str, Any]:
     """Each attention kernel alone at Wan's shapes: ms, TFLOP/s, relative error to SDPA."""
     heads, hd = cfg["num_attention_heads"], cfg["attention_head_dim"]
-    calls = [("self", t, t) for t in args.attn_tokens] + [("cross", args.attn_tokens[0], TEXT)]
+    calls = [("self", t, t) for t in args.attn_tokens] + [("cross", args.attn_tokens[0], TEXT_TOKENS)]
     results: dict[str, Any] = {}
     for kind, sq, skv in calls:
         for batch in (1, 2):
@@ -352,10 +351,9 @@ def part_dlo(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     for run in args.dlo_runs:
         mode, cfgb, comp, tokens = run.split(":")
         h, w, f = sizes[int(tokens)]
-        settings = EngineConfig(offload=OffloadConfig(OffloadMode(mode), probe_shape=(h, w, f)
-                                   if mode != "resident" else None), model=ModelConfig(cfg_batch=cfgb,
-                                                                                       compile=comp,
-                                                                                       attention=args.attention))
+        probe = (h, w, f) if mode != "resident" else None
+        settings = EngineConfig(offload=OffloadConfig(OffloadMode(mode), probe_shape=probe),
+                                model=ModelConfig(cfg_batch=cfgb, compile=comp, attention=args.attention))
         t0 = time.perf_counter()
         runner = PipelineRunner.load(args.model, dev, config=settings)
         load_s = time.perf_counter() - t0
@@ -423,7 +421,7 @@ def main() -> None:
     p.add_argument("--parts", default="block,model40")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="tiny dims (a CPU smoke run)")
-    p.add_argument("--tokens", default="4096,32760,75600")
+    p.add_argument("--tokens", type=token_list, default="4096,32760,75600")
     p.add_argument("--batch2", default="32760", help="token counts also timed at batch 2 (CFG batched)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--backend", default="inductor")
@@ -440,7 +438,6 @@ def main() -> None:
     p.add_argument("--dlo-reps", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    args.tokens = [int(t) for t in args.tokens.split(",")]
     args.batch2 = [int(t) for t in args.batch2.split(",") if t]
     args.dlo_runs = args.dlo_runs.split(",")
     args.attn_tokens = [int(t) for t in args.attn_tokens.split(",")]

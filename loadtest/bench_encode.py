@@ -179,7 +179,6 @@ def overlap_part(model_dir: str, n: int, reps: int, size: tuple[int, int, int], 
             "bytes_equal": same}
 
 
-
 def _vae(name: str, device: str) -> Any:
     from diffusers import AutoencoderKLWan
 

@@ -29,18 +29,7 @@ from typing import Any
 
 import torch
 from offload_strategies import keep_fp32, meta_transformer
-from reporting import (
-    SHAPES,
-    Timer,
-    check_tokens,
-    header,
-    inputs,
-    machine_kind,
-    preset_model,
-    result_path,
-    token_list,
-    write_report,
-)
+from reporting import Timer, header, inputs, machine_kind, preset_model, result_path, token_list, write_report
 
 STRATEGIES = ("resident", "dlo")
 TARGET = 1.05
@@ -142,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.device, args.preset, args.layers, args.tokens = "cpu", "tiny", 3, [64]
         args.rank, args.reps, args.warmup = 4, 1, 0
-    check_tokens(p, args.tokens, SHAPES)
     from service.models.demo.lora import write_demo_lora
 
     t_start = time.perf_counter()

@@ -50,7 +50,7 @@ from typing import Any
 
 import httpx
 from reporting import header, write_report
-from serving import pids_matching
+from serving import FINAL, final, pids_matching, stop_serve
 
 from service.engine.ports import free_port
 
@@ -81,16 +81,6 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float,
     raise TimeoutError(f"not ready after {timeout} s")
 
 
-def final(url: str, vid: str, timeout: float) -> dict[str, Any]:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json()
-        if v["status"] in ("completed", "failed", "cancelled"):
-            return v
-        time.sleep(0.1)
-    raise TimeoutError(f"{vid} not final after {timeout} s")
-
-
 def request(url: str, body: dict[str, Any]) -> tuple[str, float]:
     """Send ``body``; returns its id and a clock started at the send."""
     t = time.monotonic()
@@ -104,7 +94,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     say that a rerun would go on from a step, the kept state comes after its step)."""
     out: dict[str, Any] = {}
     vid, t = request(url, body)
-    own = final(url, vid, timeout)
+    own = final(url, vid, timeout, poll_s=0.1)
     out["own_request"] = {"status": own["status"], "s": round(time.monotonic() - t, 2),
                           "timings": own.get("timings")}
     out["standby_wait_s"], out["standbys_loaded"] = standbys_settled(url, timeout)
@@ -113,7 +103,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     vid, t_sent = request(url, {**body, "prompt": "killed mid-request"})
     while ((v := httpx.get(f"{url}/v1/videos/{vid}", timeout=30).json())["progress"] < kill_at
            or v.get("resumable_step", 0) < 1):
-        if v["status"] in ("completed", "failed", "cancelled"):
+        if v["status"] in FINAL:
             raise RuntimeError(f"the request to kill ended ({v['status']}) before it showed progress")
         time.sleep(0.05)
     ranks = pids_matching(proc.pid, "RankActor")  # never a standby (its class is StandbyRank)
@@ -122,7 +112,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
     os.kill(ranks[-1], signal.SIGKILL)
     out["kill_at_progress"], out["kill_at_resumable_step"] = v["progress"], v.get("resumable_step")
     out["kill_to_serving_s"] = round(wait_ready(url, proc, timeout, gens), 2)
-    killed = final(url, vid, timeout)
+    killed = final(url, vid, timeout, poll_s=0.1)
     t_done = time.monotonic()
     out["killed_request"] = {
         "status": killed["status"], "reason": (killed.get("error") or {}).get("message"),
@@ -130,7 +120,7 @@ def kill_run(url: str, proc: subprocess.Popen, body: dict[str, Any], timeout: fl
         "kill_to_final_s": round(t_done - t_kill, 2), "sent_to_final_s": round(t_done - t_sent, 2),
         "over_own_s": round(t_done - t_sent - out["own_request"]["s"], 2), "timings": killed.get("timings")}
     vid, t = request(url, {**body, "prompt": "after", "num_inference_steps": 2})
-    nxt = final(url, vid, timeout)
+    nxt = final(url, vid, timeout, poll_s=0.1)
     out["next_request"] = {"status": nxt["status"], "s": round(time.monotonic() - t, 2)}
     _, after = readyz(url)
     out["rebuild"] = [g.get("last_start") for g in after.get("groups", [])]
@@ -185,23 +175,9 @@ def one_start(args: argparse.Namespace, kind: str, logdir: Path, n: int) -> dict
             res["error"] = f"{type(e).__name__}: {e}"
         finally:
             t_stop = time.monotonic()
-            stop(proc)
+            stop_serve(proc, log, 60)
             res["stop_s"] = round(time.monotonic() - t_stop, 1)
     return res
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGINT to serve's process group (it drains and stops Ray), SIGKILL after a minute."""
-    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def summary(s: dict[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """How each strategy of the offload benchmark loads the Wan transformer.
 
-Each loader returns (module, handle-or-None, extra) on the target device. The peers use
+``load`` returns (module, handle-or-None) on the target device. The peers use
 their own public APIs the way their docs show: diffusers ``from_pretrained`` then
 ``apply_group_offloading``; PyTorch FSDP2 ``fully_shard`` per block with
 ``CPUOffloadPolicy(pin_memory=True)`` and explicit forward prefetch.
@@ -37,32 +37,23 @@ def keep_fp32() -> tuple[str, ...]:
 
 def load(strategy: str, folder: Path, device: torch.device) -> tuple[nn.Module, Any]:
     """The transformer in ``folder`` (diffusers layout), ready to run on ``device``."""
-
     from service.offload import OffloadMode, enable_layerwise_offload, load_resident
 
     if strategy == "resident":
         return load_resident(meta_transformer(folder), folder, device), None
     if strategy in ("dlo", "dlo-ranklocal"):
         module = meta_transformer(folder)
-        handle = enable_layerwise_offload(
-            module, folder, device=device, block_attrs=["blocks"],
-            mode=OffloadMode.ALLGATHER if strategy == "dlo" else OffloadMode.RANK_LOCAL,
-        )
+        mode = OffloadMode.ALLGATHER if strategy == "dlo" else OffloadMode.RANK_LOCAL
+        handle = enable_layerwise_offload(module, folder, device=device, block_attrs=["blocks"], mode=mode)
         return module, handle
     if strategy == "diffusers-group":
         from diffusers import WanTransformer3DModel
         from diffusers.hooks import apply_group_offloading
 
         module = WanTransformer3DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).eval()
-        apply_group_offloading(
-            module,
-            onload_device=device,
-            offload_device=torch.device("cpu"),
-            offload_type="block_level",
-            num_blocks_per_group=1,
-            use_stream=True,
-            record_stream=True,
-        )
+        apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"),
+                               offload_type="block_level", num_blocks_per_group=1, use_stream=True,
+                               record_stream=True)
         return module, None
     if strategy == "fsdp2":
         return _fsdp2(folder, device), None

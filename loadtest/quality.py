@@ -22,7 +22,6 @@ a clip is identical).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from loadtest.reporting import RESULTS, frame_psnr, header, machine_kind, write_report  # noqa: E402
+from loadtest.reporting import frame_psnr, header, machine_kind, result_path, write_report  # noqa: E402
 
 # MagCache is left out: it needs the checkpoint's own magnitude ratios (docs/caches.md), not measured yet
 ATTENTION_SETTINGS = ("attn-fa4", "attn-fp8")  # --attention, GPU only
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     report = {"benchmark": "quality", **header(a.device), "model": Path(model_dir).name, "seeds": seeds,
               "results": results, "misses": verdicts(results)}
-    out = a.out or RESULTS / f"{machine_kind(report, a.device)}-quality-{dt.date.today().isoformat()}.json"
+    out = a.out or result_path(report, machine_kind(report, a.device), "quality")
     print("wrote", write_report(report, out))
     for m in report["misses"]:
         print("MISSED:", m)

@@ -31,17 +31,8 @@ def _context() -> Any:
     return ctx
 
 
-def _entry(
-    rank: int,
-    world: int,
-    port: int,
-    out: str,
-    backend: str,
-    pg_timeout: timedelta,
-    fn: Callable[..., Any],
-    args: tuple,
-    env: dict[str, str],
-) -> None:
+def _entry(rank: int, world: int, port: int, out: str, backend: str, pg_timeout: timedelta,
+           fn: Callable[..., Any], args: tuple, env: dict[str, str]) -> None:
     os.environ.clear()  # the caller's environment now, not the fork server's at its start
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # ranks share the host's cores
@@ -61,14 +52,8 @@ def _entry(
             dist.destroy_process_group()
 
 
-def run_ranks(
-    fn: Callable[..., Any],
-    world: int,
-    *args: Any,
-    timeout: float | None = 240,
-    backend: str = "gloo",
-    pg_timeout: timedelta = timedelta(minutes=10),
-) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float | None = 240,
+              backend: str = "gloo", pg_timeout: timedelta = timedelta(minutes=10)) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` spawned processes; returns their results.
 
     ``backend="nccl"`` puts rank r on GPU r. When a rank fails the others are killed at
@@ -82,10 +67,8 @@ def run_ranks(
     env = dict(os.environ)
     deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as out:
-        procs = [
-            ctx.Process(target=_entry, args=(r, world, port, out, backend, pg_timeout, fn, args, env))
-            for r in range(world)
-        ]
+        procs = [ctx.Process(target=_entry, args=(r, world, port, out, backend, pg_timeout, fn, args, env))
+                 for r in range(world)]
         for p in procs:
             p.start()
         timed_out = False

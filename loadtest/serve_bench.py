@@ -19,8 +19,8 @@ each request alone; a request's GPU time is text encoding + denoising + VAE deco
 MP4 encode runs in a process pool beside it, as in the service). Their MP4 hashes are the
 reference every design's outputs are compared with.
 
-``--phase`` lets one run be split over several calls (the device machine limits a call
-to 10 minutes): results accumulate in ``--out``.
+One run can be split over several calls (the device machine limits a call to 10 minutes),
+``--ideal`` and a few ``--designs`` each: results accumulate in ``--out``.
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ from typing import Any
 
 import httpx
 from reporting import header, write_report
-from serving import CompletionHooks, final, start_serve, stop_serve, wait_ready
+from serving import ROOT, CompletionHooks, final, start_serve, stop_serve, wait_ready
 
 from service.engine.ports import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
 
 DESIGNS = {
     "default": [],  # what a user gets who passes no flag but the offload switch (auto mode, auto encoders)

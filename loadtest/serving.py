@@ -4,6 +4,7 @@ stop it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -70,13 +71,14 @@ def final(url: str, vid: str, timeout: float, poll_s: float = 0.2) -> dict[str, 
 
 def stop_serve(proc: subprocess.Popen, log: IO[str], grace_s: float) -> None:
     """SIGINT to the whole session (the service drains and stops its cluster), SIGKILL after
-    ``grace_s``; closes ``log``."""
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    ``grace_s``; closes ``log``. A session already gone (serve exited early) is no error."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     log.close()
 
 
