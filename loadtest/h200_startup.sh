@@ -10,6 +10,7 @@
 #
 #   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; video; ready40,redeploy
 #   OUT=/tmp/o SMOKE=1 bash loadtest/h200_startup.sh ready12     # CPU, the tiny demo model: the plumbing only
+#   OUT=/some/dir COMPILE_BYTECODE=0 bash loadtest/h200_startup.sh ready12  # the baseline: *-nobytecode.json
 set -u
 OUT=${OUT:?set OUT}
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
@@ -25,6 +26,11 @@ step() { local limit=$1; shift; echo "== $(date +%T) $*"; timeout "$limit" "$@";
 # (PYTHONDONTWRITEBYTECODE, as on this CPU machine) would compile Ray, torch and diffusers from
 # source in every process a start makes. So the bytecode is compiled once, into a folder of our
 # own, and kept; each result's machine facts say what its processes found (machine.bytecode).
+# COMPILE_BYTECODE=0, the baseline to compare with on the same machine: nothing compiled ahead and
+# nothing written, each process reads what bytecode the packages hold and compiles the rest from
+# source; the results say so in their names.
+NB=""
+if [ "${COMPILE_BYTECODE:-1}" != 1 ]; then NB="-nobytecode"; export PYTHONDONTWRITEBYTECODE=1; fi
 if [ "${SMOKE:-0}" != 1 ] && [ "${COMPILE_BYTECODE:-1}" = 1 ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=/tmp/pycache
@@ -49,12 +55,12 @@ else
 fi
 B="$PY loadtest/bench_startup.py $DEV --module"
 # shellcheck disable=SC2086
-has ready12 && step 240 $B --model "$M12" --label 12-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12.json"
+has ready12 && step 240 $B --model "$M12" --label 12-bf16$NB --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12$NB.json"
 # shellcheck disable=SC2086
-has fp8 && step 240 $B --model "$M12" --label 12-fp8 "--serve-args=--quantization fp8" --starts ready,ready \
-  --out "$OUT/$KIND-startup-$DAY-12-fp8.json"
+has fp8 && step 240 $B --model "$M12" --label 12-fp8$NB "--serve-args=--quantization fp8" --starts ready,ready \
+  --out "$OUT/$KIND-startup-$DAY-12-fp8$NB.json"
 # shellcheck disable=SC2086
-has ready40 && step 240 $B --model "$M40" --label 40-bf16 --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40.json"
+has ready40 && step 240 $B --model "$M40" --label 40-bf16$NB --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40$NB.json"
 # A redeploy on a running cluster: Ray started once, `dloserve serve --address` joins it twice.
 if has redeploy; then (  # a subshell: RAY_AUTH_MODE stays in it
   [ "${SMOKE:-0}" = 1 ] && G=0 || G=1
