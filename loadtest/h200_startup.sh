@@ -31,7 +31,7 @@ step() { local limit=$1; shift; echo "== $(date +%T) $*"; timeout "$limit" "$@";
 # source; the results say so in their names.
 NB=""
 if [ "${COMPILE_BYTECODE:-1}" != 1 ]; then NB="-nobytecode"; export PYTHONDONTWRITEBYTECODE=1; fi
-if [ "${SMOKE:-0}" != 1 ] && [ "${COMPILE_BYTECODE:-1}" = 1 ]; then
+if [ "${SMOKE:-0}" != 1 ] && [ -z "$NB" ]; then
   unset PYTHONDONTWRITEBYTECODE
   export PYTHONPYCACHEPREFIX=/tmp/pycache
   if [ ! -f /tmp/pycache/.done ]; then
@@ -42,10 +42,10 @@ if [ "${SMOKE:-0}" != 1 ] && [ "${COMPILE_BYTECODE:-1}" = 1 ]; then
 fi
 
 if [ "${SMOKE:-0}" = 1 ]; then
-  DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5 MIX=tiny VMIX=tiny
+  DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
 else
-  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33 MIX=short VMIX=video
+  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33
   if has ready12 || has kill || has fp8 || has short || has video || has redeploy; then
     [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
   fi
@@ -76,16 +76,15 @@ if has redeploy; then (  # a subshell: RAY_AUTH_MODE stays in it
 # shellcheck disable=SC2086
 has kill && step 240 $B --model "$M12" --label 12-bf16-kill --euler --starts kill --size $SIZE --steps 10 \
   --kill-at 50 --out "$OUT/$KIND-startup-$DAY-kill.json"
-# Short clips (5-17 frames, 2-4 steps) sent at once, default flags against the resident ideal.
-for n in 8 24; do
+# Requests sent at once, the service under default flags against the resident ideal: short clips
+# (5-17 frames, 2-4 steps) 8 and 24 at once; issue 46's 480p mix (33 and 81 frames, 4-6 steps) 8.
+for run in short:8 short:24 video:8; do
+  part=${run%:*} n=${run#*:} mix=${run%:*}
+  [ "${SMOKE:-0}" = 1 ] && mix=tiny
   # shellcheck disable=SC2086
-  has short && step 280 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $MIX \
-    --requests $n --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-short$n-$DAY.json" --logdir /tmp
+  has "$part" && step 420 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $mix \
+    --requests "$n" --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-$part$n-$DAY.json" --logdir /tmp
 done
-# 480p, 33 and 81 frames, 4-6 steps (issue 46): the service under default flags against the ideal.
-# shellcheck disable=SC2086
-has video && step 420 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $VMIX \
-  --requests 8 --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-video8-$DAY.json" --logdir /tmp
 # When Ray's processes of the last start began (their log files' times): where ray.init's seconds go.
 ls -la --time-style=full-iso /tmp/ray/session_latest/logs 2>/dev/null | sort -k7 > "$OUT/raylog-$KIND-$(date +%H%M%S).txt"
 ls -la "$OUT"
