@@ -45,7 +45,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
   DEV="--device cpu" M12=$OUT/tiny M40=$OUT/tiny KIND=cpu SIZE=64x64x5
   [ -d "$M12" ] || step 120 $PY -m service.cli demo-model "$M12"
 else
-  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 KIND=h200 SIZE=832x480x33
+  DEV="" M12=/tmp/wan12 M40=/tmp/wan40 SIZE=832x480x33
+  # the results are named by the card that ran them (a call for nvidia-h200 may get an H100)
+  KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -i -E 'h[0-9]00' | tr 'H' 'h'); KIND=${KIND:-gpu}
   if has ready12 || has kill || has fp8 || has short || has video || has redeploy; then
     [ -d "$M12" ] || step 150 $PY -m service.cli demo-model "$M12" --preset wan14b-shape --layers 12
   fi
