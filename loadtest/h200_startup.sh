@@ -13,7 +13,9 @@
 #   OUT=/some/dir COMPILE_BYTECODE=0 bash loadtest/h200_startup.sh ready12  # the baseline: *-nobytecode.json
 set -u
 OUT=${OUT:?set OUT}
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
+DSL=/tmp/site/nvidia_cutlass_dsl/dsl_packages  # the GPU extra's CuTe DSL (a .pth names it; PYTHONPATH reads none)
+[ -d $DSL ] || DSL=""
+export PYTHONPATH=/tmp/site${DSL:+:$DSL}:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PARTS=${1:-ready12,kill}
 PY=${PY:-python3}
