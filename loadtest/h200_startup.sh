@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 34's one-GPU figures, as run on a lent nvidia-h200 (after the wheels from
-# ../shared/tools/gpu-wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
+# loadtest/device_wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
 # Wan-14B layers, bf16 and FP8, each a first start and a restart; 40 layers the same), a rank
 # SIGKILLed at half of a request against a standby that has loaded, short clips sent at
 # once and issue 46's 480p mix, each under default flags against the resident ideal, and a
