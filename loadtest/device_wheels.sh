@@ -1,16 +1,12 @@
 #!/bin/bash
-# Wheels for a lent GPU machine, in pieces that fit one `run` carry beside this repository (64 MiB
-# in all, the tree included): what `dloserve serve` and the benchmarks import (the closure of
-# pyproject's dependencies and its `gpu` extra, found in .venv's metadata), at the versions of
-# requirements.lock and requirements-gpu.lock, less what the lent image already has (the list in
-# ../shared/tools/gpu-wheels.sh). That tool packs the test suite's wheels too (playwright, moto,
-# ...) into 56 MB pieces, which do not fit a carry beside this tree. One pip call installs them
-# all: a second `pip install --target --upgrade` would replace /tmp/site/bin, `ray` with it.
-#
-#   bash loadtest/device_wheels.sh     # here, after make setup: .devwheels/w0 .. wN (git-ignored)
-#   on the device, one run per piece:  mkdir -p /tmp/w && cp .devwheels/wK/* /tmp/w/
-#   with the last piece:               bash /tmp/w/install.sh && OUT=$OUT bash loadtest/h200_startup.sh ...
-set -eu
+# Wheels for a lent GPU machine in pieces that fit one `run` carry beside this tree (64 MiB in
+# all): the closure of pyproject's dependencies and its `gpu` extra (from .venv's metadata) at the
+# locks' pins, less what the image has (the list in ../shared/tools/gpu-wheels.sh, whose 56 MB
+# pieces with the test suite's wheels do not fit). One pip call installs them all (a second
+# `pip install --target --upgrade` would replace /tmp/site/bin, `ray` with it).
+#   bash loadtest/device_wheels.sh   # here, after make setup: .devwheels/w0 .. wN (git-ignored)
+#   device, one run per piece: mkdir -p /tmp/w && cp .devwheels/wK/* /tmp/w/; the last: bash /tmp/w/install.sh
+set -euo pipefail
 PIECE=${PIECE:-44000000}  # bytes; the tracked tree is about 19 MB
 D=.devwheels
 [ -f requirements.lock ] && [ -x .venv/bin/python ] || { echo "run from the project root after make setup"; exit 2; }
@@ -23,6 +19,7 @@ from packaging.requirements import Requirement
 def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
+
 def lock(path: str) -> dict[str, str]:
     rows = (line.split("==") for line in open(path) if "==" in line and not line.startswith("#"))
     return {norm(n): v.strip() for n, v in rows}
@@ -34,7 +31,7 @@ while todo:
     name, extras = todo.pop()
     try:
         requires = distribution(name).requires or []
-    except PackageNotFoundError:  # a GPU-only wheel: not installed on this CPU, all of its lock is taken
+    except PackageNotFoundError:  # GPU-only, not installed here: all of its lock is taken
         continue
     for r in map(Requirement, requires):
         if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras or {""}):
@@ -43,29 +40,25 @@ while todo:
                 if norm(r.name) not in skip:  # the image's packages bring their own
                     todo.append((r.name, set(r.extras)))
 pins = {**pinned, **gpu}
-missing = sorted(n for n in need - skip if n not in pins)
-if missing:
+if missing := sorted(n for n in need - skip if n not in pins):
     sys.exit(f"not pinned in the lock files: {missing}")
 print(" ".join(f"{n}=={pins[n]}" for n in sorted(need - skip)))
 PY
 )
 plat=""; for p in manylinux_2_34 manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1; do plat="$plat --platform ${p}_x86_64"; done
-rm -rf "$D" && mkdir -p "$D/whl"
-grep -qx "/$D/" .git/info/exclude 2>/dev/null || echo "/$D/" >> .git/info/exclude
+rm -rf "$D" && mkdir -p "$D/whl" && { grep -qx "/$D/" .git/info/exclude || echo "/$D/" >> .git/info/exclude; }
 # shellcheck disable=SC2086
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
-  -d "$D/whl" $pins 2>&1 | grep -v "is ignored" || true
-tar -cf "$D/all.tar" -C "$D/whl" . && rm -rf "$D/whl"
-split -b "$PIECE" -d "$D/all.tar" "$D/part." && rm "$D/all.tar"
+  -d "$D/whl" $pins 2>&1 | { grep -v "is ignored" || true; }
+tar -cf - -C "$D/whl" . | split -b "$PIECE" -d - "$D/part." && rm -rf "$D/whl"
 i=0; for f in "$D"/part.*; do mkdir -p "$D/w$i"; mv "$f" "$D/w$i/"; last="$D/w$i"; i=$((i+1)); done
 cat > "$last/install.sh" <<'SH'
 #!/bin/bash
-# On the device: every piece's part.* in /tmp/w, installed into /tmp/site in one pip call (once).
-set -e
+set -e  # every piece's part.* in /tmp/w, installed into /tmp/site in one pip call (once)
 if [ ! -f /tmp/site/.dloserve-wheels ]; then
   rm -rf /tmp/wh && mkdir -p /tmp/wh && cat /tmp/w/part.* | tar -x -C /tmp/wh
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/wh/*.whl
-  touch /tmp/site/.dloserve-wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/wh/*.whl \
+    && touch /tmp/site/.dloserve-wheels
 fi
 PYTHONPATH=/tmp/site python3 -c "import ray, ray.serve, fastapi, diffusers, av; print('ray', ray.__version__, 'in /tmp/site')"
 SH

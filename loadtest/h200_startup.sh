@@ -1,12 +1,9 @@
 #!/bin/bash
-# Issue 34's one-GPU figures, as run on a lent nvidia-h200 (after the wheels from
-# loadtest/device_wheels.sh are installed in /tmp/site): `dloserve serve` to ready (12
-# Wan-14B layers, bf16 and FP8, each a first start and a restart; 40 layers the same), a rank
-# SIGKILLed at half of a request against a standby that has loaded, short clips sent at
-# once and issue 46's 480p mix, each under default flags against the resident ideal, and a
-# redeploy on a running cluster (`ray start` once, `dloserve serve --address` twice). Each
-# step has its own limit; each writes JSON under $OUT. A device call is 10 minutes at most:
-# pass the parts per call.
+# The one-GPU start-up and serving figures on a lent machine (wheels from loadtest/device_wheels.sh
+# in /tmp/site): `dloserve serve` to ready at 12 and 40 Wan-14B layers (bf16, FP8; a first start and
+# a restart), a redeploy on a running cluster, a rank SIGKILLed mid-request, short clips and issue
+# 46's 480p mix under default flags against the resident ideal. Each step has its own limit and
+# writes JSON under $OUT; a device call is 10 minutes at most: pass the parts per call.
 #
 #   OUT=/some/dir bash loadtest/h200_startup.sh ready12,kill     # then: fp8,short; video; ready40,redeploy
 #   OUT=/tmp/o SMOKE=1 bash loadtest/h200_startup.sh ready12     # CPU, the tiny demo model: the plumbing only
@@ -23,14 +20,10 @@ DAY=$(date -u +%F)
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 step() { local limit=$1; shift; echo "== $(date +%T) $*"; timeout "$limit" "$@"; echo "== rc=$?"; }
 
-# A production image holds its packages' compiled bytecode (pip compiles it; docker/Dockerfile).
-# The wheels carried to a lent machine go in with --no-compile, and a Python that keeps none
-# (PYTHONDONTWRITEBYTECODE, as on this CPU machine) would compile Ray, torch and diffusers from
-# source in every process a start makes. So the bytecode is compiled once, into a folder of our
-# own, and kept; each result's machine facts say what its processes found (machine.bytecode).
-# COMPILE_BYTECODE=0, the baseline to compare with on the same machine: nothing compiled ahead and
-# nothing written, each process reads what bytecode the packages hold and compiles the rest from
-# source; the results say so in their names.
+# A production image holds compiled bytecode (docker/Dockerfile); the lent image's torch has none,
+# its Python writes none and the carried wheels go in with --no-compile: every process of a start
+# would compile its imports (2.1x the restart on an H100, docs/operate.md). So it is compiled once,
+# into a folder of our own (machine.bytecode in each result); COMPILE_BYTECODE=0 is that baseline.
 NB=""
 if [ "${COMPILE_BYTECODE:-1}" != 1 ]; then NB="-nobytecode"; export PYTHONDONTWRITEBYTECODE=1; fi
 if [ "${SMOKE:-0}" != 1 ] && [ -z "$NB" ]; then
@@ -89,6 +82,4 @@ for run in short:8 short:24 video:8; do
   has "$part" && step 420 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $mix \
     --requests "$n" --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-$part$n-$DAY.json" --logdir /tmp
 done
-# When Ray's processes of the last start began (their log files' times): where ray.init's seconds go.
-ls -la --time-style=full-iso /tmp/ray/session_latest/logs 2>/dev/null | sort -k7 > "$OUT/raylog-$KIND-$(date +%H%M%S).txt"
 ls -la "$OUT"
