@@ -12,12 +12,10 @@ D=.devwheels
 [ -f requirements.lock ] && [ -x .venv/bin/python ] || { echo "run from the project root after make setup"; exit 2; }
 image=$(sed -n '/^ON_IMAGE="/,/"$/p' ../shared/tools/gpu-wheels.sh | tr -d '"' | sed 's/^ON_IMAGE=//')
 pins=$(.venv/bin/python - "$image" <<'PY'
-import re, sys
+import sys
 from importlib.metadata import PackageNotFoundError, distribution
 from packaging.requirements import Requirement
-
-def norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+from packaging.utils import canonicalize_name as norm
 
 
 def lock(path: str) -> dict[str, str]:

@@ -76,7 +76,7 @@ has kill && step 240 $B --model "$M12" --label 12-bf16-kill --euler --starts kil
 # Requests sent at once, the service under default flags against the resident ideal: short clips
 # (5-17 frames, 2-4 steps) 8 and 24 at once; issue 46's 480p mix (33 and 81 frames, 4-6 steps) 8.
 for run in short:8 short:24 video:8; do
-  part=${run%:*} n=${run#*:} mix=${run%:*}
+  part=${run%:*} n=${run#*:}; mix=$part
   [ "${SMOKE:-0}" = 1 ] && mix=tiny
   # shellcheck disable=SC2086
   has "$part" && step 420 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $mix \
