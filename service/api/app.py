@@ -104,8 +104,8 @@ def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-    if launched and launched.marks:  # /readyz's startup: Serve's controller is up
-        launched = replace(launched, marks={**launched.marks, "serve_up": time.time()})
+    if launched and launched.marks:  # /readyz's startup: Serve up (the launcher's stamp first)
+        launched = replace(launched, marks={"serve_up": time.time(), **launched.marks})
     app = build_app(cfg.model_dump(), launched)
     if wait:
         return serve.run(app, name=name, route_prefix="/")

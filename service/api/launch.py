@@ -143,7 +143,7 @@ def _run(args: argparse.Namespace) -> int:
         # host's address while the raylet took the loopback one), so only before that; else
         # the listener report names what binds the host's address.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    model_checked = _beside_ray(args, marks)  # torch's import and the model's check overlap Ray's start
+    model_checked = _beside_ray(args, marks)  # imports and the model's check beside Ray's and Serve's start
     if args.model and not Path(args.model).expanduser().is_dir():  # no folder: said before anything starts
         problem = model_checked()
         if problem:
@@ -172,7 +172,20 @@ def _run(args: argparse.Namespace) -> int:
         with _ray_call():  # (ray.init's own SIGTERM handler raises SystemExit while it runs)
             start_local(dashboard=args.ray_dashboard)
             _install_handlers()  # ours again: ray.init replaced SIGTERM's
-    problem = model_checked(imports=True)
+    model_checked(stage="serve")  # Serve's modules in: its start runs beside the rest of the imports
+    from ray import serve
+
+    with _ray_call():
+        problem = joined_serve() if args.address else None
+    if problem:
+        print(f"dloserve serve: {problem}", file=sys.stderr)
+        return 2
+    marks["ray_up"] = time.time()
+    OWNED.deployed = True  # from here on, Serve (if we start it), the app and its job store are ours to stop
+    with _ray_call():
+        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="EveryNode")
+    marks["serve_up"] = time.time()
+    problem = model_checked(stage="imports")
     if problem:  # the cluster we started goes with the launcher (run's finally)
         print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
@@ -185,12 +198,6 @@ def _run(args: argparse.Namespace) -> int:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
         _size_ranks(args, OWNED.cluster)
         cfg = config_from_args(args, gpus, args.engine_config)
-        problem = joined_serve() if args.address else None
-    if problem:
-        print(f"dloserve serve: {problem}", file=sys.stderr)
-        return 2
-    marks["ray_up"] = time.time()
-    OWNED.deployed = True  # from here on, the app and its job store are ours to stop
     OWNED.start_thread(_start_store, "start-job-store", cfg)
     from service.api.app import deploy
 
@@ -200,7 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"deploying {cfg.model} DP{cfg.data_parallel_size}{f' x SP{sp}' if sp > 1 else ''} "
           f"[{'resident' if mode == 'resident' else 'DLO ' + mode}, {cfg.scheduler}, "
           f"{'cuda' if gpus else 'cpu'}] ...", flush=True)
-    with _ray_call():  # Serve's start; the app's deploy is waited for below, where a signal stops it
+    with _ray_call():  # the app's deploy is waited for below, where a signal stops it
         deploy(cfg, args.host, args.port, launched=Launched(marks), wait=False)
     url = f"http://{args.host}:{args.port}"
     try:
@@ -217,18 +224,26 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[..., str | None]:
-    """Check the model (``check_start``; without MODEL it writes the demo one), then import the
-    Serve app's module, on a thread: their seconds (mostly torch's, FastAPI's and Serve's
-    imports) overlap the launcher's checks and Ray's start, which mostly waits for its daemons.
-    The returned call waits for the check, sets ``args.engine_config`` and ``args.model``, and
-    returns the error that ends the start (exit code 2), or None; with ``imports=True`` it waits
-    for the imports too: no Ray call may run beside them (a Ray call's first serialization
-    imports pydantic.v1, and that import beside FastAPI's failed with KeyError 'pydantic.v1').
+    """On a thread: import what Serve's start needs (Serve, FastAPI, pydantic.v1), check the
+    model (``check_start``; without MODEL it writes the demo one), then import the Serve app's
+    module. Their seconds (mostly torch's and FastAPI's imports) overlap the launcher's checks,
+    Ray's start (which mostly waits for its daemons) and Serve's. The returned call waits for a
+    ``stage``: ``serve`` (Serve's modules: a Ray call may run beside the rest; a Ray call's first
+    serialization imports pydantic.v1, and that import beside FastAPI's once failed with KeyError
+    'pydantic.v1'), ``check`` (sets ``args.engine_config`` and ``args.model``; returns the error
+    that ends the start, exit code 2, or None) or ``imports`` (the check and the app's module).
     ``marks["model_checked"]``: when the check was done (/readyz's ``startup.parallel``)."""
     out: dict[str, object] = {}
-    checked, imported = threading.Event(), threading.Event()
+    stages = {stage: threading.Event() for stage in ("serve", "check", "imports")}
 
     def check() -> None:
+        try:
+            import fastapi  # noqa: F401
+            import pydantic.v1  # noqa: F401
+            from ray import serve  # noqa: F401
+        except BaseException:  # noqa: BLE001 - the main thread's import reports it
+            pass
+        stages["serve"].set()
         try:
             from service.models.adapter import ModelError
             from service.models.startup import check_start
@@ -242,19 +257,19 @@ def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[.
             marks["model_checked"] = time.time()
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             out["error"] = e
-        checked.set()
+        stages["check"].set()
         try:
             import service.api.app  # noqa: F401
         except BaseException:  # noqa: BLE001 - the main thread's import reports it
             pass
-        imported.set()
+        stages["imports"].set()
 
     threading.Thread(target=check, name="beside-ray", daemon=True).start()
 
-    def result(imports: bool = False) -> str | None:
-        checked.wait()
-        if imports:
-            imported.wait()
+    def result(stage: str = "check") -> str | None:
+        stages[stage].wait()
+        if stage == "serve":
+            return None
         if "error" in out:
             raise out["error"]  # type: ignore[misc]
         return out.get("problem")  # type: ignore[return-value]

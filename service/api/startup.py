@@ -8,7 +8,7 @@ the executor when it began, its placement and auto probe, and when each group wa
 ready (each group's own breakdown is ``groups[].last_start``: actor start, rendezvous,
 load). A replica that Serve started from a config file has no launcher marks: its
 breakdown starts at the replica. ``parallel.model_check_s``: the launcher's check of the
-model (torch's import first), on a thread beside its other checks and Ray's start.
+model (torch's import first), on a thread beside its other checks, Ray's start and Serve's.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
     if marks.get("model_checked") and marks.get("command"):  # torch's import and the model's check
         parallel["model_check_s"] = {"began_s": _between(start, marks["command"]),
                                      "s": _between(marks["command"], marks["model_checked"]),
-                                     "beside": ["launcher_checks_s", "ray_start_s"]}
+                                     "beside": ["launcher_checks_s", "ray_start_s", "serve_start_s"]}
     began_from = ("process" if marks.get("process") else "command") if marks else "replica"
     return {"from": began_from, "ready_s": total, "steps": steps,
             "unaccounted_s": None if total is None else round(total - sum(known), 3), "parallel": parallel}
