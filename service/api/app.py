@@ -13,8 +13,6 @@ Cache-Control (``no-store`` unless the route says otherwise: an MP4 is ``private
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -99,13 +97,12 @@ def build_app(args: dict[str, Any], launched: Launched | None = None) -> Any:
 def deploy(cfg: ServiceConfig, host: str, port: int, name: str = "dloserve",
            proxy_location: str = "EveryNode", launched: Launched | None = None,
            wait: bool = True) -> DeploymentHandle:
-    """Start Serve on host:port and run the app (used by the CLI and tests); ``wait=False``
-    returns once Serve has it, before its replicas are up (the launcher waits on /readyz)."""
+    """Start Serve on host:port (where the launcher has not) and run the app (used by the CLI
+    and tests); ``wait=False`` returns once Serve has it, before its replicas are up (the
+    launcher waits on /readyz). The launcher stamps ``serve_up`` in ``launched`` itself."""
     if host in LOOPBACK_HOSTS and not cfg.allowed_hosts:  # a loopback bind: loopback names only
         cfg = cfg.model_copy(update={"allowed_hosts": list(LOOPBACK_HOSTS)})
     serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
-    if launched and launched.marks:  # /readyz's startup: Serve up (the launcher's stamp first)
-        launched = replace(launched, marks={"serve_up": time.time(), **launched.marks})
     app = build_app(cfg.model_dump(), launched)
     if wait:
         return serve.run(app, name=name, route_prefix="/")
