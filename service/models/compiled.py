@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import coordesc_cache
+
 log = logging.getLogger("dloserve.models")
 
 
@@ -162,6 +164,7 @@ class CompiledBlocks:
         self.backend = backend
         self.quantization = quantization
         self.cache_dir = keep_inductor_cache() if backend == "inductor" else None
+        self.patched = coordesc_cache.apply() if backend == "inductor" else None  # torch 2.9-2.12's re-tuning
         self.cache: dict[str, int] = {}
         self._eager = 0
         self._compiled: dict[type, Callable[..., Any]] = {}
@@ -243,7 +246,7 @@ class CompiledBlocks:
         return {"classes": self.classes, "blocks": len(self._blocks), "backend": self.backend_name,
                 "warmup_s": round(self.warmup_s, 3), "warm_calls": self.warm_calls,
                 "dynamic_dims": self.dynamic_dims, "phases_s": self.phases,
-                "cache": {**self.cache, "dir": self.cache_dir}}
+                "cache": {**self.cache, "dir": self.cache_dir}, "patched": self.patched}
 
     def close(self) -> None:
         """The blocks' own forward back (the class's, looked up again)."""
