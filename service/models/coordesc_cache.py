@@ -16,6 +16,7 @@ from typing import Any
 
 BUGGY = ((2, 9), (2, 12))  # the torch releases (major, minor) patched, both included
 applied: str | None = None  # what apply() did, for the compile facts (None: nothing)
+_torch_own: Any = None  # the method replaced: taken where the cache's answer has another shape
 
 
 def needs_patch(version: str) -> bool:
@@ -31,7 +32,7 @@ def needs_patch(version: str) -> bool:
 def apply() -> str | None:
     """Patch ``CachingAutotuner.recheck_autotune_cache`` once per process where
     ``needs_patch``; returns what was done (or None: nothing needed or nothing safe to do)."""
-    global applied
+    global applied, _torch_own
     if applied is not None:
         return applied
     import torch
@@ -46,6 +47,7 @@ def apply() -> str | None:
     if not all(hasattr(th, name) for name in uses) or not hasattr(
             th.CachingAutotuner, "recheck_autotune_cache"):
         return None  # not the code this was written against: leave torch's own
+    _torch_own = th.CachingAutotuner.recheck_autotune_cache
     th.CachingAutotuner.recheck_autotune_cache = _recheck
     applied = f"recheck_autotune_cache (torch {torch.__version__})"
     return applied
@@ -59,7 +61,10 @@ def _recheck(self: Any, reload_kernel_from_src: Any) -> None:
 
     assert self.is_statically_launchable()
     compiled = [result.config for result in self.compile_results]
-    cached, _, self.autotune_cache_info = th.check_autotune_cache(compiled, self.filename, self.inductor_meta)
+    answer = th.check_autotune_cache(compiled, self.filename, self.inductor_meta)
+    if not (isinstance(answer, tuple) and len(answer) == 3):  # not the torch this was written for
+        return _torch_own(self, reload_kernel_from_src)
+    cached, _, self.autotune_cache_info = answer
     if len(cached) != 1:  # a miss: the kernel autotunes as on a first start
         return
     best = cached[0]

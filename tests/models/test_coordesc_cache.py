@@ -83,3 +83,15 @@ def test_a_miss_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     coordesc_cache._recheck(tuner, reload_kernel_from_src=None)
     assert [r.config.kwargs["XBLOCK"] for r in tuner.compile_results] == [64, 128]
     assert not any(r.config.found_by_coordesc for r in tuner.compile_results)
+
+
+def test_another_answer_shape_goes_to_torchs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose cache check answers otherwise gets its own method, not a crash at load."""
+    seen = []
+    monkeypatch.setattr(coordesc_cache, "_torch_own", lambda tuner, reload: seen.append(tuner))
+    from torch._inductor.runtime import triton_heuristics as th
+
+    monkeypatch.setattr(th, "check_autotune_cache", lambda configs, filename, meta: ([], None))
+    tuner = _tuner([_config(64)])
+    coordesc_cache._recheck(tuner, reload_kernel_from_src=None)
+    assert seen == [tuner]
