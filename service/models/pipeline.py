@@ -127,10 +127,11 @@ class PipelineRunner:
         dtype = dtype_of(config)
         adapter = load_adapter(model_dir, sequence_parallel=sequence_parallel)
         module = adapter.build_transformer()
-        attention.check(config.model.attention, expert_of(module)[0], dev, dtype)  # before any weights move
         ckpt = adapter.transformer_checkpoint()
         config = with_checkpoint_quantization(config, ckpt)
         marks["build"] = time.perf_counter()
+        attention.check(config.model.attention, expert_of(module)[0], dev, dtype)  # before any weights move
+        marks["attention_check"] = time.perf_counter()  # the kernel's import and CUDA's start
         handle = None
         off = config.offload
         if off.enabled and sequence_parallel > 1 and group is not None:

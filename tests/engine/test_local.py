@@ -87,8 +87,8 @@ def test_cancel_in_rank_local_mode(ranklocal, resident,
     records = caplog.get_records("setup") + caplog.get_records("call")
     lines = [r.getMessage() for r in records if "ready in" in r.getMessage()]
     assert len(lines) == 2, lines
-    for stage in ("process_group_s", "load_s", "load.build_s", "load.transformer_s", "load.components_s",
-                  "encoders_s"):
+    for stage in ("process_group_s", "load_s", "load.build_s", "load.attention_check_s", "load.transformer_s",
+                  "load.components_s", "encoders_s"):
         assert stage in lines[0], lines[0]
     # how the blocks compute, in the log and in the status /readyz shows: the SDPA kernel
     # torch runs for the model's heads (CPU: its flash kernel), compile and CFG batch (CPU: off)
