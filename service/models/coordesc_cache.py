@@ -5,7 +5,8 @@ When a later start loads a generated kernel from inductor's caches, it asks the 
 which config an earlier start chose. torch before 2.13 skips that question for a kernel compiled
 with a single config, and where it does ask, forgets that the answer came from the tuning; either
 way the kernel's first call tunes it again (pytorch/pytorch#172819). On an H100 that was 14.1 s of
-a 43.9 s FP8 restart at 12 Wan-14B layers (loadtest/results/h100-startup-2026-12-07-12-fp8.json).
+a 43.9 s FP8 restart at 12 Wan-14B layers (loadtest/results/h100-startup-2026-12-07-12-fp8.json);
+patched, 0-4.9 s of three (h100-startup-2026-12-07-12-fp8-patched*.json).
 torch 2.13 asks for every kernel and keeps the flag. ``apply`` puts that behaviour into the one
 method where the torch running is older and has what the method uses; elsewhere it does nothing.
 """
