@@ -131,7 +131,7 @@ class PipelineRunner:
         config = with_checkpoint_quantization(config, ckpt)
         marks["build"] = time.perf_counter()
         attention.check(config.model.attention, expert_of(module)[0], dev, dtype)  # before any weights move
-        marks["attention_check"] = time.perf_counter()  # the kernel's import and CUDA's start
+        marks["attention_check"] = time.perf_counter()
         handle = None
         off = config.offload
         if off.enabled and sequence_parallel > 1 and group is not None:
