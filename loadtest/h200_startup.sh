@@ -50,7 +50,7 @@ else
     [ -d "$M40" ] || step 300 $PY -m service.cli demo-model "$M40" --preset wan14b-shape --layers 40
   fi
 fi
-B="$PY loadtest/bench_startup.py $DEV --module"
+B="$PY loadtest/bench_startup.py $DEV --module" NB=$NB${TAG:-}  # TAG=-x: an A/B arm's labels and files
 # shellcheck disable=SC2086
 has ready12 && step 240 $B --model "$M12" --label 12-bf16$NB --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12$NB.json"
 # shellcheck disable=SC2086

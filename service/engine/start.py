@@ -137,9 +137,12 @@ def load_facts(worker: RankWorker, t0: float) -> dict[str, Any]:
 
 def compute_facts(runner: Any) -> dict[str, Any]:
     """How the blocks compute (for the start log and /readyz): the SDPA kernel that runs,
-    whether the block class is compiled, whether CFG rows share a forward."""
+    whether the block class is compiled, whether CFG rows share a forward (and flash-attn-4's
+    disk cache where it is imported)."""
     compiled = runner.compiled.describe() if runner.compiled is not None else None
-    return {"attention": runner.attention.get("backend"), "compile": compiled, "cfg_batch": runner.cfg_batch}
+    fa4 = {"fa4_cache": runner.attention["fa4_cache"]} if "fa4_cache" in runner.attention else {}
+    return {"attention": runner.attention.get("backend"), **fa4, "compile": compiled,
+            "cfg_batch": runner.cfg_batch}
 
 
 def probe_mode(config: EngineConfig, device: torch.device) -> ModeChoice:

@@ -194,6 +194,8 @@ def report(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtyp
            "order": [b.name.lower() for b in ORDER], "heads": heads, "head_dim": head_dim,
            "dtype": str(dtype).removeprefix("torch."), "why": WHY + (f"; {routes.why}" if routes.why else ""),
            "routes": routes.as_dict()}
+    if (fa4_cache := fa4_attention.cache_facts()) is not None:
+        out["fa4_cache"] = fa4_cache
     if backend in APPROXIMATE:
         out.update(backend=APPROXIMATE[backend], approximate=True, error=ERROR[backend])
     return out

@@ -78,6 +78,10 @@ def why_not(kernel: str, device_type: str, capability: tuple[int, int] | None,
 
 def import_error(kernel: str) -> str | None:
     """None where ``kernel``'s module imports, else the error's first line."""
+    if kernel == "fa4":
+        from . import fa4_attention
+
+        fa4_attention.keep_cache()  # before its import reads the switch
     try:
         importlib.import_module(KERNELS[kernel].module)
     except Exception as e:  # noqa: BLE001 - a missing wheel, or one whose libraries do not load

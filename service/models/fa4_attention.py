@@ -10,14 +10,55 @@ Its layout is Wan's [B, S, H, D] (diffusers' dispatch hands q, k, v over so): no
 The op is opaque to torch.compile (its fake gives the output's shape), so a compiled block
 traces without running the DSL. GPU only; checked on an H200 by loadtest/gpu_check_attention.py
 (2026-12-05: 0.0031 relative to cuDNN, 1.17-1.19x at 32,760 and 75,600 tokens).
+
+Its JIT compile is per process: every start compiled the kernel again. flash-attn-4 can keep the
+compiled kernels on disk (its ``FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED``, off by default, read
+at import); ``keep_cache`` turns it on under ``$DLOSERVE_CACHE/fa4`` (beside inductor's cache)
+unless the environment says otherwise, so a restart loads what an earlier start compiled.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from functools import cache
+from typing import Any
 
 import torch
 
 MODULE = "flash_attn.cute"  # the wheel flash-attn-4's import name
 DTYPES = (torch.bfloat16, torch.float16)
+CACHE_ON = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"  # flash-attn-4's own switch ("1": on)
+CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"  # and folder (it adds its sources' hash)
+
+
+def keep_cache() -> str | None:
+    """Turn flash-attn-4's disk cache on under ``$DLOSERVE_CACHE/fa4`` where the environment
+    sets neither variable; the folder, or None where the environment turned it off. Runs before
+    ``flash_attn.cute`` imports (it reads both then)."""
+    from .demo import cache_dir
+
+    if os.environ.setdefault(CACHE_ON, "1") != "1":
+        return None
+    return os.environ.setdefault(CACHE_DIR, str(cache_dir() / "fa4"))
+
+
+def cache_facts() -> dict[str, Any] | None:
+    """The disk cache the imported kernel uses (None: flash-attn-4 not imported)."""
+    utils = sys.modules.get("flash_attn.cute.cache_utils")
+    if utils is None:
+        return None
+    on = bool(getattr(utils, "CUTE_DSL_CACHE_ENABLED", False))
+    return {"on": on, "dir": str(utils.get_cache_path()) if on else None}
+
+
+@cache
+def _kernel() -> Callable[..., Any]:
+    keep_cache()
+    from flash_attn.cute import flash_attn_func
+
+    return flash_attn_func
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -32,9 +73,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 @torch.library.custom_op("dloserve::fa4_attention", mutates_args=())
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Unmasked attention, softmax scale 1/sqrt(D), of [B, S, H, D] q, k, v; [B, S, H, Dv]."""
-    from flash_attn.cute import flash_attn_func
-
-    out = flash_attn_func(q, k, v)
+    out = _kernel()(q, k, v)
     return out[0] if isinstance(out, tuple) else out  # (out, lse)
 
 
