@@ -3,8 +3,6 @@ a restart, and a rank SIGKILLed mid-request (kill -> serving again, the request'
 
     python loadtest/bench_startup.py --model /tmp/wan12 --starts kill,kill-nostandby \\
         --label 12-bf16 --out $OUT/h200-startup-12.json
-    python loadtest/bench_startup.py --model /tmp/wan12 --serve-args="--quantization fp8" \\
-        --starts ready --label 12-fp8 --out $OUT/h200-startup-12-fp8.json
 
 Each start runs ``dloserve serve MODEL --enable-distributed-layerwise-offload`` (plus
 ``--serve-args``), polls ``/readyz`` until 200 and records the seconds from the command and
@@ -143,7 +141,7 @@ def standbys_settled(url: str, timeout: float) -> tuple[float, dict[str, Any]]:
 
 
 def one_start(args: argparse.Namespace, kind: str, logdir: Path, n: int) -> dict[str, Any]:
-    port = free_port()
+    port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     serve = ([shutil.which("dloserve")] if shutil.which("dloserve") and not args.module
              else [sys.executable, "-m", "service.cli"])
@@ -206,6 +204,7 @@ def main() -> int:
     p.add_argument("--euler", action="store_true",
                    help="serve MODEL with a flow-matching Euler scheduler instead of its own")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--port", type=int, default=0, help="a running Serve's port (0: a free one)")
     p.add_argument("--module", action="store_true", help="python -m service.cli even if dloserve is on PATH")
     p.add_argument("--out", required=True, help="JSON file (appended to: one entry per call)")
     args = p.parse_args()

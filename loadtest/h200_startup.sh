@@ -58,15 +58,18 @@ has fp8 && step 240 $B --model "$M12" --label 12-fp8$NB "--serve-args=--quantiza
   --out "$OUT/$KIND-startup-$DAY-12-fp8$NB.json"
 # shellcheck disable=SC2086
 has ready40 && step 240 $B --model "$M40" --label 40-bf16$NB --starts ready,ready --out "$OUT/$KIND-startup-$DAY-40$NB.json"
-# A redeploy on a running cluster: Ray started once, `dloserve serve --address` joins it twice.
+# A redeploy on a running cluster: Ray started once, `dloserve serve --address` joins it twice; twice more on a running Serve.
 if has redeploy; then (  # a subshell: RAY_AUTH_MODE stays in it
   [ "${SMOKE:-0}" = 1 ] && G=0 || G=1
   ray get-auth-token --generate > /dev/null  # Ray's token authentication on, as `ray start` has it by default
   export RAY_AUTH_MODE=token
   step 60 ray start --head --port=6390 --num-gpus=$G --disable-usage-stats
   # shellcheck disable=SC2086
-  step 240 $B --model "$M12" --label 12-bf16-redeploy "--serve-args=--address 127.0.0.1:6390" --starts ready,ready \
-    --out "$OUT/$KIND-startup-$DAY-12-redeploy.json"
+  step 240 $B --model "$M12" --label 12-bf16-redeploy$NB "--serve-args=--address 127.0.0.1:6390" --starts ready,ready \
+    --out "$OUT/$KIND-startup-$DAY-12-redeploy$NB.json"
+  step 60 serve start -a 127.0.0.1:6390 --http-host 127.0.0.1 --http-port 8011  # Serve kept running, as a RayService has it
+  step 240 $B --model "$M12" --label 12-bf16-redeploy-serve$NB "--serve-args=--address 127.0.0.1:6390" --port 8011 \
+    --starts ready,ready --out "$OUT/$KIND-startup-$DAY-12-redeploy-serve$NB.json"
   step 60 ray stop --force  # every Ray cluster on the machine: run it where nothing else uses Ray
 ) fi
 # An Euler view of the model, so the killed request goes on from its step.

@@ -132,8 +132,6 @@ def _run(args: argparse.Namespace) -> int:
     # /readyz's startup breakdown (service.api.startup): from this process's start, as a user times it
     marks = {"command": time.time()}
     marks["process"] = process_started_at() or marks["command"]
-    from service.api.hostproc import port_free, port_holder
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not args.address and args.host in LOOPBACK and "ray" not in sys.modules:
@@ -156,10 +154,8 @@ def _run(args: argparse.Namespace) -> int:
     slow_imports = uncompiled_imports()
     if slow_imports:
         print(f"dloserve serve: WARNING: {slow_imports}", file=sys.stderr, flush=True)
-    if not port_free(args.host, args.port):
-        holder = port_holder(args.port)
-        print(f"dloserve serve: port {args.port} on {args.host} is already in use"
-              f"{f' by {holder}' if holder else ''}; choose another with --port", file=sys.stderr)
+    if problem := _port_taken(args, serve_may_hold=bool(args.address)):
+        print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
     marks["checked"] = time.time()
     if args.address:
@@ -177,6 +173,8 @@ def _run(args: argparse.Namespace) -> int:
 
     with _ray_call():
         problem = joined_serve() if args.address else None
+    if args.address and not problem and OWNED.serve:  # no Serve there: the proxy was another's
+        problem = _port_taken(args, serve_may_hold=False)
     if problem:
         print(f"dloserve serve: {problem}", file=sys.stderr)
         return 2
@@ -354,6 +352,21 @@ def _size_ranks(args: argparse.Namespace, own_cluster: bool) -> None:
         args.cpus_per_rank = CPUS_PER_RANK
         args.cpus_per_rank_why = "the default on a joined cluster (--cpus-per-rank sets it)"
     print(f"CPUs per rank: {args.cpus_per_rank:g} ({args.cpus_per_rank_why})", flush=True)
+
+
+def _port_taken(args: argparse.Namespace, serve_may_hold: bool) -> str | None:
+    """Why ``--port`` cannot be Serve's (something listens there), or None. ``serve_may_hold``:
+    joining a cluster, where Serve may run already with its proxy on this port (the port we
+    then serve on); asked again after the join if no Serve runs there."""
+    from service.api.hostproc import port_free, port_holder
+
+    if port_free(args.host, args.port):
+        return None
+    holder = port_holder(args.port)
+    if serve_may_hold and holder and "ray::ProxyActor" in holder:
+        return None
+    return (f"port {args.port} on {args.host} is already in use{f' by {holder}' if holder else ''}; "
+            "choose another with --port")
 
 
 class NotServing(RuntimeError):

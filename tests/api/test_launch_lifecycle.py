@@ -90,7 +90,8 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
     (Ray sends its token to an explicit address only then) and the error says what to set; with
     it the service serves; a second one while it runs is refused (it would replace the app); the
     first one stopped takes the Serve it started along, so the next one serves on its own port;
-    and where Serve ran before on another port, the start says so instead of waiting."""
+    where Serve ran before on another port, the start says so instead of waiting; on Serve's own
+    port (its proxy listens there) it serves, and leaves Serve running when it stops."""
     import os
     import secrets
     import subprocess
@@ -144,13 +145,20 @@ def test_a_running_cluster_is_joined_deployed_to_again_and_its_problems_said(ray
         wait_ready(f"http://127.0.0.1:{again_port}", 240)
         again.proc.send_signal(signal.SIGINT)
         assert again.proc.wait(120) == 0, again.output[-2000:]
-        other = subprocess.run([str(bin_dir / "serve"), "start", "--address", address, "--http-port",
-                                str(free_port())], env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
-                               text=True, timeout=120)
+        serve_port = free_port()
+        start = ["start", "--address", address, "--http-host", "127.0.0.1", "--http-port", str(serve_port)]
+        other = subprocess.run([str(bin_dir / "serve"), *start], env={**env, "RAY_AUTH_MODE": "token"},
+                               capture_output=True, text=True, timeout=120)
         assert other.returncode == 0, other.stdout[-2000:] + other.stderr[-2000:]
         late = serve(5, free_port())
         assert late.proc.wait(240) == 2, late.output[-2000:]
         assert "its proxies keep the HTTP port it was started with" in late.output, late.output[-2000:]
+        on_serve = serve(6, serve_port)  # the port Serve's proxy holds: what the error above advises
+        wait_ready(f"http://127.0.0.1:{serve_port}", 240)
+        on_serve.proc.send_signal(signal.SIGINT)
+        assert on_serve.proc.wait(120) == 0, on_serve.output[-2000:]
+        kept = httpx.get(f"http://127.0.0.1:{serve_port}/readyz", timeout=10)  # Serve's proxy: no app
+        assert kept.status_code == 404, kept.text
     finally:
         kill_tree([head.pid, *descendants(head.pid)], grace_s=10.0)
 
