@@ -3,6 +3,7 @@ environment says otherwise (the kernel itself needs a Hopper GPU: checked on the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,11 @@ def no_cache_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def test_the_cache_goes_on_beside_ours_where_nothing_is_set(no_cache_env: Path) -> None:
-    import os
-
     assert fa4_attention.keep_cache() == str(no_cache_env / "fa4")
     assert os.environ[CACHE_ON] == "1" and os.environ[CACHE_DIR] == str(no_cache_env / "fa4")
 
 
 def test_the_environment_keeps_its_word(no_cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
     monkeypatch.setenv(CACHE_ON, "0")
     assert fa4_attention.keep_cache() is None
     assert CACHE_DIR not in os.environ
@@ -42,8 +39,6 @@ def test_the_environment_keeps_its_word(no_cache_env: Path, monkeypatch: pytest.
 
 def test_the_import_check_sets_the_switch_before_importing(no_cache_env: Path) -> None:
     """The wheel reads the switch at its import, which ``available`` makes first."""
-    import os
-
     assert attention_routes.import_error("fa4") is not None  # no gpu extra on this CPU install
     assert os.environ[CACHE_ON] == "1"
     assert fa4_attention.cache_facts() is None  # nothing imported: nothing to report
