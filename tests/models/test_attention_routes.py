@@ -23,12 +23,10 @@ def test_why_a_kernel_cannot_run_names_the_device_the_arch_and_the_extra() -> No
     assert ar.why_not("cudnn_fp8", "cuda", (9, 0), None) is None
 
 
-def test_the_wheels_are_not_installed_on_this_cpu_install(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("no_fa4_cache_env")  # the fa4 check sets flash-attn-4's cache variables
+def test_the_wheels_are_not_installed_on_this_cpu_install() -> None:
     """A CPU install stays as it was: no gpu extra, so the import really fails here (what a GPU
     server without the extra would report), and a CPU device never tries it."""
-    for name in ("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
-        monkeypatch.setenv(name, "x")  # the fa4 check sets them: undone after the test
-        monkeypatch.delenv(name)
     for kernel in ("fa4", "cudnn_fp8"):
         assert ar.import_error(kernel) is not None
         why = ar.available(kernel, torch.device("cpu"))

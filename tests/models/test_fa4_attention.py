@@ -12,23 +12,12 @@ from service.models import attention_routes, fa4_attention
 from service.models.fa4_attention import CACHE_DIR, CACHE_ON
 
 
-@pytest.fixture
-def no_cache_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """Neither variable set, and both put back as they were after the test (setenv records the
-    original, so the later delenv and whatever the test sets are undone)."""
-    for name in (CACHE_ON, CACHE_DIR):
-        monkeypatch.setenv(name, "x")
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("DLOSERVE_CACHE", str(tmp_path))
-    return tmp_path
+def test_the_cache_goes_on_beside_ours_where_nothing_is_set(no_fa4_cache_env: Path) -> None:
+    assert fa4_attention.keep_cache() == str(no_fa4_cache_env / "fa4")
+    assert os.environ[CACHE_ON] == "1" and os.environ[CACHE_DIR] == str(no_fa4_cache_env / "fa4")
 
 
-def test_the_cache_goes_on_beside_ours_where_nothing_is_set(no_cache_env: Path) -> None:
-    assert fa4_attention.keep_cache() == str(no_cache_env / "fa4")
-    assert os.environ[CACHE_ON] == "1" and os.environ[CACHE_DIR] == str(no_cache_env / "fa4")
-
-
-def test_the_environment_keeps_its_word(no_cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_keeps_its_word(no_fa4_cache_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(CACHE_ON, "0")
     assert fa4_attention.keep_cache() is None
     assert CACHE_DIR not in os.environ
@@ -37,7 +26,7 @@ def test_the_environment_keeps_its_word(no_cache_env: Path, monkeypatch: pytest.
     assert fa4_attention.keep_cache() == "/elsewhere"
 
 
-def test_the_import_check_sets_the_switch_before_importing(no_cache_env: Path) -> None:
+def test_the_import_check_sets_the_switch_before_importing(no_fa4_cache_env: Path) -> None:
     """The wheel reads the switch at its import, which ``available`` makes first."""
     assert attention_routes.import_error("fa4") is not None  # no gpu extra on this CPU install
     assert os.environ[CACHE_ON] == "1"
