@@ -28,7 +28,7 @@ from service.api.results import StorageError
 from service.api.storage_health import RETRY_AFTER_S as STORAGE_RETRY_S
 from service.api.storage_health import cause_of
 from service.engine.metrics import metrics
-from service.models.lora import LoraError
+from service.models.lora_ref import LoraError
 from service.models.lora_registry import LoraLimit
 from service.router.health import Unavailable
 from service.router.queue import QueueFull

@@ -33,8 +33,8 @@ from service.api.store import JobTable
 from service.api.views import public_ready, tenant_ready, tenant_record
 from service.engine.executor import Executor
 from service.models.checks import check_request
-from service.models.lora import LoraError, targets_of
 from service.models.lora_checks import NotRegularFile, check_regular
+from service.models.lora_ref import LoraError
 from service.models.lora_registry import LoraRegistry, Registered
 from service.models.registry import load_adapter, request_defaults, resolve_model
 from service.models.request import GenerationRequest, RequestError
@@ -76,8 +76,13 @@ class VideoService:
         self.image_pixels = min(cfg.max_image_pixels, self.limits.max_width * self.limits.max_height)
         self.engine = cfg.engine_config(self.model_dir)  # the one EngineConfig of this replica
         model = self.engine.model
-        self.loras = LoraRegistry(lambda: targets_of(self.adapter, model.dtype, model.quantization),
-                                  owners=bool(cfg.api_key_hashes))
+
+        def lora_targets() -> Any:  # the transformer's Linears (torch's import) at the first adapter
+            from service.models.lora import targets_of
+
+            return targets_of(self.adapter, model.dtype, model.quantization)
+
+        self.loras = LoraRegistry(lora_targets, owners=bool(cfg.api_key_hashes))
         for name, source in cfg.loras.items():  # a bad adapter fails the start, naming it
             self.loras.register(name, os.path.expanduser(source))
         self.adapter_io = AdapterIO(cfg.lora_io_threads, cfg.lora_read_timeout_s)  # POST /v1/loras' reads

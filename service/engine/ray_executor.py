@@ -33,7 +33,6 @@ from .executor import Group, GroupExecutor, Reply, log_start, short
 from .place import NAMESPACE, RankPlace
 from .preload import preloadable
 from .standby import StandbyRankRemote
-from .start import probe_mode
 from .worker import RankActorRemote
 
 log = logging.getLogger("dloserve.engine")
@@ -42,6 +41,8 @@ POLL_S = 1.0  # how long one events long poll waits on the rank
 
 def _probe(config: EngineConfig) -> ModeChoice:
     import torch
+
+    from .start import probe_mode  # torch and the model's code: in the probe's process only
 
     # Ray sets CUDA_VISIBLE_DEVICES to this bundle's GPU: it is device 0 here.
     cuda = config.parallel.device == "cuda"

@@ -19,18 +19,19 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
-
-import numpy as np
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .meta import empty_weights
 from .request import GenerationRequest, RequestError
 
+if TYPE_CHECKING:  # a family is read (its card, a request's checks) without torch: the front end's case
+    import numpy as np
+    import torch
+    from torch import nn
+
 StepCallback = Callable[[int, int], None]
 # (step done, total, latents after it, the loop's state after it: models/loop.py)
-LatentsCallback = Callable[[int, int, torch.Tensor, dict[str, Any]], None]
+LatentsCallback = Callable[[int, int, "torch.Tensor", dict[str, Any]], None]
 ALLOWED_LIBRARIES = ("diffusers", "transformers")
 
 
@@ -286,6 +287,8 @@ class ModelAdapter(ABC):
                              f"(component {name!r})") from e
 
     def load_component(self, name: str, device: torch.device | None = None) -> Any:
+        from torch import nn
+
         obj = self.component_class(name).from_pretrained(self.model_dir / name)
         if device is not None and isinstance(obj, nn.Module):
             obj = obj.to(device).eval()
@@ -300,6 +303,8 @@ def frames_to_uint8(video: torch.Tensor) -> np.ndarray:
     host as 97 MB of uint8 instead of 388 MB of float32. NonFiniteOutput when a frame holds
     NaN or Inf (one pass over the frames where they are: clamp would make NaN black).
     """
+    import torch
+
     if not bool(torch.isfinite(video).all()):
         raise NonFiniteOutput("the decoded frames hold NaN or Inf (an adapter or settings that overflow "
                               "the model's numbers): no video was stored")

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
 from .request import GenerationRequest, RequestError
+
+if TYPE_CHECKING:  # torch loads with the run: the front end reads the card only
+    import numpy as np
+    import torch
+    from torch import nn
 
 
 class FluxAdapter(ModelAdapter):
@@ -74,6 +75,7 @@ class FluxAdapter(ModelAdapter):
         self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
         on_latents: LatentsCallback | None = None,
     ) -> np.ndarray:
+        import torch
         from diffusers import FluxPipeline
 
         base = self._parts["scheduler"]

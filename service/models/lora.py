@@ -30,22 +30,11 @@ from service.offload.lora import AdapterCache, DeviceAdapter, LoraFactors, SideB
 from service.offload.quant import Fp8Linear
 
 from .lora_checks import factor_problem, file_sha256, scaling_problem, tensor_problem
-from .lora_ref import MAX_SCALE, LoraRef
+from .lora_ref import MAX_SCALE, LoraError, LoraRef
 from .request import RequestError
 
 SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 PREFIX = "transformer."  # diffusers' prefix for the transformer's keys after conversion
-
-
-class LoraError(ValueError):
-    """An adapter cannot be served; names the adapter and the offending key (or "file")."""
-
-    def __init__(self, adapter: str, key: str, message: str) -> None:
-        super().__init__(f"adapter {adapter!r}: {key}: {message}")
-        self.adapter, self.key, self.message = adapter, key, message
-
-    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
-        return type(self), (self.adapter, self.key, self.message)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ import hashlib
 import math
 import os
 import stat
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the file checks run in the front end, which starts without torch
+    import torch
 
-from service.offload.lora import LoraFactors
+    from service.offload.lora import LoraFactors
 
 
 class NotRegularFile(OSError):
@@ -68,6 +70,8 @@ def factor_problem(what: str, value: object, integer: bool = False) -> str | Non
 
 def tensor_problem(t: torch.Tensor, dtype: torch.dtype) -> str | None:
     """Why ``t`` cannot be served in ``dtype`` (NaN, Inf, or a value over its range), or None."""
+    import torch
+
     if t.numel() == 0:
         return None
     limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
@@ -82,6 +86,8 @@ def tensor_problem(t: torch.Tensor, dtype: torch.dtype) -> str | None:
 def scaling_problem(factors: LoraFactors, dtype: torch.dtype, max_scale: float) -> str | None:
     """Why ``lora_alpha / r`` at the largest request scale would overflow ``dtype`` on B's
     largest entry (a ``lora_alpha`` of 1e308 is finite, and still a black video), or None."""
+    import torch
+
     s = abs(factors.scaling(max_scale))
     peak = float(factors.up.detach().abs().amax()) if factors.up.numel() else 0.0
     limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf

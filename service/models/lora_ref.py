@@ -27,6 +27,17 @@ MAX_SCALE = 10.0
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
+class LoraError(ValueError):
+    """An adapter cannot be served; names the adapter and the offending key (or "file")."""
+
+    def __init__(self, adapter: str, key: str, message: str) -> None:
+        super().__init__(f"adapter {adapter!r}: {key}: {message}")
+        self.adapter, self.key, self.message = adapter, key, message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:
+        return type(self), (self.adapter, self.key, self.message)
+
+
 @dataclass(frozen=True)
 class LoraRef:
     """One adapter in one request. ``expert`` None: the registration's (default "both").

@@ -19,11 +19,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .lora import LoraError, Targets, read_adapter
-from .lora_ref import LoraRef, name_problem
+from .lora_ref import LoraError, LoraRef, name_problem
 from .request import RequestError
+
+if TYPE_CHECKING:  # torch loads with the first adapter read: a front end starts without it
+    from .lora import Targets
 
 
 class LoraLimit(Exception):
@@ -82,6 +84,8 @@ class LoraRegistry:
             raise LoraError(str(name), "name", why)
         with self._lock:
             self._check_free(name, owner, limit)
+        from .lora import read_adapter
+
         file = read_adapter(source, name, self.targets)
         entry = Registered(name, str(source), file.sha256, file.summary(), owner, int(time.time()),
                            server=limit is None)

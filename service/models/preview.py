@@ -17,9 +17,11 @@ the colours.
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # the front end reads MEDIA_TYPE only, and starts without torch
+    import numpy as np
+    import torch
 
 WAN21_RGB = (
     (-0.1299, -0.1692, 0.2932), (0.0671, 0.0406, 0.0442), (0.3568, 0.2548, 0.1747),
@@ -51,6 +53,8 @@ def latent_frame(latents: torch.Tensor, height: int, width: int) -> torch.Tensor
 
 def project(frame: torch.Tensor) -> torch.Tensor:
     """uint8 RGB [h, w, 3] of a latent frame [C, h, w], on the frame's device."""
+    import torch
+
     x = frame.float()
     if x.shape[0] == len(WAN21_RGB):
         m = torch.tensor(WAN21_RGB, device=x.device)

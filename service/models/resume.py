@@ -1,4 +1,4 @@
-"""A request's state after a denoising step, and how a rerun starts from it.
+"""A request's state after a denoising step, as data a rerun starts from (models/rerun.py).
 
 What a request needs to go on from step ``k`` is its latents after step ``k`` and the state
 the loop keeps between steps (models/loop.py: the scheduler's history, the step cache's
@@ -6,29 +6,27 @@ residuals, the generator); the text embeddings, the timesteps (and so the expert
 step) follow from the request again. ``StepState`` holds both as plain data that pickles
 without torch: the latents' bytes (any dtype, bf16 included, kept bit for bit) and the loop's
 tree as JSON with its tensors as raw bytes beside it (``Blob``), so a durable state file
-(api/durable.py) is data, never code.
-
-A rerun runs diffusers' own pipeline from step 0 with a stand-in denoiser (``Resumed``)
-that, for the first ``k`` steps, returns zeros without a transformer forward; the scheduler
-steps on them cost nothing worth counting. After step ``k - 1`` the step callback puts the
-loop's state back and hands the pipeline the saved latents, so step ``k`` on sees the
-tensors of an uninterrupted run and the MP4 bytes are equal (tests/models/test_resume.py).
+(api/durable.py) is data, never code. Torch is imported only where a tensor or a dtype is
+needed: the front end holds states as bytes and starts without it (api/deployment.py).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import nn
 
-from .loop import Tree
+if TYPE_CHECKING:
+    import torch
+
+    from .loop import Tree
 
 
 def _dtype(name: str) -> torch.dtype:
+    import torch
+
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"{name!r} is not a tensor dtype")
@@ -56,6 +54,8 @@ class Blob:
     @classmethod
     def wrap(cls, host: torch.Tensor, cpu: bool) -> Blob:
         """``host`` (a contiguous CPU tensor this blob now owns) without another copy."""
+        import torch
+
         raw = host.reshape(-1).view(torch.uint8).numpy()
         return cls(str(host.dtype).removeprefix("torch."), tuple(host.shape), cpu, raw)
 
@@ -67,12 +67,14 @@ class Blob:
         if self.dtype.startswith("np:"):
             return np.dtype(self.dtype[3:]).itemsize * int(np.prod(self.shape, dtype=np.int64))
         n = int(np.prod(self.shape, dtype=np.int64))
-        return torch.empty((), dtype=_dtype(self.dtype)).element_size() * n
+        return _dtype(self.dtype).itemsize * n
 
     def value(self, device: torch.device | str = "cpu") -> torch.Tensor | np.ndarray:
         raw = np.ascontiguousarray(self.data)
         if self.dtype.startswith("np:"):
             return raw.view(np.dtype(self.dtype[3:])).reshape(self.shape).copy()
+        import torch
+
         t = torch.from_numpy(raw.copy()).view(_dtype(self.dtype)).reshape(self.shape)
         return t if self.cpu else t.to(device)
 
@@ -80,6 +82,8 @@ class Blob:
 def flatten(tree: Any, found: list[Any], ids: dict[int, int]) -> Any:
     """``tree`` as JSON-able data: tensors and arrays as ``{"t": i}`` into ``found`` (one entry
     per object: what two attributes share stays shared), tuples and dicts tagged."""
+    import torch
+
     if isinstance(tree, torch.Tensor | np.ndarray):
         if id(tree) not in ids:
             ids[id(tree)] = len(found)
@@ -130,6 +134,8 @@ class StepState:
     def wrap(cls, step: int, total: int, host: torch.Tensor, loop: str = "",
              blobs: tuple[Blob, ...] = ()) -> StepState:
         """``host`` (a contiguous CPU tensor this state now owns) without another copy."""
+        import torch
+
         raw = host.reshape(-1).view(torch.uint8).numpy()
         return cls(step, total, str(host.dtype).removeprefix("torch."), tuple(host.shape), raw, loop, blobs)
 
@@ -140,6 +146,8 @@ class StepState:
 
     def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The latents again, on ``device``, bit for bit."""
+        import torch
+
         raw = torch.from_numpy(np.ascontiguousarray(self.data))
         return raw.view(_dtype(self.dtype)).reshape(self.shape).to(device)
 
@@ -183,40 +191,3 @@ def encode_loop(loop: Tree | None) -> tuple[str, list[Any]]:
     values: list[Any] = []
     skeleton = flatten(loop, values, {})
     return json.dumps(skeleton), values
-
-
-class Resumed(nn.Module):
-    """The denoiser as the pipeline sees it on a rerun from step ``start``: zeros of the
-    latents' shape and dtype, no forward, until ``done`` (set by the step callback) reaches
-    ``start``; the real module after that. Everything else (config, dtype, device, the
-    cache context) is the real module's. The real one is not a child: nothing walks it twice."""
-
-    def __init__(self, real: nn.Module, state: StepState, device: torch.device) -> None:
-        super().__init__()
-        object.__setattr__(self, "_real", real)
-        self.start = state.step
-        self.done = 0  # steps finished so far in this run
-        self._zeros = torch.zeros(state.shape, dtype=getattr(torch, state.dtype), device=device)
-
-    @property
-    def device(self) -> torch.device:
-        return self._real.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._real.dtype
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_real"], name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.done >= self.start:
-            return self._real(*args, **kwargs)
-        if kwargs.get("return_dict", True):
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-            return Transformer2DModelOutput(sample=self._zeros)
-        return (self._zeros,)

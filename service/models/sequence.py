@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a rank applies the split: the front end checks shapes only
+    from torch import nn
 
 FLAG = "--sequence-parallel-size"
 
@@ -72,6 +72,8 @@ def enable_sequence_parallel(module: nn.Module, degree: int) -> object:
     and diffusers' CP hooks wrap different calls and do not interfere). Returns diffusers'
     ``ParallelConfig``.
     """
+    import torch
+    import torch.distributed as dist
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
     from torch.distributed.device_mesh import init_device_mesh

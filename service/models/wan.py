@@ -17,19 +17,18 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
-import torch
-from torch import nn
-
-from . import cfg, loop
 from .adapter import LatentsCallback, ModelAdapter, ModelError, StepCallback, frames_to_uint8
-from .decode import FramesCallback, decode_frames
-from .experts import expert_of, expert_plan
 from .request import GenerationRequest, RequestError
-from .resume import Resumed
 from .sequence import SequenceParallelError, check_heads, split_hint
+
+if TYPE_CHECKING:  # the run's modules load with it: the front end reads the card and checks requests only
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from .decode import FramesCallback
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default: part of the key via ``extra``
 CLIP_TOKENS = 257  # CLIP ViT-H/14 at 224 px: 256 patches + the class token (Wan2.1 I2V's image context)
@@ -127,6 +126,8 @@ class WanAdapter(ModelAdapter):
                 raise RequestError("num_frames", why)
 
     def expert_plan(self, req: GenerationRequest) -> tuple[int, ...]:
+        from .experts import expert_plan
+
         if len(self.experts) == 1:
             return super().expert_plan(req)
         per_step = 2 if req.cfg and not self.cfg_batched(req) else 1
@@ -138,7 +139,9 @@ class WanAdapter(ModelAdapter):
         if self.sequence_parallel > 1:
             return "sequence parallel runs are not resumed yet"
         if self._blocker is None:
-            self._blocker = loop.scheduler_blocker(self._scheduler(req))
+            from .loop import scheduler_blocker
+
+            self._blocker = scheduler_blocker(self._scheduler(req))
         return self._blocker
 
     def latent_spec(self, req: GenerationRequest) -> tuple[tuple[int, ...], str]:
@@ -163,6 +166,8 @@ class WanAdapter(ModelAdapter):
                      device: torch.device, batch: int = 1) -> dict[str, Any]:
         """Transformer inputs of one forward at this size (random: only the shapes matter);
         ``batch`` 2: a CFG-batched forward."""
+        import torch
+
         cfg = self.transformer_config
         dtype = transformer.patch_embedding.weight.dtype
         spatial = self.multiple[0] // int(cfg.get("patch_size", [1, 2, 2])[1])
@@ -202,6 +207,8 @@ class WanAdapter(ModelAdapter):
         ``expand_timesteps``)."""
         import diffusers
 
+        from .experts import expert_of
+
         name = self.image_pipeline if req.image is not None else self.text_pipeline
         assert name is not None  # validate() refused the request otherwise
         denoisers = {k: wrap(m) if wrap else m
@@ -216,6 +223,13 @@ class WanAdapter(ModelAdapter):
         self, transformer: nn.Module, req: GenerationRequest, on_step: StepCallback | None,
         on_latents: LatentsCallback | None = None, on_frames: FramesCallback | None = None,
     ) -> np.ndarray | None:
+        import torch
+
+        from . import cfg, loop
+        from .decode import decode_frames
+        from .experts import expert_of
+        from .rerun import Resumed
+
         if not self._parts:
             raise RuntimeError("load_components() was not called")
         pipe = self._pipeline(transformer, req)

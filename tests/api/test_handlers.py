@@ -40,7 +40,7 @@ from service.api.keys import AuthError
 from service.api.results import StorageError
 from service.api.schemas import MediaTypeError
 from service.api.storage_health import RETRY_AFTER_S
-from service.models.lora import LoraError
+from service.models.lora_ref import LoraError
 from service.models.lora_registry import LoraLimit
 from service.router.health import Unavailable
 from service.router.queue import QueueFull

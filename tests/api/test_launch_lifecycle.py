@@ -67,7 +67,7 @@ def test_an_app_that_cannot_deploy_ends_the_start_with_exit_2_naming_its_error(r
         s.seen |= set(descendants(s.proc.pid))
         time.sleep(0.05)
     assert s.proc.wait(10) == 2, s.output[-3000:]
-    said = "the app failed to deploy: service.models.lora.LoraError: adapter 'bad'"
+    said = "the app failed to deploy: service.models.lora_ref.LoraError: adapter 'bad'"
     assert said in s.output, s.output[-3000:]
     assert "draining" not in s.output
     time.sleep(0.5)

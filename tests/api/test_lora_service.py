@@ -20,7 +20,7 @@ from service.api.jobs import JobStore
 from service.api.schemas import BodyError
 from service.api.service import ServiceConfig, VideoService
 from service.models.demo.lora import write_demo_lora
-from service.models.lora import LoraError
+from service.models.lora_ref import LoraError
 from tests.fakes import FakeExecutor
 from tests.test_cli import dloserve
 

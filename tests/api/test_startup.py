@@ -101,3 +101,30 @@ def test_a_start_warns_where_every_process_would_compile_its_imports_from_source
     assert problem is None and facts["writes"] is True and facts["torch_writable"] is True
     problem, facts = _bytecode_check(tmp_path, keep=False)  # beside torch, as pip installed it
     assert facts["torch_cached"] is True and problem is None
+
+
+FRONT_END = """
+import sys, tempfile
+import service.api.app, service.api.deployment, service.engine.ray_executor
+from service.api.jobs import JobStore
+from service.api.service import ServiceConfig, VideoService
+from tests.fakes import FakeExecutor
+folder = tempfile.mkdtemp()
+svc = VideoService(ServiceConfig(results_url=folder), executor=FakeExecutor((1,)),
+                   store=JobStore(folder, {}, 3600.0, 100, 30.0), node_id="node")
+status = svc.create({"prompt": "a red ball"}).status.value
+svc.close()
+print(status, sorted(m for m in ("torch", "diffusers", "transformers", "safetensors") if m in sys.modules))
+"""
+
+
+def test_the_front_end_starts_and_takes_a_request_without_torch() -> None:
+    """The replica's imports, its start (the committed model's card, the job store, the
+    dispatcher) and a request's checks load no torch: its import (1.4 s on this CPU) would be on
+    every start's path before the ranks are asked for, and its memory in a process that runs no
+    model. A rank, the LoRA checks and a restart's adopted state load it where they need it."""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", FRONT_END], capture_output=True, text=True, timeout=120,
+                       cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[-2] == "queued []", r.stdout

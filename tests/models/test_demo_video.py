@@ -23,7 +23,7 @@ def test_wan14b_shape_has_the_real_block_shapes() -> None:
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
-    cfg = parts.transformer_config(demo.PRESETS["wan14b-shape"], 2)
+    cfg = parts.transformer_config(parts.PRESETS["wan14b-shape"], 2)
     with init_empty_weights():
         m = WanTransformer3DModel(**cfg)
     assert m.config.num_attention_heads * m.config.attention_head_dim == 5120
@@ -42,8 +42,8 @@ def test_wan14b_shape_has_the_real_block_shapes() -> None:
 
 def test_streamed_sharded_writer_loads_and_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The wan14b-shape path (bf16 + fp32 keep list, shard by shard) at toy width."""
-    small = dict(demo.PRESETS["tiny"], dtype=torch.bfloat16)
-    monkeypatch.setitem(demo.PRESETS, "wan14b-shape", small)
+    small = dict(parts.PRESETS["tiny"], dtype=torch.bfloat16)
+    monkeypatch.setitem(parts.PRESETS, "wan14b-shape", small)
     monkeypatch.setattr(parts, "SHARD_BYTES", 30_000)  # where the writer reads it
     path = demo.write_demo_model(tmp_path / "m", "wan14b-shape", layers=3, seed=5)
     folder = path / "transformer"

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from service.models.demo.lora import write_demo_lora
-from service.models.lora import LoraError, Targets, read_adapter, targets_of
+from service.models.lora import Targets, read_adapter, targets_of
+from service.models.lora_ref import LoraError
 from service.models.registry import load_adapter
 
 

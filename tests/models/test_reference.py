@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from service.config import EngineConfig, ModelConfig, OffloadConfig, OffloadMode
-from service.models.demo import tokenizer as demo_tokenizer
+from service.models.demo.parts import tokenizer as demo_tokenizer
 from service.models.pipeline import PipelineRunner
 from service.models.request import GenerationRequest
 from service.models.video import decode_mp4, to_uint8

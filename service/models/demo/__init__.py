@@ -31,28 +31,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from .families import FAMILY_PRESETS, write_family
-from .parts import (
-    PRESETS,
-    small_parts,
-    tokenizer,
-    transformer_config,
-    write_streamed_text_encoder,
-    write_streamed_transformer,
-)
-
 FORMAT_VERSION = 1
-__all__ = ["cache_dir", "ensure_demo_model", "preset_names", "tokenizer", "write_demo_model"]
+__all__ = ["cache_dir", "ensure_demo_model", "preset_names", "write_demo_model"]
+# torch and the writers load with a write: the package is also where a server finds the
+# committed model (``shapes.model_dir``), and a server's front end starts without torch.
 
 
 def preset_names() -> list[str]:
     """Every preset ``write_demo_model`` takes (Wan2.1 T2V's, then the other families')."""
+    from .families import FAMILY_PRESETS
+    from .parts import PRESETS
+
     return sorted(PRESETS) + sorted(FAMILY_PRESETS)
 
 
 def _preset(name: str) -> dict[str, Any]:
+    from .families import FAMILY_PRESETS
+    from .parts import PRESETS
+
     if name in PRESETS:
         return PRESETS[name]
     if name in FAMILY_PRESETS:
@@ -67,7 +63,18 @@ def write_demo_model(path: str | os.PathLike, preset: str = "tiny", layers: int 
     ``init_device`` draws the streamed (bf16) presets' random weights there ("cuda" for
     benchmarks: same distribution, other numbers than a CPU draw).
     """
+    import torch
     from diffusers import WanPipeline, WanTransformer3DModel
+
+    from .families import write_family
+    from .parts import (
+        PRESETS,
+        small_parts,
+        tokenizer,
+        transformer_config,
+        write_streamed_text_encoder,
+        write_streamed_transformer,
+    )
 
     p = _preset(preset)
     n_layers = p["layers"] if layers is None else int(layers)
