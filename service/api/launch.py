@@ -223,13 +223,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def _beside_ray(args: argparse.Namespace, marks: dict[str, float]) -> Callable[..., str | None]:
     """On a thread: import what Serve's start needs (Serve, FastAPI, pydantic.v1), check the
-    model (``check_start``; without MODEL it writes the demo one), then import the Serve app's
-    module. Their seconds (mostly torch's and FastAPI's imports) overlap the launcher's checks,
-    Ray's start (which mostly waits for its daemons) and Serve's. The returned call waits for a
-    ``stage``: ``serve`` (Serve's modules: a Ray call may run beside the rest; a Ray call's first
-    serialization imports pydantic.v1, and that import beside FastAPI's once failed with KeyError
-    'pydantic.v1'), ``check`` (sets ``args.engine_config`` and ``args.model``; returns the error
-    that ends the start, exit code 2, or None) or ``imports`` (the check and the app's module).
+    model (``check_start``; without MODEL the committed demo model), then import the Serve app's
+    module. Their seconds (mostly Serve's and FastAPI's imports: none imports torch) overlap the
+    launcher's checks, Ray's start (mostly waiting for its daemons) and Serve's. The returned
+    call waits for a ``stage``: ``serve`` (Serve's modules: a Ray call may run beside the rest;
+    a Ray call's first serialization imports pydantic.v1, and that import beside FastAPI's once
+    failed with KeyError 'pydantic.v1'), ``check`` (sets ``args.engine_config`` and ``args.model``;
+    returns the error that ends the start, exit 2, or None) or ``imports`` (and the app's module).
     ``marks["model_checked"]``: when the check was done (/readyz's ``startup.parallel``)."""
     out: dict[str, object] = {}
     stages = {stage: threading.Event() for stage in ("serve", "check", "imports")}

@@ -8,7 +8,8 @@ the executor when it began, its placement and auto probe, and when each group wa
 ready (each group's own breakdown is ``groups[].last_start``: actor start, rendezvous,
 load). A replica that Serve started from a config file has no launcher marks: its
 breakdown starts at the replica. ``parallel.model_check_s``: the launcher's check of the
-model (torch's import first), on a thread beside its other checks, Ray's start and Serve's.
+model (config files and checkpoint headers: no torch), on a thread beside its other checks,
+Ray's start and Serve's.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def startup_breakdown(marks: dict[str, float], replica_at: float, engine: dict[s
     total = _between(start, t_ready)
     known = [v for v in steps.values() if v is not None]
     parallel: dict[str, Any] = {}
-    if marks.get("model_checked") and marks.get("command"):  # torch's import and the model's check
+    if marks.get("model_checked") and marks.get("command"):  # the model's check, beside the launcher's steps
         parallel["model_check_s"] = {"began_s": _between(start, marks["command"]),
                                      "s": _between(marks["command"], marks["model_checked"]),
                                      "beside": ["launcher_checks_s", "ray_start_s", "serve_start_s"]}

@@ -34,7 +34,7 @@ def cache_folder() -> Path:
 def checkpoint_digest(path: Path | dict[str, Path]) -> str:
     """sha256 over the checkpoint's safetensors headers and its folder's config.json: the
     tensors' names, dtypes, shapes and offsets, without reading a weight."""
-    from service.offload.checkpoint import checkpoint_files
+    from service.offload.files import checkpoint_files
 
     h = hashlib.sha256()
     for root in sorted(path.values()) if isinstance(path, dict) else [path]:

@@ -123,7 +123,7 @@ class ModelAdapter(ABC):
     def stored_quantization(self) -> str | None:
         """"fp8" when ``dloserve quantize`` wrote the denoiser's files (their headers say so),
         else None: what ``--quantization auto`` serves."""
-        from service.offload.quant_checkpoint import stored_format
+        from service.offload.files import stored_format
 
         ckpt = self.transformer_checkpoint()
         paths = ckpt.values() if isinstance(ckpt, dict) else (ckpt,)

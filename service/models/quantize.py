@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from service.offload import find_blocks
-from service.offload.checkpoint import INDEX_SUFFIX
+from service.offload.files import INDEX_SUFFIX
 from service.offload.quant import Fp8Compute, quantize_blocks
 from service.offload.quant_checkpoint import write_quantized
 

@@ -15,7 +15,7 @@ _WHERE = {
     "ALIGN": "layout",
     "BlockLayout": "layout",
     "Checkpoint": "checkpoint",
-    "CheckpointError": "checkpoint",
+    "CheckpointError": "files",
     "Fp8": "quant",
     "Fp8Compute": "quant",
     "LayerwiseOffload": "layerwise",

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from .files import CheckpointError, checkpoint_files
+
 COMPUTE_ALIGN = 64  # bytes: a cache line, an AVX-512 register; torch's CPU allocator's own alignment
 
 
@@ -57,11 +59,6 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 
-INDEX_SUFFIX = ".safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the module, or is damaged. The message names the key/file."""
 
 
 @dataclass(frozen=True)
@@ -173,34 +170,6 @@ def _records(path: Path) -> dict[str, TensorRecord]:
             )
         out[key] = TensorRecord(key, path, dtype, shape, data_start + lo, data_start + hi)
     return out
-
-
-def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint: one file, or a folder with an index."""
-    p = Path(path)
-    if p.is_file():
-        return [p]
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: checkpoint path does not exist")
-    indexes = sorted(p.glob("*" + INDEX_SUFFIX))
-    if len(indexes) > 1:
-        raise CheckpointError(f"{p}: more than one {INDEX_SUFFIX} file: {[i.name for i in indexes]}")
-    if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{indexes[0]}: cannot read weight_map: {e}") from e
-        files = sorted({p / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise CheckpointError(f"{f}: shard named in {indexes[0].name} is missing")
-        return files
-    singles = sorted(p.glob("*.safetensors"))
-    if len(singles) != 1:
-        raise CheckpointError(
-            f"{p}: expected one .safetensors file or an {INDEX_SUFFIX}, found {len(singles)}"
-        )
-    return singles
 
 
 CheckpointPath = str | os.PathLike | Mapping[str, str | os.PathLike]

@@ -12,7 +12,8 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, CheckpointError, compute_aligned, serving_dtype
+from .checkpoint import Checkpoint, compute_aligned, serving_dtype
+from .files import CheckpointError
 from .quant import NONE, Fp8
 from .quant_checkpoint import prequantized_key, quantize_module
 from .runtime import set_tensor

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import INDEX_SUFFIX, Checkpoint, CheckpointError, checkpoint_files
+from .checkpoint import Checkpoint
+from .files import INDEX_SUFFIX, CheckpointError, checkpoint_files
 from .quant import (
     FP8,
     NONE,
@@ -125,21 +126,6 @@ def refuse_prequantized(ckpt: Checkpoint) -> None:
         raise CheckpointError(f"checkpoint {ckpt.path} holds fp8 weights with scales ({key!r} in "
                               f"{ckpt.stored[key].file.name}, written by `dloserve quantize`): it cannot be "
                               "served unquantized; drop --quantization none (its own fp8 is read by default)")
-
-
-def stored_format(path: str | os.PathLike) -> str | None:
-    """The quantization format ``write_quantized`` stamped into the checkpoint's files
-    (their safetensors header), or None: the header alone is read, no tensor is mapped."""
-    import struct
-
-    for f in checkpoint_files(path):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n)) if 0 < n <= 100_000_000 else {}
-        meta = header.get("__metadata__") or {}
-        if meta.get("dloserve_quantization"):
-            return str(meta["dloserve_quantization"])
-    return None
 
 
 def write_quantized(src: str | os.PathLike, dst: str | os.PathLike, weights: Iterable[str],

@@ -105,8 +105,11 @@ def test_a_start_warns_where_every_process_would_compile_its_imports_from_source
 
 FRONT_END = """
 import sys, tempfile
-import service.api.app, service.api.deployment, service.engine.ray_executor
+import service.api.app, service.api.deployment, service.api.launch, service.engine.ray_executor
 from service.api.jobs import JobStore
+from service.config import EngineConfig
+from service.models.startup import check_start
+check_start(EngineConfig(), None, "cuda")  # the launcher's model check (the committed model)
 from service.api.service import ServiceConfig, VideoService
 from tests.fakes import FakeExecutor
 folder = tempfile.mkdtemp()
@@ -119,10 +122,11 @@ print(status, sorted(m for m in ("torch", "diffusers", "transformers", "safetens
 
 
 def test_the_front_end_starts_and_takes_a_request_without_torch() -> None:
-    """The replica's imports, its start (the committed model's card, the job store, the
-    dispatcher) and a request's checks load no torch: its import (1.4 s on this CPU) would be on
-    every start's path before the ranks are asked for, and its memory in a process that runs no
-    model. A rank, the LoRA checks and a restart's adopted state load it where they need it."""
+    """The launcher's model check, the replica's imports, its start (the committed model's
+    card, the job store, the dispatcher) and a request's checks load no torch: its import (1.4 s
+    on this CPU, 3-4 s on an H100 host) would be on every start's path before the ranks are asked
+    for, and its memory in a process that runs no model. A rank, the LoRA checks and a restart's
+    adopted state load it where they need it."""
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", FRONT_END], capture_output=True, text=True, timeout=120,
                        cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
