@@ -38,9 +38,12 @@ def watch(pid: int, every_s: float = 1.0, grace_s: float = 2.0) -> list[int]:
 
 
 def start_watchdog() -> subprocess.Popen[bytes]:
-    """The watchdog of this process."""
+    """The watchdog of this process. Its environment is passed as a copy: without one the child
+    execs with the process's own ``environ``, which another thread's setenv may move meanwhile
+    (the launcher's imports beside Ray's start do: numpy's, Ray's), and the exec then fails with
+    EFAULT, "Bad address" (once in CI; tests/api/test_watchdog.py causes it on purpose)."""
     return subprocess.Popen([sys.executable, "-m", "service.api.watchdog", str(os.getpid())],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True, env=dict(os.environ))
 
 
 if __name__ == "__main__":

@@ -48,3 +48,37 @@ def test_a_sigkilled_parents_processes_are_stopped_by_its_watchdog() -> None:
 
 # A real `dloserve serve --ray-dashboard` SIGKILLed, every process of it gone: the first start
 # of tests/api/test_restart_e2e.py (make e2e), which kills one with a job running anyway.
+
+
+# Another thread changing the C environment (as numpy's and Ray's imports do beside the
+# launcher's start of Ray) while the watchdog is started, many times over.
+CHURN = """
+import os, threading
+from service.api.watchdog import start_watchdog
+stop = False
+def churn():
+    i = 0
+    while not stop:
+        os.putenv(f"CHURN_{i % 50}", "x"); os.unsetenv(f"CHURN_{i % 50}"); i += 1
+threading.Thread(target=churn, daemon=True).start()
+failed = 0
+for _ in range(40):
+    try:
+        dog = start_watchdog()
+    except OSError as e:
+        failed += 1
+        print(e)
+        continue
+    dog.kill(); dog.wait()
+stop = True
+print("failed", failed)
+"""
+
+
+def test_the_watchdog_starts_while_another_thread_changes_the_environment() -> None:
+    """Without its own copy of the environment the exec read the process's ``environ`` while the
+    other thread moved it: "[Errno 14] Bad address" in about one start of three here."""
+    r = subprocess.run([sys.executable, "-c", CHURN], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "failed 0", r.stdout[-2000:]
