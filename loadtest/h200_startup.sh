@@ -10,8 +10,7 @@
 #   OUT=/some/dir COMPILE_BYTECODE=0 bash loadtest/h200_startup.sh ready12  # the baseline: *-nobytecode.json
 set -u
 OUT=${OUT:?set OUT}
-DSL=/tmp/site/nvidia_cutlass_dsl/dsl_packages  # the GPU extra's CuTe DSL (a .pth names it; PYTHONPATH reads none)
-[ -d $DSL ] || DSL=""
+DSL=/tmp/site/nvidia_cutlass_dsl/dsl_packages; [ -d $DSL ] || DSL=""  # the GPU extra's CuTe DSL (a .pth names it; PYTHONPATH reads none)
 export PYTHONPATH=/tmp/site${DSL:+:$DSL}:$PWD${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PARTS=${1:-ready12,kill}
@@ -85,4 +84,5 @@ for run in short:8 short:24 video:8; do
   has "$part" && step 420 $PY loadtest/serve_bench.py $DEV --model "$M12" --dp 1 --designs default --mix $mix \
     --requests "$n" --rate-per-min 0 --ideal --out "$OUT/$KIND-serve-$part$n-$DAY.json" --logdir /tmp
 done
-ls -la "$OUT"
+# A device call returns 8 files at most (two results were lost to it): the logs go back as one tarball.
+(cd "$OUT" && compgen -G "*.log" > /dev/null && tar czf "logs-$(date -u +%H%M%S).tgz" ./*.log && rm -f ./*.log; ls -la)
