@@ -9,6 +9,12 @@ a 43.9 s FP8 restart at 12 Wan-14B layers (loadtest/results/h100-startup-2026-12
 patched, 0-4.9 s of three (h100-startup-2026-12-07-12-fp8-patched*.json).
 torch 2.13 asks for every kernel and keeps the flag. ``apply`` puts that behaviour into the one
 method where the torch running is older and has what the method uses; elsewhere it does nothing.
+
+The same releases re-benchmark bf16 kernels too: after a cache hit narrowed a reduction to its
+one cached config, ``_dynamic_scale_rblock`` adds halved-RBLOCK configs again, so the first call
+benchmarks them all (pytorch/pytorch#189121; 2.13 skips the halving on a hit, #181789). On an
+H100 that was 1.4-2.0 s of every bf16 restart's compile warm-up (``CachingAutotuner.
+benchmark_all_configs`` in h100-startup-2026-12-07-*-s7.json). ``apply`` skips it on a hit too.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 BUGGY = ((2, 9), (2, 12))  # the torch releases (major, minor) patched, both included
 applied: str | None = None  # what apply() did, for the compile facts (None: nothing)
 _torch_own: Any = None  # the method replaced: taken where the cache's answer has another shape
+_torch_scale: Any = None  # torch's own ``_dynamic_scale_rblock``, called where the cache missed
 
 
 def needs_patch(version: str) -> bool:
@@ -31,9 +38,10 @@ def needs_patch(version: str) -> bool:
 
 
 def apply() -> str | None:
-    """Patch ``CachingAutotuner.recheck_autotune_cache`` once per process where
-    ``needs_patch``; returns what was done (or None: nothing needed or nothing safe to do)."""
-    global applied, _torch_own
+    """Patch ``CachingAutotuner.recheck_autotune_cache`` (and ``_dynamic_scale_rblock``, where
+    it exists) once per process where ``needs_patch``; returns what was done (or None: nothing
+    needed or nothing safe to do)."""
+    global applied, _torch_own, _torch_scale
     if applied is not None:
         return applied
     import torch
@@ -50,14 +58,30 @@ def apply() -> str | None:
         return None  # not the code this was written against: leave torch's own
     _torch_own = th.CachingAutotuner.recheck_autotune_cache
     th.CachingAutotuner.recheck_autotune_cache = _recheck
-    applied = f"recheck_autotune_cache (torch {torch.__version__})"
+    done = ["recheck_autotune_cache"]
+    if callable(getattr(th.CachingAutotuner, "_dynamic_scale_rblock", None)):
+        _torch_scale = th.CachingAutotuner._dynamic_scale_rblock
+        th.CachingAutotuner._dynamic_scale_rblock = _scale_rblock_on_a_miss
+        done.append("_dynamic_scale_rblock")
+    applied = f"{', '.join(done)} (torch {torch.__version__})"
     return applied
+
+
+def _scale_rblock_on_a_miss(self: Any) -> None:
+    """torch's RBLOCK halving, unless the autotune cache answered for this kernel: its cached
+    config is the one an earlier start chose among the halved ones too."""
+    info = getattr(self, "autotune_cache_info", None)
+    if isinstance(info, dict) and info.get("autotune_cache_state") == "hit":
+        return None
+    return _torch_scale(self)
 
 
 def _recheck(self: Any, reload_kernel_from_src: Any) -> None:
     """A statically launchable kernel loaded from inductor's cache: narrow its compiled configs
     to the one the autotune cache holds, with the cache's word on whether the tuning found it
-    (so ``run`` does not tune it again); compile that config if it is not among them."""
+    (so ``run`` does not tune it again); compile that config if it is not among them (as 2.13
+    does: the halving's choice is not among them either, and with the halving skipped on a hit
+    the kernel would otherwise benchmark the configs the earlier start rejected)."""
     from torch._inductor.runtime import triton_heuristics as th
 
     assert self.is_statically_launchable()
@@ -75,7 +99,7 @@ def _recheck(self: Any, reload_kernel_from_src: Any) -> None:
     if match is not None:
         match.config.found_by_coordesc = tuned
         self.compile_results = [match]
-    elif tuned:  # the tuning's choice was never compiled ahead: compile it now
+    else:  # chosen by the tuning or by the RBLOCK halving, never compiled ahead: compile it now
         with th.dynamo_timed("CachingAutotuner.slow_precompile_config"):
             if self.fn.fn is None:
                 self.fn = reload_kernel_from_src().fn

@@ -48,7 +48,8 @@ def _cache_answers(monkeypatch: pytest.MonkeyPatch, answer: list[Any]) -> None:
     from torch._inductor.runtime import triton_heuristics as th
 
     monkeypatch.setattr(th, "check_autotune_cache",
-                        lambda configs, filename, meta: (answer, None, {"hit": bool(answer)}))
+                        lambda configs, filename, meta: (
+                            answer, None, {"autotune_cache_state": "hit" if answer else "miss"}))
 
 
 def test_a_single_compiled_config_keeps_the_tunings_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +58,7 @@ def test_a_single_compiled_config_keeps_the_tunings_flag(monkeypatch: pytest.Mon
     tuner = _tuner([_config(64)])
     coordesc_cache._recheck(tuner, reload_kernel_from_src=None)
     assert [r.config.found_by_coordesc for r in tuner.compile_results] == [True]
-    assert tuner.autotune_cache_info == {"hit": True}
+    assert tuner.autotune_cache_info == {"autotune_cache_state": "hit"}
 
 
 def test_the_cached_choice_is_narrowed_to(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,8 +70,9 @@ def test_the_cached_choice_is_narrowed_to(monkeypatch: pytest.MonkeyPatch) -> No
     assert tuner.precompiled == []
 
 
-def test_a_tuned_choice_not_compiled_ahead_is_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    _cache_answers(monkeypatch, [_config(512, tuned=True)])
+@pytest.mark.parametrize("tuned", [True, False])  # the coordinate descent's choice, or the RBLOCK halving's
+def test_a_choice_not_compiled_ahead_is_compiled(monkeypatch: pytest.MonkeyPatch, tuned: bool) -> None:
+    _cache_answers(monkeypatch, [_config(512, tuned=tuned)])
     tuner = _tuner([_config(64), _config(128)])
     coordesc_cache._recheck(tuner, reload_kernel_from_src=None)
     assert [c.kwargs["XBLOCK"] for c in tuner.precompiled] == [512]
@@ -95,3 +97,17 @@ def test_another_answer_shape_goes_to_torchs_own(monkeypatch: pytest.MonkeyPatch
     tuner = _tuner([_config(64)])
     coordesc_cache._recheck(tuner, reload_kernel_from_src=None)
     assert seen == [tuner]
+
+
+@pytest.mark.parametrize(("info", "halved"), [
+    ({"autotune_cache_state": "hit"}, False), ({"autotune_cache_state": "miss"}, True),
+    ({"autotune_cache_state": "only 1 config"}, True), (None, True)])
+def test_rblock_is_halved_only_where_the_cache_did_not_answer(
+        monkeypatch: pytest.MonkeyPatch, info: dict[str, str] | None, halved: bool) -> None:
+    """torch 2.11 halved a cache hit's RBLOCK again, so its first call benchmarked the added
+    configs in every process (pytorch/pytorch#189121)."""
+    calls = []
+    monkeypatch.setattr(coordesc_cache, "_torch_scale", calls.append)
+    tuner = SimpleNamespace(autotune_cache_info=info)
+    coordesc_cache._scale_rblock_on_a_miss(tuner)
+    assert calls == ([tuner] if halved else [])
