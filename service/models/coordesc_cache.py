@@ -7,14 +7,17 @@ with a single config, and where it does ask, forgets that the answer came from t
 way the kernel's first call tunes it again (pytorch/pytorch#172819). On an H100 that was 14.1 s of
 a 43.9 s FP8 restart at 12 Wan-14B layers (loadtest/results/h100-startup-2026-12-07-12-fp8.json);
 patched, 0-4.9 s of three (h100-startup-2026-12-07-12-fp8-patched*.json).
-torch 2.13 asks for every kernel and keeps the flag. ``apply`` puts that behaviour into the one
+torch 2.13 asks for every kernel and keeps the flag. ``apply`` puts that behaviour into the
 method where the torch running is older and has what the method uses; elsewhere it does nothing.
 
-The same releases re-benchmark bf16 kernels too: after a cache hit narrowed a reduction to its
-one cached config, ``_dynamic_scale_rblock`` adds halved-RBLOCK configs again, so the first call
-benchmarks them all (pytorch/pytorch#189121; 2.13 skips the halving on a hit, #181789). On an
-H100 that was 1.4-2.0 s of every bf16 restart's compile warm-up (``CachingAutotuner.
-benchmark_all_configs`` in h100-startup-2026-12-07-*-s7.json). ``apply`` skips it on a hit too.
+The same releases re-benchmark a kernel whose cache answered: ``_dynamic_scale_rblock`` adds
+halved-RBLOCK configs to the one config the recheck kept, and the first call benchmarks them;
+and a cached choice the halving found is never compiled. 2.13 skips the halving on a hit and
+compiles any cached choice (pytorch/pytorch#181789); ``apply`` does both. A reduction with a
+single heuristic config is never looked up in the autotune cache, so its halving is benchmarked
+in every process on 2.13 too (#189121): not covered here. Every bf16 restart on an H100 spent
+1.4-2.0 s in ``CachingAutotuner.benchmark_all_configs`` (h100-startup-2026-12-07-*-s7.json);
+which of the two cases that was is not measured yet.
 """
 
 from __future__ import annotations
