@@ -1,4 +1,4 @@
-"""inductor's coordinate-descent choices taken from its cache on a restart (torch 2.9 to 2.12).
+"""inductor's tuning choices taken from its cache on a restart (torch 2.9 to 2.12).
 
 FP8 weights compile with inductor's coordinate-descent tuning (``compiled.FP8_INDUCTOR_OPTIONS``).
 When a later start loads a generated kernel from inductor's caches, it asks the autotune cache

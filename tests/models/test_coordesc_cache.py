@@ -1,5 +1,5 @@
 """The patch of torch 2.9-2.12's re-tuning on a cache hit: which torch gets it, and what the
-corrected recheck does with the autotune cache's answer.
+corrected recheck and RBLOCK halving do with the autotune cache's answer.
 
 The kernels it acts on are Triton's (CUDA only); here the autotuner is a stand-in holding
 configs with the fields torch hashes, and ``check_autotune_cache`` answers as the cache would.
@@ -104,8 +104,8 @@ def test_another_answer_shape_goes_to_torchs_own(monkeypatch: pytest.MonkeyPatch
     ({"autotune_cache_state": "only 1 config"}, True), (None, True)])
 def test_rblock_is_halved_only_where_the_cache_did_not_answer(
         monkeypatch: pytest.MonkeyPatch, info: dict[str, str] | None, halved: bool) -> None:
-    """torch 2.11 halved a cache hit's RBLOCK again, so its first call benchmarked the added
-    configs in every process (pytorch/pytorch#189121)."""
+    """torch before 2.13 halved a cache hit's RBLOCK again, so its first call benchmarked the
+    added configs in every process (pytorch/pytorch#181789)."""
     calls = []
     monkeypatch.setattr(coordesc_cache, "_torch_scale", calls.append)
     tuner = SimpleNamespace(autotune_cache_info=info)
