@@ -82,9 +82,8 @@ def _scale_rblock_on_a_miss(self: Any) -> None:
 def _recheck(self: Any, reload_kernel_from_src: Any) -> None:
     """A statically launchable kernel loaded from inductor's cache: narrow its compiled configs
     to the one the autotune cache holds, with the cache's word on whether the tuning found it
-    (so ``run`` does not tune it again); compile that config if it is not among them (as 2.13
-    does: the halving's choice is not among them either, and with the halving skipped on a hit
-    the kernel would otherwise benchmark the configs the earlier start rejected)."""
+    (so ``run`` does not tune it again); compile that config if it is not among them, whatever
+    found it (the tuning or the RBLOCK halving)."""
     from torch._inductor.runtime import triton_heuristics as th
 
     assert self.is_statically_launchable()
